@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up what they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvbridge-deps
+PIP    := $(BIN)/python -m pip -q --disable-pip-version-check
+PYTEST_ARGS ?=
+SHELL  := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# this machine's pip config names local indexes that may be absent; drop that noise, keep pip's exit status
+QUIET  := { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+.PHONY: install sysdeps test demo bench clean
+
+sysdeps:
+	@bash scripts/sysdeps.sh
+
+# Re-installs when a pin changes; a no-op otherwise (idempotent).
+$(STAMP): requirements/pins.txt requirements/sglang.txt pyproject.toml scripts/sysdeps.sh
+	@bash scripts/sysdeps.sh
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements/pins.txt 2>&1 | $(QUIET)
+	@$(BIN)/python -c "import torch, numpy, msgspec, zmq, hypothesis, mooncake.engine" \
+		|| { echo "kvbridge: dependency install failed" >&2; exit 1; }
+	$(PIP) install --no-deps -r requirements/sglang.txt 2>&1 | $(QUIET)
+	$(PIP) install --no-deps --no-build-isolation -e . 2>&1 | $(QUIET)
+	@$(BIN)/python -c "import sglang, kvbridge.layout" \
+		|| { echo "kvbridge: package install failed" >&2; exit 1; }
+	@touch $@
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/kvbridge demo
+
+bench: install
+	$(BIN)/kvbridge bench all --json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

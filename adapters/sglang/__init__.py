@@ -1,0 +1,1 @@
+"""SGLang transfer-backend plugin (kvbridge.adapters.sglang)."""

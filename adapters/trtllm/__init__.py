@@ -1,0 +1,1 @@
+"""TensorRT-LLM KV-connector plugin (kvbridge.adapters.trtllm)."""

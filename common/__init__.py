@@ -1,0 +1,1 @@
+"""kvbridge.common: the transfer core (transport, protocol, handoff, cost model, metrics). Imports no engine."""

@@ -1,0 +1,43 @@
+"""kvbridge.layout: engine-neutral KV geometry, transfer plans and repack kernels.
+
+Pure: imports torch and numpy only; no engine, no network, no globals.
+"""
+
+from .copyspec import CopySpec, TokenRuns
+from .geometry import KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype, check_compatible, dtype_itemsize
+from .heads import HeadMap, tp_head_slice
+from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer
+from .repack import repack
+from .segments import Segments, block_ranges, check_segments_inside, coalesce, compile_segments, count_segments
+from .sglang_pool import sglang_layout_from_buffers, sglang_mha_layout, sglang_mla_layout
+from .trtllm_pool import trtllm_layout_from_geometry, trtllm_pool_layout
+
+__all__ = [
+    "CopySpec",
+    "HeadMap",
+    "KVLayout",
+    "LayoutError",
+    "LayoutMismatchError",
+    "PlanCosts",
+    "PlanKind",
+    "Region",
+    "Segments",
+    "TokenRuns",
+    "TransferPlan",
+    "block_ranges",
+    "canonical_dtype",
+    "check_compatible",
+    "check_segments_inside",
+    "coalesce",
+    "compile_segments",
+    "count_segments",
+    "dtype_itemsize",
+    "plan_transfer",
+    "repack",
+    "sglang_layout_from_buffers",
+    "sglang_mha_layout",
+    "sglang_mla_layout",
+    "tp_head_slice",
+    "trtllm_layout_from_geometry",
+    "trtllm_pool_layout",
+]

@@ -1,0 +1,337 @@
+"""The canonical block descriptor: one engine rank's paged KV as an affine address map.
+
+For every (layer, kv, block, token, head) of one rank's KV cache::
+
+    addr = base[layer, kv] + block * block_stride + token * token_stride + head * head_stride
+
+and the ``head_dim * itemsize`` bytes at ``addr`` are contiguous. ``kv`` is 0 for K and
+1 for V (``kv_factor == 2``), or always 0 for an MLA latent (``kv_factor == 1``).
+Engine formats (``sglang_pool``, ``trtllm_pool``) are constructors that only compute
+these numbers. Nothing here touches an engine or a network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "KVLayout",
+    "Region",
+    "LayoutError",
+    "LayoutMismatchError",
+    "canonical_dtype",
+    "dtype_itemsize",
+    "check_compatible",
+]
+
+# Logical KV dtypes by canonical name; fp8 pools may store them as uint8.
+_DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+class LayoutError(ValueError):
+    """A layout, block list, token range or head map that cannot describe real KV."""
+
+
+class LayoutMismatchError(LayoutError):
+    """Two layouts that cannot exchange KV; ``mismatches`` names each difference."""
+
+    def __init__(self, mismatches: Sequence[str]):
+        self.mismatches = list(mismatches)
+        super().__init__("incompatible KV layouts: " + "; ".join(self.mismatches))
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """Canonical name of a KV dtype given as a torch dtype or a string ('bf16', 'fp8_e4m3', ...)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = str(dtype).removeprefix("torch.").lower()
+    name = _ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise LayoutError(f"unsupported KV dtype {dtype!r}; known: {sorted(_DTYPES)}")
+    return name
+
+
+def dtype_itemsize(dtype: Any) -> int:
+    """Bytes per element of a KV dtype."""
+    return _DTYPES[canonical_dtype(dtype)]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One contiguous piece of memory that holds KV: what a transport registers."""
+
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class KVLayout:
+    """Where every (layer, kv, block, token, head) of one rank's paged KV lives.
+
+    Geometry: ``num_layers`` layers (global ids ``layer_offset ..``), ``kv_factor`` (2: K
+    and V, 1: MLA latent), ``num_heads`` KV heads on this rank (global ids
+    ``head_offset .. head_offset + num_heads`` of ``total_heads``), ``head_dim`` elements
+    of ``dtype`` per head, ``tokens_per_block`` tokens per block (SGLang: page size).
+    Valid block ids are ``first_block <= id < num_blocks`` (SGLang reserves page 0).
+
+    Addresses: ``base`` is int64 ``[num_layers, kv_factor]``, the address of block 0,
+    token 0, head 0 of that layer and K/V; ``block_stride``, ``token_stride`` and
+    ``head_stride`` are in bytes. ``region_of`` ``[num_layers, kv_factor]`` says which
+    entry of ``regions`` holds that (layer, kv). ``tensors`` (optional, one per region)
+    are the local torch tensors behind the regions; a peer's layout has none.
+    """
+
+    engine: str
+    num_layers: int
+    kv_factor: int
+    num_heads: int
+    head_offset: int
+    total_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_block: int
+    num_blocks: int
+    first_block: int
+    block_stride: int
+    token_stride: int
+    head_stride: int
+    base: np.ndarray
+    region_of: np.ndarray
+    regions: tuple[Region, ...]
+    layer_offset: int = 0
+    tensors: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        base = np.ascontiguousarray(self.base, dtype=np.int64)
+        region_of = np.ascontiguousarray(self.region_of, dtype=np.int64)
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "region_of", region_of)
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        self._check()
+
+    # -- derived geometry -------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token: the innermost contiguous unit."""
+        return self.head_dim * self.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one (layer, kv) on this rank (all its heads)."""
+        return self.num_heads * self.head_bytes
+
+    @property
+    def is_head_major(self) -> bool:
+        """True when heads are outside tokens inside a block (HND), False for NHD."""
+        return self.num_heads > 1 and self.head_stride > self.token_stride
+
+    @property
+    def heads(self) -> range:
+        """Global ids of the heads on this rank."""
+        return range(self.head_offset, self.head_offset + self.num_heads)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Device of the local tensors, or None for a peer's layout."""
+        return self.tensors[0].device if self.tensors else None
+
+    def _check(self) -> None:
+        bad = []
+        if self.kv_factor not in (1, 2):
+            bad.append(f"kv_factor must be 1 or 2, got {self.kv_factor}")
+        for name in ("num_layers", "num_heads", "total_heads", "head_dim", "tokens_per_block", "num_blocks"):
+            if getattr(self, name) <= 0:
+                bad.append(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.head_offset or self.head_offset + self.num_heads > self.total_heads:
+            bad.append(
+                f"heads {self.head_offset}..{self.head_offset + self.num_heads} outside 0..{self.total_heads}"
+            )
+        if not 0 <= self.first_block < self.num_blocks:
+            bad.append(f"first_block {self.first_block} outside 0..{self.num_blocks}")
+        if self.base.shape != (self.num_layers, self.kv_factor):
+            bad.append(f"base has shape {self.base.shape}, expected {(self.num_layers, self.kv_factor)}")
+        if self.region_of.shape != self.base.shape:
+            bad.append(f"region_of has shape {self.region_of.shape}, expected {self.base.shape}")
+        if self.tensors is not None and len(self.tensors) != len(self.regions):
+            bad.append(f"{len(self.tensors)} tensors for {len(self.regions)} regions")
+        for s in ("block_stride", "token_stride", "head_stride"):
+            v = getattr(self, s)
+            if v < 0 or v % self.itemsize:
+                bad.append(f"{s}={v} is not a non-negative multiple of itemsize {self.itemsize}")
+        if bad:
+            raise LayoutError(f"{self.engine} layout: " + "; ".join(bad))
+        if not self.regions:
+            return
+        # every byte the map can name must lie inside the region of its (layer, kv)
+        span = (
+            (self.num_blocks - 1) * self.block_stride
+            + (self.tokens_per_block - 1) * self.token_stride
+            + (self.num_heads - 1) * self.head_stride
+            + self.head_bytes
+        )
+        if self.region_of.min() < 0 or self.region_of.max() >= len(self.regions):
+            raise LayoutError(f"{self.engine} layout: region_of names a region that does not exist")
+        starts = np.array([r.addr for r in self.regions], dtype=np.int64)[self.region_of]
+        ends = np.array([r.addr + r.nbytes for r in self.regions], dtype=np.int64)[self.region_of]
+        if (self.base < starts).any() or (self.base + span > ends).any():
+            raise LayoutError(
+                f"{self.engine} layout: {self.num_blocks} blocks of {self.block_stride} B do not fit "
+                "inside the memory regions given"
+            )
+
+    # -- derived layouts --------------------------------------------------------------
+    def compact(self, num_blocks: int) -> "KVLayout":
+        """A dense layout with this one's in-block geometry for ``num_blocks`` blocks.
+
+        Staging buffers use it: block ``i`` of the result holds what block ``blocks[i]``
+        of this layout holds, laid out byte for byte the same way inside the block, so
+        moving between the two coalesces into few large pieces. Addresses start at 0
+        (offsets into the staging buffer); ``tensors`` is None until ``bind`` is called.
+        Layer-inside-block pools (TensorRT-LLM) stay block-outermost; per-layer pools
+        (SGLang) stay layer-outermost.
+        """
+        inner = self.block_bytes
+        lk = self.num_layers * self.kv_factor
+        idx = np.arange(lk, dtype=np.int64).reshape(self.num_layers, self.kv_factor)
+        if self.layers_inside_blocks:
+            block_stride = lk * inner
+            base = idx * inner
+        else:
+            block_stride = inner
+            base = idx * inner * num_blocks
+        return KVLayout(
+            engine=f"{self.engine}/staging",
+            num_layers=self.num_layers,
+            kv_factor=self.kv_factor,
+            num_heads=self.num_heads,
+            head_offset=self.head_offset,
+            total_heads=self.total_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            tokens_per_block=self.tokens_per_block,
+            num_blocks=num_blocks,
+            first_block=0,
+            block_stride=block_stride,
+            token_stride=self.token_stride,
+            head_stride=self.head_stride,
+            base=base,
+            region_of=np.zeros_like(base),
+            regions=(Region(0, lk * inner * num_blocks),),
+            layer_offset=self.layer_offset,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one (layer, kv) on this rank."""
+        if self.is_head_major:
+            return self.num_heads * self.head_stride
+        return self.tokens_per_block * self.token_stride
+
+    @property
+    def layers_inside_blocks(self) -> bool:
+        """True when one block holds several layers (TensorRT-LLM), False for per-layer pools."""
+        return self.block_stride > self.block_bytes
+
+    def bind(self, tensor: torch.Tensor) -> "KVLayout":
+        """This (single-region, 0-based) layout placed on ``tensor``'s memory."""
+        if len(self.regions) != 1 or self.regions[0].addr != 0:
+            raise LayoutError("bind() takes a 0-based single-region layout such as compact()'s")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self.regions[0].nbytes:
+            raise LayoutError(f"tensor of {nbytes} B is smaller than the {self.regions[0].nbytes} B layout")
+        addr = tensor.data_ptr()
+        return replace(
+            self,
+            base=self.base + addr,
+            regions=(Region(addr, nbytes),),
+            tensors=(tensor,),
+        )
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "KVLayout":
+        """The same layout with local tensors attached (their addresses must match)."""
+        got = [t.data_ptr() for t in tensors]
+        want = [r.addr for r in self.regions]
+        if got != want:
+            raise LayoutError("tensors do not sit at the layout's region addresses")
+        return replace(self, tensors=tuple(tensors))
+
+    # -- (de)serialisation for the control protocol -------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Plain-data description (addresses included, tensors not) for a peer."""
+        return {
+            "engine": self.engine,
+            "num_layers": self.num_layers,
+            "kv_factor": self.kv_factor,
+            "num_heads": self.num_heads,
+            "head_offset": self.head_offset,
+            "total_heads": self.total_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "tokens_per_block": self.tokens_per_block,
+            "num_blocks": self.num_blocks,
+            "first_block": self.first_block,
+            "block_stride": self.block_stride,
+            "token_stride": self.token_stride,
+            "head_stride": self.head_stride,
+            "base": self.base.tolist(),
+            "region_of": self.region_of.tolist(),
+            "regions": [[r.addr, r.nbytes] for r in self.regions],
+            "layer_offset": self.layer_offset,
+        }
+
+    @classmethod
+    def from_description(cls, d: dict[str, Any]) -> "KVLayout":
+        """Rebuild a peer's layout from ``describe()`` output; raises LayoutError if malformed."""
+        try:
+            fields = dict(d)
+            fields["base"] = np.asarray(fields["base"], dtype=np.int64)
+            fields["region_of"] = np.asarray(fields["region_of"], dtype=np.int64)
+            fields["regions"] = tuple(Region(int(a), int(n)) for a, n in fields["regions"])
+            return cls(**fields)
+        except LayoutError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise LayoutError(f"malformed layout description: {e}") from e
+
+
+def check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    """Raise LayoutMismatchError naming every difference that makes src -> dst impossible.
+
+    Page size, head split and byte order may differ; the model geometry may not.
+    """
+    mism = []
+    for name in ("num_layers", "layer_offset", "kv_factor", "total_heads", "head_dim", "dtype"):
+        a, b = getattr(src, name), getattr(dst, name)
+        if a != b:
+            mism.append(f"{name}: source {a} != destination {b}")
+    if mism:
+        raise LayoutMismatchError(mism)

@@ -1,0 +1,262 @@
+"""Compile a request's KV move into a TransferPlan: direct, or staged on either side.
+
+- ``direct``: byte segments straight from the source pool to the destination pool.
+  Few segments when the layouts agree; one per head per token when they do not.
+- ``staged_send``: the sender repacks into a staging buffer already in the receiver's
+  byte order (one gather pass, see ``repack``), then sends few large segments.
+- ``staged_recv``: the sender sends its own bytes as few large segments into a staging
+  buffer on the receiver, which scatters them into its pool. The only way to cut
+  segments when the receiver's rows are split between senders (NHD with fewer heads
+  per rank on the sender, e.g. prefill TP 2 -> decode TP 1).
+
+The choice is by estimated time from per-segment cost, wire bandwidth and repack
+bandwidth (``PlanCosts``), and the plan says which it chose and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from .copyspec import CopySpec
+from .geometry import KVLayout, LayoutError
+from .heads import HeadMap
+from .segments import Segments, compile_segments, count_segments
+
+__all__ = ["PlanKind", "PlanCosts", "TransferPlan", "plan_transfer", "plan_kind_estimates"]
+
+
+class PlanKind(str, Enum):
+    """How a plan moves bytes."""
+
+    DIRECT = "direct"
+    STAGED_SEND = "staged_send"
+    STAGED_RECV = "staged_recv"
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """What moving bytes costs, for choosing a plan kind.
+
+    Defaults are Mooncake TCP on loopback as measured on the 2-core CI machine
+    (../shared/reference/mooncake.md): ~30 us per segment inside a batch, ~2 GB/s, and
+    a CPU repack at ~5 GB/s. The cost model (``kvbridge.common.costmodel``) supplies
+    measured figures for real links.
+    """
+
+    segment_s: float = 30e-6
+    wire_bytes_per_s: float = 2e9
+    repack_bytes_per_s: float = 5e9
+    overlap_repack: bool = True
+
+    def wire_s(self, nbytes: int, segments: int) -> float:
+        """Estimated seconds on the wire."""
+        return segments * self.segment_s + nbytes / self.wire_bytes_per_s
+
+    def staged_s(self, nbytes: int, segments: int) -> float:
+        """Estimated seconds for a repack plus a transfer (overlapped when configured)."""
+        rep = nbytes / self.repack_bytes_per_s
+        wire = self.wire_s(nbytes, segments)
+        return max(rep, wire) + min(rep, wire) / 8 if self.overlap_repack else rep + wire
+
+
+@dataclass(frozen=True)
+class KindEstimate:
+    """One candidate plan kind: its wire segments and estimated seconds."""
+
+    kind: PlanKind
+    segments: int
+    seconds: float
+    staging_bytes: int
+
+
+@dataclass
+class TransferPlan:
+    """A compiled move. Prepared once per request and reused by the transport.
+
+    ``wire`` are the segments the transport writes. For ``staged_send`` their source
+    addresses are offsets into the sender's staging buffer (``staging``, laid out like
+    the destination); for ``staged_recv`` their destination addresses are offsets into
+    the receiver's staging buffer (laid out like the source). ``gather`` (sender,
+    source pool -> staging) and ``scatter`` (receiver, staging -> destination pool) are
+    the repack steps, as CopySpecs whose staging side is unbound until
+    ``bind_staging``.
+    """
+
+    kind: PlanKind
+    spec: CopySpec
+    wire: Segments
+    staging: KVLayout | None
+    gather: CopySpec | None
+    scatter: CopySpec | None
+    estimates: dict[PlanKind, KindEstimate]
+    reason: str
+    costs: PlanCosts = field(default_factory=PlanCosts)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes moved."""
+        return self.spec.nbytes
+
+    @property
+    def num_segments(self) -> int:
+        """Segments on the wire."""
+        return self.wire.count
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffer this plan needs (0 for direct)."""
+        return self.staging.regions[0].nbytes if self.staging is not None else 0
+
+    def explain(self) -> str:
+        """One paragraph a human can read: what was chosen, and the numbers why."""
+        return self.reason
+
+    def summary(self) -> dict:
+        """Plain-data summary for logs, metrics and JSON output."""
+        return {
+            "kind": self.kind.value,
+            "bytes": self.nbytes,
+            "segments": self.num_segments,
+            "staging_bytes": self.staging_bytes,
+            "estimates": {k.value: {"segments": e.segments, "seconds": e.seconds} for k, e in self.estimates.items()},
+            "reason": self.reason,
+        }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKind, KindEstimate]:
+    """Wire segments and estimated seconds of each allowed kind (segment counts are exact
+    up to a few million pieces, upper bounds beyond)."""
+    out: dict[PlanKind, KindEstimate] = {}
+    n = spec.nbytes
+    for kind in kinds:
+        if kind is PlanKind.DIRECT:
+            segs = count_segments(spec)
+            out[kind] = KindEstimate(kind, segs, costs.wire_s(n, segs), 0)
+        else:
+            if kind is PlanKind.STAGED_SEND:
+                _, wire_spec, stage = _gather_spec(spec)
+            else:
+                wire_spec, _, stage = _scatter_spec(spec)
+            segs = count_segments(wire_spec)
+            out[kind] = KindEstimate(kind, segs, costs.staged_s(n, segs), stage.regions[0].nbytes)
+    return out
+
+
+def _swap_roles(spec: CopySpec, staged_dst: CopySpec) -> CopySpec:
+    """For staged_send: the wire moves staging (laid out like dst) -> real dst."""
+    return CopySpec(
+        src=staged_dst.dst,
+        src_blocks=staged_dst.dst_blocks,
+        dst=spec.dst,
+        dst_blocks=spec.dst_blocks,
+        start=spec.start,
+        stop=spec.stop,
+        heads=HeadMap(spec.heads.global_start, spec.heads.count, spec.heads.dst_start, spec.heads.dst_start),
+        src_first_token=staged_dst.dst_first_token,
+        dst_first_token=spec.dst_first_token,
+    )
+
+
+def _gather_spec(spec: CopySpec) -> tuple[CopySpec, CopySpec, KVLayout]:
+    """(gather: src pool -> staging, wire: staging -> dst pool, staging layout) for staged_send."""
+    gather, stage = spec.to_staging("dst")
+    return gather, _swap_roles(spec, gather), stage
+
+
+def _scatter_spec(spec: CopySpec) -> tuple[CopySpec, CopySpec, KVLayout]:
+    """(wire: src pool -> staging, scatter: staging -> dst pool, staging layout) for staged_recv."""
+    wire, stage = spec.to_staging("src")
+    # wire: src pool -> staging laid out like src; the staging keeps the source's heads
+    wire_to_stage = CopySpec(
+        src=spec.src,
+        src_blocks=spec.src_blocks,
+        dst=stage,
+        dst_blocks=wire.src_blocks,
+        start=spec.start,
+        stop=spec.stop,
+        heads=HeadMap(spec.heads.global_start, spec.heads.count, spec.heads.src_start, spec.heads.src_start),
+        src_first_token=spec.src_first_token,
+        dst_first_token=wire.src_first_token,
+    )
+    return wire_to_stage, wire, stage
+
+
+def plan_transfer(
+    src: KVLayout,
+    src_blocks,
+    dst: KVLayout,
+    dst_blocks,
+    tokens: int | tuple[int, int],
+    heads: HeadMap | None = None,
+    *,
+    src_first_token: int = 0,
+    dst_first_token: int = 0,
+    kinds: tuple[PlanKind | str, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND),
+    costs: PlanCosts | None = None,
+    force: PlanKind | str | None = None,
+) -> TransferPlan:
+    """Compile the move of tokens ``tokens`` (``stop`` or ``(start, stop)``) of ``heads``
+    (default: every head both ranks hold) from ``src``'s ``src_blocks`` to ``dst``'s
+    ``dst_blocks``.
+
+    Block lists are in token order; entry 0 holds token ``*_first_token``. ``kinds``
+    are the plan kinds the deployment supports (``staged_recv`` needs a receiver that
+    scatters); ``force`` picks one regardless of cost. Raises LayoutMismatchError /
+    LayoutError naming what is wrong.
+    """
+    costs = costs or PlanCosts()
+    spec = CopySpec.build(
+        src, src_blocks, dst, dst_blocks, tokens, heads, src_first_token=src_first_token, dst_first_token=dst_first_token
+    )
+    allowed = tuple(PlanKind(k) for k in kinds)
+    if force is not None:
+        force = PlanKind(force)
+        allowed = tuple(dict.fromkeys(allowed + (force,)))
+    est = plan_kind_estimates(spec, costs, allowed)
+    ranked = sorted(est.values(), key=lambda e: (e.seconds, e.kind is not PlanKind.DIRECT))
+    chosen = est[force] if force is not None else ranked[0]
+
+    staging = gather = scatter = None
+    if chosen.kind is PlanKind.DIRECT:
+        wire = compile_segments(spec)
+    elif chosen.kind is PlanKind.STAGED_SEND:
+        gather, wire_spec, staging = _gather_spec(spec)
+        wire = compile_segments(wire_spec)
+    else:
+        wire_spec, scatter, staging = _scatter_spec(spec)
+        wire = compile_segments(wire_spec)
+
+    reason = _reason(spec, chosen, est, costs, forced=force is not None)
+    return TransferPlan(chosen.kind, spec, wire, staging, gather, scatter, est, reason, costs)
+
+
+def _reason(spec: CopySpec, chosen: KindEstimate, est: dict, costs: PlanCosts, forced: bool) -> str:
+    n = spec.nbytes
+    parts = []
+    for e in sorted(est.values(), key=lambda e: e.seconds):
+        avg = n / max(e.segments, 1)
+        what = {
+            PlanKind.DIRECT: "direct",
+            PlanKind.STAGED_SEND: "repack on the sender, then",
+            PlanKind.STAGED_RECV: "send, then scatter on the receiver:",
+        }[e.kind]
+        parts.append(f"{e.kind.value} ({what} {e.segments:,} segments of ~{_fmt_bytes(avg)}): est. {e.seconds * 1e3:.2f} ms")
+    head = f"{'forced' if forced else 'chose'} {chosen.kind.value} for {_fmt_bytes(n)} "
+    head += f"({spec.num_tokens} tokens x {spec.src.num_layers} layers x {spec.src.kv_factor} x {spec.heads.count} heads x {spec.src.head_bytes} B; "
+    head += f"{spec.src.engine} page {spec.src.tokens_per_block} -> {spec.dst.engine} page {spec.dst.tokens_per_block})"
+    model = (
+        f"[{costs.segment_s * 1e6:.0f} us/segment, wire {costs.wire_bytes_per_s / 1e9:.1f} GB/s, "
+        f"repack {costs.repack_bytes_per_s / 1e9:.1f} GB/s{', overlapped' if costs.overlap_repack else ''}]"
+    )
+    return head + ": " + "; ".join(parts) + " " + model

@@ -1,0 +1,177 @@
+"""Byte segments: the descriptor list a transport executes, compiled from a CopySpec.
+
+Every (layer, kv, run) of a CopySpec is a *box*: ``length`` tokens x ``heads.count``
+heads of ``head_bytes`` each, with a token stride and a head stride on each side.
+Inside a box, dimensions whose stride equals the current contiguous run on BOTH sides
+fold into it (NHD->NHD folds heads then tokens; HND->HND folds tokens, then heads for
+whole blocks). Boxes are then sorted by source address and neighbours that are
+adjacent on both sides are merged. All of it is numpy over boxes: no Python loop per
+token, block or segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .copyspec import CopySpec
+from .geometry import KVLayout, LayoutError
+
+__all__ = ["Segments", "coalesce", "compile_segments", "count_segments", "check_segments_inside", "block_ranges"]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Pieces to copy: ``length[i]`` bytes from ``src[i]`` to ``dst[i]`` (int64 arrays).
+
+    Addresses are absolute, except on a staging side where they are offsets into the
+    staging buffer until ``shifted`` adds its address.
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    @property
+    def count(self) -> int:
+        """Number of segments."""
+        return int(self.length.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes."""
+        return int(self.length.sum())
+
+    def shifted(self, src_by: int = 0, dst_by: int = 0) -> "Segments":
+        """The same segments with ``src_by`` / ``dst_by`` added to every address."""
+        return Segments(self.src + src_by, self.dst + dst_by, self.length)
+
+    def split(self, max_count: int) -> list["Segments"]:
+        """Consecutive slices of at most ``max_count`` segments (for bounded batches)."""
+        n = self.count
+        return [
+            Segments(self.src[i : i + max_count], self.dst[i : i + max_count], self.length[i : i + max_count])
+            for i in range(0, n, max_count)
+        ] or [self]
+
+    @classmethod
+    def empty(cls) -> "Segments":
+        """No segments."""
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z, z)
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Segments:
+    """Merge each segment into its predecessor when it continues it on both sides (in order)."""
+    if src.size == 0:
+        return Segments.empty()
+    cont = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+    heads = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return Segments(src[heads], dst[heads], np.add.reduceat(length, heads))
+
+
+def _fold(dims: list[tuple[int, int, int]], elem: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Fold (size, src_stride, dst_stride) dims into a contiguous run of ``elem`` bytes
+    while some dim's stride equals the run on both sides; return (run, the rest, outer first)."""
+    dims = [d for d in dims if d[0] > 1]
+    run = elem
+    while True:
+        hit = next((d for d in dims if d[1] == run and d[2] == run), None)
+        if hit is None:
+            break
+        run *= hit[0]
+        dims.remove(hit)
+    dims.sort(key=lambda d: (-d[1], -d[2]))
+    return run, dims
+
+
+def _box_starts(spec: CopySpec, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start address of every (layer, kv, run in ``sel``) box on each side, shape [L*kv*R]."""
+    r = spec.runs
+    out = []
+    for lay, blk, slot, h0 in (
+        (spec.src, r.src_block[sel], r.src_slot[sel], spec.heads.src_start),
+        (spec.dst, r.dst_block[sel], r.dst_slot[sel], spec.heads.dst_start),
+    ):
+        per_run = blk * lay.block_stride + slot * lay.token_stride + h0 * lay.head_stride
+        out.append((lay.base.reshape(-1, 1) + per_run[None, :]).reshape(-1))
+    return out[0], out[1]
+
+
+def _classes(spec: CopySpec):
+    """Group runs by length (the only per-run input to folding): yields (sel, run, dims)."""
+    s, d, h = spec.src, spec.dst, spec.heads
+    lengths = spec.runs.length
+    for n in np.unique(lengths):
+        sel = np.flatnonzero(lengths == n)
+        run, dims = _fold(
+            [(int(n), s.token_stride, d.token_stride), (h.count, s.head_stride, d.head_stride)], s.head_bytes
+        )
+        yield sel, run, dims
+
+
+def count_segments(spec: CopySpec, exact_limit: int = 1 << 22) -> int:
+    """Segments ``compile_segments(spec)`` yields; exact up to ``exact_limit`` pieces,
+    an upper bound (no merging across boxes) beyond it, without materializing them."""
+    total = 0
+    for sel, _, dims in _classes(spec):
+        total += sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))
+    if total <= exact_limit:
+        return compile_segments(spec).count
+    return total
+
+
+def compile_segments(spec: CopySpec) -> Segments:
+    """The coalesced byte segments that move ``spec`` directly from src to dst memory."""
+    srcs, dsts, lens = [], [], []
+    for sel, run, dims in _classes(spec):
+        a, b = _box_starts(spec, sel)
+        if dims:
+            sizes = [d[0] for d in dims]
+            grid = np.indices(sizes, dtype=np.int64).reshape(len(dims), -1)
+            off_a = (np.array([d[1] for d in dims], dtype=np.int64)[:, None] * grid).sum(0)
+            off_b = (np.array([d[2] for d in dims], dtype=np.int64)[:, None] * grid).sum(0)
+            a = (a[:, None] + off_a[None, :]).reshape(-1)
+            b = (b[:, None] + off_b[None, :]).reshape(-1)
+        srcs.append(a)
+        dsts.append(b)
+        lens.append(np.full(a.size, run, dtype=np.int64))
+    src = np.concatenate(srcs)
+    dst = np.concatenate(dsts)
+    length = np.concatenate(lens)
+    order = np.argsort(src, kind="stable")
+    return coalesce(src[order], dst[order], length[order])
+
+
+def check_segments_inside(addrs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray, what: str) -> None:
+    """Raise LayoutError unless every ``[addr, addr + length)`` lies inside one allowed
+    ``[start, end)`` row of ``allowed`` (int64 ``[n, 2]``, sorted, non-overlapping).
+    The guard that runs before any byte moves into a peer's memory."""
+    if addrs.size == 0:
+        return
+    rng = np.asarray(allowed, dtype=np.int64).reshape(-1, 2)
+    if rng.size == 0:
+        raise LayoutError(f"{what}: no memory is allowed")
+    idx = np.searchsorted(rng[:, 0], addrs, side="right") - 1
+    ok = (idx >= 0) & (lengths > 0)
+    idx = np.clip(idx, 0, None)
+    ok &= addrs + lengths <= rng[idx, 1]
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise LayoutError(
+            f"{what}: {int((~ok).sum())} segment(s) outside the allowed memory, first at "
+            f"0x{int(addrs[i]):x} (+{int(lengths[i])} B)"
+        )
+
+
+def block_ranges(layout: KVLayout, blocks: np.ndarray) -> np.ndarray:
+    """Sorted, merged byte ranges ``[start, end)`` (int64 ``[n, 2]``) that ``blocks`` occupy
+    in ``layout`` over every (layer, kv)."""
+    starts = np.sort((layout.base.reshape(-1, 1) + np.asarray(blocks, dtype=np.int64)[None, :] * layout.block_stride).reshape(-1))
+    ends = starts + layout.block_bytes
+    if starts.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    new = np.concatenate(([True], starts[1:] > np.maximum.accumulate(ends)[:-1]))
+    heads = np.flatnonzero(new)
+    return np.stack([starts[heads], np.maximum.reduceat(ends, heads)], axis=1)
