@@ -9,7 +9,7 @@ repack kernels iterate over, vectorized.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -159,33 +159,3 @@ class CopySpec:
             dst_block=self.dst_blocks[rel_d // tpb_d],
             dst_slot=rel_d % tpb_d,
         )
-
-    def touched(self, side: str) -> tuple[int, int]:
-        """(first, end) index into ``side``'s block list of the blocks the range touches."""
-        lay, first = (self.src, self.src_first_token) if side == "src" else (self.dst, self.dst_first_token)
-        tpb = lay.tokens_per_block
-        return (self.start - first) // tpb, -(-(self.stop - first) // tpb)
-
-    def to_staging(self, side: str) -> tuple["CopySpec", KVLayout]:
-        """Split off a staging buffer shaped like ``side`` ('src' or 'dst').
-
-        Returns the spec with that side replaced by a 0-based compact layout whose block
-        ``i`` stands for the ``i``-th touched block of the original list, and that compact
-        layout (unbound: addresses are offsets into the staging buffer).
-        """
-        i0, i1 = self.touched(side)
-        lay = self.src if side == "src" else self.dst
-        stage = lay.compact(i1 - i0)
-        positions = np.arange(i1 - i0, dtype=np.int64)
-        if side == "src":
-            first = self.src_first_token + i0 * lay.tokens_per_block
-            spec = replace(self, src=stage, src_blocks=positions, src_first_token=first)
-        else:
-            first = self.dst_first_token + i0 * lay.tokens_per_block
-            spec = replace(self, dst=stage, dst_blocks=positions, dst_first_token=first)
-        return spec, stage
-
-    def with_layouts(self, src: KVLayout | None = None, dst: KVLayout | None = None) -> "CopySpec":
-        """The same move between re-bound layouts (same geometry, e.g. staging placed in memory)."""
-        spec = replace(self, src=src or self.src, dst=dst or self.dst)
-        return spec

@@ -119,9 +119,9 @@ class KVLayout:
     block_stride: int
     token_stride: int
     head_stride: int
-    base: np.ndarray
-    region_of: np.ndarray
-    regions: tuple[Region, ...]
+    base: np.ndarray = field(repr=False)
+    region_of: np.ndarray = field(repr=False)
+    regions: tuple[Region, ...] = field(repr=False)
     layer_offset: int = 0
     tensors: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
@@ -208,47 +208,6 @@ class KVLayout:
                 "inside the memory regions given"
             )
 
-    # -- derived layouts --------------------------------------------------------------
-    def compact(self, num_blocks: int) -> "KVLayout":
-        """A dense layout with this one's in-block geometry for ``num_blocks`` blocks.
-
-        Staging buffers use it: block ``i`` of the result holds what block ``blocks[i]``
-        of this layout holds, laid out byte for byte the same way inside the block, so
-        moving between the two coalesces into few large pieces. Addresses start at 0
-        (offsets into the staging buffer); ``tensors`` is None until ``bind`` is called.
-        Layer-inside-block pools (TensorRT-LLM) stay block-outermost; per-layer pools
-        (SGLang) stay layer-outermost.
-        """
-        inner = self.block_bytes
-        lk = self.num_layers * self.kv_factor
-        idx = np.arange(lk, dtype=np.int64).reshape(self.num_layers, self.kv_factor)
-        if self.layers_inside_blocks:
-            block_stride = lk * inner
-            base = idx * inner
-        else:
-            block_stride = inner
-            base = idx * inner * num_blocks
-        return KVLayout(
-            engine=f"{self.engine}/staging",
-            num_layers=self.num_layers,
-            kv_factor=self.kv_factor,
-            num_heads=self.num_heads,
-            head_offset=self.head_offset,
-            total_heads=self.total_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            tokens_per_block=self.tokens_per_block,
-            num_blocks=num_blocks,
-            first_block=0,
-            block_stride=block_stride,
-            token_stride=self.token_stride,
-            head_stride=self.head_stride,
-            base=base,
-            region_of=np.zeros_like(base),
-            regions=(Region(0, lk * inner * num_blocks),),
-            layer_offset=self.layer_offset,
-        )
-
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of one (layer, kv) on this rank."""
@@ -260,21 +219,6 @@ class KVLayout:
     def layers_inside_blocks(self) -> bool:
         """True when one block holds several layers (TensorRT-LLM), False for per-layer pools."""
         return self.block_stride > self.block_bytes
-
-    def bind(self, tensor: torch.Tensor) -> "KVLayout":
-        """This (single-region, 0-based) layout placed on ``tensor``'s memory."""
-        if len(self.regions) != 1 or self.regions[0].addr != 0:
-            raise LayoutError("bind() takes a 0-based single-region layout such as compact()'s")
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.regions[0].nbytes:
-            raise LayoutError(f"tensor of {nbytes} B is smaller than the {self.regions[0].nbytes} B layout")
-        addr = tensor.data_ptr()
-        return replace(
-            self,
-            base=self.base + addr,
-            regions=(Region(addr, nbytes),),
-            tensors=(tensor,),
-        )
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "KVLayout":
         """The same layout with local tensors attached (their addresses must match)."""

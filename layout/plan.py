@@ -2,12 +2,13 @@
 
 - ``direct``: byte segments straight from the source pool to the destination pool.
   Few segments when the layouts agree; one per head per token when they do not.
-- ``staged_send``: the sender repacks into a staging buffer already in the receiver's
-  byte order (one gather pass, see ``repack``), then sends few large segments.
-- ``staged_recv``: the sender sends its own bytes as few large segments into a staging
-  buffer on the receiver, which scatters them into its pool. The only way to cut
-  segments when the receiver's rows are split between senders (NHD with fewer heads
-  per rank on the sender, e.g. prefill TP 2 -> decode TP 1).
+- ``staged_send``: the sender gathers the rows into a dense staging buffer in the
+  receiver's address order (one pass, ``repack.Gather``), then sends one segment per
+  contiguous run of the receiver's memory.
+- ``staged_recv``: the sender sends one segment per contiguous run of its own memory
+  into a dense staging buffer on the receiver, which scatters it (``repack.Scatter``).
+  The way to cut segments when the receiver's rows are split between senders (NHD with
+  fewer heads per rank on the sender, e.g. prefill TP 2 -> decode TP 1).
 
 The choice is by estimated time from per-segment cost, wire bandwidth and repack
 bandwidth (``PlanCosts``), and the plan says which it chose and why.
@@ -15,7 +16,8 @@ bandwidth (``PlanCosts``), and the plan says which it chose and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -23,9 +25,10 @@ import numpy as np
 from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
 from .heads import HeadMap
-from .segments import Segments, compile_segments, count_segments
+from .repack import Gather, Scatter
+from .segments import Segments, compile_segments, count_segments, side_runs
 
-__all__ = ["PlanKind", "PlanCosts", "TransferPlan", "plan_transfer", "plan_kind_estimates"]
+__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "plan_transfer", "plan_kind_estimates"]
 
 
 class PlanKind(str, Enum):
@@ -77,20 +80,15 @@ class TransferPlan:
     """A compiled move. Prepared once per request and reused by the transport.
 
     ``wire`` are the segments the transport writes. For ``staged_send`` their source
-    addresses are offsets into the sender's staging buffer (``staging``, laid out like
-    the destination); for ``staged_recv`` their destination addresses are offsets into
-    the receiver's staging buffer (laid out like the source). ``gather`` (sender,
-    source pool -> staging) and ``scatter`` (receiver, staging -> destination pool) are
-    the repack steps, as CopySpecs whose staging side is unbound until
-    ``bind_staging``.
+    addresses are offsets into the sender's staging buffer; for ``staged_recv`` their
+    destination addresses are offsets into the receiver's staging buffer. Staging is
+    dense: ``staging_bytes == nbytes``, rows of ``head_dim`` elements back to back in
+    the address order of the side that is not staged (see ``repack``).
     """
 
     kind: PlanKind
     spec: CopySpec
     wire: Segments
-    staging: KVLayout | None
-    gather: CopySpec | None
-    scatter: CopySpec | None
     estimates: dict[PlanKind, KindEstimate]
     reason: str
     costs: PlanCosts = field(default_factory=PlanCosts)
@@ -108,7 +106,36 @@ class TransferPlan:
     @property
     def staging_bytes(self) -> int:
         """Bytes of staging buffer this plan needs (0 for direct)."""
-        return self.staging.regions[0].nbytes if self.staging is not None else 0
+        return 0 if self.kind is PlanKind.DIRECT else self.nbytes
+
+    def gather(self) -> Gather:
+        """The sender's repack into staging (``staged_send``); needs the source's tensors."""
+        if self.kind is not PlanKind.STAGED_SEND:
+            raise LayoutError(f"a {self.kind.value} plan has no sender-side gather")
+        return Gather(self.spec)
+
+    def scatter(self) -> Scatter:
+        """The receiver's repack out of staging (``staged_recv``); needs the destination's tensors."""
+        if self.kind is not PlanKind.STAGED_RECV:
+            raise LayoutError(f"a {self.kind.value} plan has no receiver-side scatter")
+        return Scatter(self.spec)
+
+    def chunks(self, max_bytes: int) -> list["PlanChunk"]:
+        """This plan cut into token ranges of at most ``max_bytes`` payload each (at least
+        one step of both sides' blocks), each with its own wire segments relative to its
+        own staging, so a sender can gather chunk i+1 into a small reused staging ring
+        while chunk i is on the wire."""
+        spec = self.spec
+        align = math.lcm(spec.src.tokens_per_block, spec.dst.tokens_per_block)
+        per_token = max(spec.nbytes // spec.num_tokens, 1)
+        step = max(align, (max_bytes // per_token) // align * align)
+        first = (spec.start // align + 1) * align
+        bounds = [spec.start] + list(range(first, spec.stop, step)) + [spec.stop]
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            sub = replace(spec, start=a, stop=b)
+            out.append(PlanChunk(self.kind, sub, _wire(self.kind, sub)))
+        return out
 
     def explain(self) -> str:
         """One paragraph a human can read: what was chosen, and the numbers why."""
@@ -126,6 +153,39 @@ class TransferPlan:
         }
 
 
+@dataclass(frozen=True)
+class PlanChunk:
+    """Tokens ``[spec.start, spec.stop)`` of a plan, with wire segments whose staging side
+    is relative to this chunk's own staging buffer (``nbytes`` bytes)."""
+
+    kind: PlanKind
+    spec: CopySpec
+    wire: Segments
+
+    @property
+    def nbytes(self) -> int:
+        """Payload (and staging) bytes of this chunk."""
+        return self.spec.nbytes
+
+    def gather(self) -> Gather:
+        """Sender-side repack of this chunk into its staging."""
+        return Gather(self.spec)
+
+    def scatter(self) -> Scatter:
+        """Receiver-side repack of this chunk out of its staging."""
+        return Scatter(self.spec)
+
+
+def _wire(kind: PlanKind, spec: CopySpec) -> Segments:
+    """The wire segments of ``kind`` for ``spec`` (staging side as offsets from 0)."""
+    if kind is PlanKind.DIRECT:
+        return compile_segments(spec)
+    side = "dst" if kind is PlanKind.STAGED_SEND else "src"
+    addr, length = side_runs(spec, side)
+    offs = np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64)
+    return Segments(offs, addr, length) if side == "dst" else Segments(addr, offs, length)
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -135,8 +195,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKind, KindEstimate]:
-    """Wire segments and estimated seconds of each allowed kind (segment counts are exact
-    up to a few million pieces, upper bounds beyond)."""
+    """Wire segments and estimated seconds of each allowed kind (direct's segment count is
+    exact up to a few million pieces, an upper bound beyond)."""
     out: dict[PlanKind, KindEstimate] = {}
     n = spec.nbytes
     for kind in kinds:
@@ -144,52 +204,9 @@ def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKin
             segs = count_segments(spec)
             out[kind] = KindEstimate(kind, segs, costs.wire_s(n, segs), 0)
         else:
-            if kind is PlanKind.STAGED_SEND:
-                _, wire_spec, stage = _gather_spec(spec)
-            else:
-                wire_spec, _, stage = _scatter_spec(spec)
-            segs = count_segments(wire_spec)
-            out[kind] = KindEstimate(kind, segs, costs.staged_s(n, segs), stage.regions[0].nbytes)
+            segs = side_runs(spec, "dst" if kind is PlanKind.STAGED_SEND else "src")[0].size
+            out[kind] = KindEstimate(kind, segs, costs.staged_s(n, segs), n)
     return out
-
-
-def _swap_roles(spec: CopySpec, staged_dst: CopySpec) -> CopySpec:
-    """For staged_send: the wire moves staging (laid out like dst) -> real dst."""
-    return CopySpec(
-        src=staged_dst.dst,
-        src_blocks=staged_dst.dst_blocks,
-        dst=spec.dst,
-        dst_blocks=spec.dst_blocks,
-        start=spec.start,
-        stop=spec.stop,
-        heads=HeadMap(spec.heads.global_start, spec.heads.count, spec.heads.dst_start, spec.heads.dst_start),
-        src_first_token=staged_dst.dst_first_token,
-        dst_first_token=spec.dst_first_token,
-    )
-
-
-def _gather_spec(spec: CopySpec) -> tuple[CopySpec, CopySpec, KVLayout]:
-    """(gather: src pool -> staging, wire: staging -> dst pool, staging layout) for staged_send."""
-    gather, stage = spec.to_staging("dst")
-    return gather, _swap_roles(spec, gather), stage
-
-
-def _scatter_spec(spec: CopySpec) -> tuple[CopySpec, CopySpec, KVLayout]:
-    """(wire: src pool -> staging, scatter: staging -> dst pool, staging layout) for staged_recv."""
-    wire, stage = spec.to_staging("src")
-    # wire: src pool -> staging laid out like src; the staging keeps the source's heads
-    wire_to_stage = CopySpec(
-        src=spec.src,
-        src_blocks=spec.src_blocks,
-        dst=stage,
-        dst_blocks=wire.src_blocks,
-        start=spec.start,
-        stop=spec.stop,
-        heads=HeadMap(spec.heads.global_start, spec.heads.count, spec.heads.src_start, spec.heads.src_start),
-        src_first_token=spec.src_first_token,
-        dst_first_token=wire.src_first_token,
-    )
-    return wire_to_stage, wire, stage
 
 
 def plan_transfer(
@@ -227,18 +244,9 @@ def plan_transfer(
     ranked = sorted(est.values(), key=lambda e: (e.seconds, e.kind is not PlanKind.DIRECT))
     chosen = est[force] if force is not None else ranked[0]
 
-    staging = gather = scatter = None
-    if chosen.kind is PlanKind.DIRECT:
-        wire = compile_segments(spec)
-    elif chosen.kind is PlanKind.STAGED_SEND:
-        gather, wire_spec, staging = _gather_spec(spec)
-        wire = compile_segments(wire_spec)
-    else:
-        wire_spec, scatter, staging = _scatter_spec(spec)
-        wire = compile_segments(wire_spec)
-
+    wire = _wire(chosen.kind, spec)
     reason = _reason(spec, chosen, est, costs, forced=force is not None)
-    return TransferPlan(chosen.kind, spec, wire, staging, gather, scatter, est, reason, costs)
+    return TransferPlan(chosen.kind, spec, wire, est, reason, costs)
 
 
 def _reason(spec: CopySpec, chosen: KindEstimate, est: dict, costs: PlanCosts, forced: bool) -> str:

@@ -1,126 +1,193 @@
-"""Repack kernels: execute a CopySpec between local tensors with torch (CPU or CUDA).
+"""Repack kernels: move a CopySpec's head-rows between a pool and a dense staging buffer.
 
-Used to gather a sender's KV into a staging buffer already in the receiver's byte
-order, and to scatter a receiver's staging buffer into its pool. Each (layer, kv) is
-viewed as ``[num_blocks, tokens_per_block, heads, head_dim]`` with the layout's own
-strides (no copy); runs that share (src slot, dst slot, length) form one class, and a
-class moves with ONE indexed copy: ``index_select(..., out=<strided view>)`` when the
-destination blocks are evenly spaced (a staging buffer), ``index_copy_`` when the
-source blocks are (a staging buffer read back), both indexed otherwise. On CPU the
-(layer, kv) pairs run on a thread pool (torch releases the GIL), since one indexed copy
-uses one core.
+A *row* is one head of one token of one (layer, kv): ``head_dim * itemsize`` contiguous
+bytes on both sides, the largest unit two different layouts share. A staging buffer
+holds a spec's rows back to back, in the address order of one side:
+
+- ``Gather`` (sender): source pool -> staging in the DESTINATION's address order, so
+  the wire carries the destination's contiguous runs (``side_runs(spec, 'dst')``);
+- ``Scatter`` (receiver): staging in the SOURCE's address order -> destination pool,
+  the wire having carried the source's runs.
+
+Each is ONE indexed copy (``index_select`` into the staging, ``index_copy_`` out of it)
+over a row view of the pool's memory, on CPU or CUDA alike. Row indices are computed
+once per spec with numpy (``prepare``) and reused; a pool made of several tensors (one
+per layer, as SGLang's) is read through one zero-copy alias of the address span that
+holds them, so any row of any layer is one index away.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
+from .segments import side_boxes
 
-__all__ = ["repack"]
+__all__ = ["Gather", "Scatter", "row_addresses", "repack"]
 
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _unit(spec: CopySpec) -> int:
-    """Largest element size (bytes) that divides every stride, offset and head."""
-    vals = [spec.src.head_bytes]
-    for lay in (spec.src, spec.dst):
-        vals += [lay.block_stride, lay.token_stride, lay.head_stride]
-        starts = np.array([r.addr for r in lay.regions], dtype=np.int64)[lay.region_of]
-        vals += np.unique(lay.base - starts).tolist() + [r.addr for r in lay.regions]
-    g = 0
-    for v in vals:
-        g = math.gcd(g, int(v))
-    return max(u for u in _UNITS if g % u == 0)
+def row_addresses(spec: CopySpec, order: str) -> tuple[np.ndarray, np.ndarray]:
+    """(source address, destination address) of every row of ``spec``, in increasing
+    address order of side ``order`` ('src' or 'dst'). int64 arrays of ``rows`` entries."""
+    X, Y = (spec.src, spec.dst) if order == "src" else (spec.dst, spec.src)
+    x_first, y_first = (spec.src_first_token, spec.dst_first_token) if order == "src" else (spec.dst_first_token, spec.src_first_token)
+    y_blocks = spec.dst_blocks if order == "src" else spec.src_blocks
+    hx, hy = (spec.heads.src_start, spec.heads.dst_start) if order == "src" else (spec.heads.dst_start, spec.heads.src_start)
+    nh = spec.heads.count
+    bx = side_boxes(spec, order)
+    y_base = Y.base.reshape(-1)
+    xs, ys, keys = [], [], []
+    for n in np.unique(bx.ntok):
+        n = int(n)
+        sel = np.flatnonzero(bx.ntok == n)
+        # enumerate one box in X's memory order: heads outside tokens when X is head-major
+        t_rel, h = np.meshgrid(np.arange(n, dtype=np.int64), np.arange(nh, dtype=np.int64), indexing="ij")
+        if X.head_stride > X.token_stride:
+            t_rel, h = t_rel.T, h.T
+        t_rel, h = t_rel.reshape(-1), h.reshape(-1)
+        x_off = t_rel * X.token_stride + h * X.head_stride
+        x = (bx.addr[sel][:, None] + x_off[None, :]).reshape(-1)
+        tok = (x_first + bx.block_pos[sel] * X.tokens_per_block + bx.slot[sel])[:, None] + t_rel[None, :]
+        rel = tok - y_first
+        y = (
+            y_base[bx.lk[sel]][:, None]
+            + y_blocks[rel // Y.tokens_per_block] * Y.block_stride
+            + (rel % Y.tokens_per_block) * Y.token_stride
+            + ((hy + h) * Y.head_stride)[None, :]
+        ).reshape(-1)
+        xs.append(x)
+        ys.append(y)
+        keys.append(np.repeat(sel.astype(np.int64), n * nh))
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    if len(xs) > 1:
+        order_idx = np.argsort(np.concatenate(keys), kind="stable")
+        x, y = x[order_idx], y[order_idx]
+    return (x, y) if order == "src" else (y, x)
 
 
-def _region_views(lay: KVLayout, unit: int) -> Callable[[int, int], torch.Tensor]:
-    """Returns f(layer, kv) -> strided view ``[num_blocks, tokens_per_block, num_heads,
-    head_dim_units]`` of that (layer, kv) in elements of ``unit`` bytes."""
+class _CudaSpan:
+    """Minimal ``__cuda_array_interface__`` exporter for a zero-copy device alias."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+@dataclass
+class _RowSpace:
+    """Every row-start of one layout's memory as rows of ``row_units`` elements."""
+
+    rows: torch.Tensor  # [n_units - row_units + 1, row_units], overlapping rows, stride (1, 1)
+    base: int  # address of element 0
+    unit: int
+    keep: object  # whatever keeps the alias valid
+
+
+def _row_space(lay: KVLayout, row_bytes: int, unit: int) -> _RowSpace:
     if lay.tensors is None:
-        raise LayoutError(f"{lay.engine} layout has no local tensors to repack from/into")
-    flats = []
-    for t, r in zip(lay.tensors, lay.regions):
-        if t.data_ptr() != r.addr or not t.is_contiguous():
-            raise LayoutError(f"{lay.engine} tensor does not match its region at 0x{r.addr:x}")
-        flats.append(t.reshape(-1).view(torch.uint8).view(_UNITS[unit]))
-    size = (lay.num_blocks, lay.tokens_per_block, lay.num_heads, lay.head_bytes // unit)
-    stride = (lay.block_stride // unit, lay.token_stride // unit, lay.head_stride // unit, 1)
-
-    def view(layer: int, kv: int) -> torch.Tensor:
-        r = int(lay.region_of[layer, kv])
-        flat = flats[r]
-        off = (int(lay.base[layer, kv]) - lay.regions[r].addr) // unit
-        return flat.as_strided(size, stride, flat.storage_offset() + off)
-
-    return view
-
-
-def _arith(ids: np.ndarray) -> tuple[int, int] | None:
-    """(first, step) when ``ids`` is an increasing arithmetic progression, else None."""
-    if ids.size == 1:
-        return int(ids[0]), 1
-    d = np.diff(ids)
-    if d[0] > 0 and (d == d[0]).all():
-        return int(ids[0]), int(d[0])
-    return None
-
-
-def repack(spec: CopySpec, *, threads: int | None = None) -> int:
-    """Copy every byte ``spec`` names from ``spec.src``'s tensors into ``spec.dst``'s.
-
-    Both layouts need local tensors on the same device. Returns the bytes copied. Works
-    for any pair; it is one pass over the bytes when either side's blocks are evenly
-    spaced (staging buffers), two otherwise.
-    """
-    src, dst, heads = spec.src, spec.dst, spec.heads
-    if src.device != dst.device:
-        raise LayoutError(f"repack needs both sides on one device, got {src.device} and {dst.device}")
-    unit = _unit(spec)
-    sview, dview = _region_views(src, unit), _region_views(dst, unit)
-    dev = src.device
-    r = spec.runs
-    keys = np.stack([r.src_slot, r.dst_slot, r.length], axis=1)
-    classes = np.unique(keys, axis=0)
-    head_major = dst.is_head_major
-    hs, hd, nh = heads.src_start, heads.dst_start, heads.count
-
-    plans = []
-    for ss, ds, n in classes.tolist():
-        sel = np.flatnonzero((keys == (ss, ds, n)).all(axis=1))
-        ia, ib = r.src_block[sel], r.dst_block[sel]
-        plans.append((ss, ds, n, ia, ib, _arith(ia), _arith(ib), torch.from_numpy(ia).to(dev), torch.from_numpy(ib).to(dev)))
-
-    def one(layer: int, kv: int) -> None:
-        sv, dv = sview(layer, kv), dview(layer, kv)
-        for ss, ds, n, ia, ib, a_ar, b_ar, ia_t, ib_t in plans:
-            a = sv[:, ss : ss + n, hs : hs + nh]
-            b = dv[:, ds : ds + n, hd : hd + nh]
-            if head_major:  # walk the destination in its memory order: [block][head][token]
-                a, b = a.transpose(1, 2), b.transpose(1, 2)
-            if b_ar is not None:
-                first, step = b_ar
-                torch.index_select(a, 0, ia_t, out=b[first : first + step * ia.size : step])
-            elif a_ar is not None:
-                first, step = a_ar
-                b.index_copy_(0, ib_t, a[first : first + step * ia.size : step])
-            else:
-                b.index_copy_(0, ib_t, torch.index_select(a, 0, ia_t))
-
-    pairs = [(l, k) for l in range(src.num_layers) for k in range(src.kv_factor)]
-    workers = threads if threads is not None else (1 if dev.type != "cpu" else min(len(pairs), torch.get_num_threads(), os.cpu_count() or 1))
-    if workers <= 1:
-        for l, k in pairs:
-            one(l, k)
+        raise LayoutError(f"{lay.engine} layout has no local tensors")
+    starts = [r.addr for r in lay.regions]
+    ends = [r.addr + r.nbytes for r in lay.regions]
+    lo, hi = min(starts), max(ends)
+    dev = lay.tensors[0].device
+    if len(lay.tensors) == 1 and lay.tensors[0].data_ptr() == lo:
+        flat = lay.tensors[0].reshape(-1).view(torch.uint8)[: hi - lo]
+        keep = lay.tensors
+    elif dev.type == "cpu":
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
+        flat = torch.from_numpy(arr)
+        keep = (arr, lay.tensors)
     else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-repack") as ex:
-            list(ex.map(lambda lk: one(*lk), pairs))
-    return spec.nbytes
+        flat = torch.as_tensor(_CudaSpan(lo, hi - lo), device=dev)
+        keep = lay.tensors
+    flat = flat.view(_UNITS[unit])
+    ru = row_bytes // unit
+    return _RowSpace(flat.as_strided((flat.numel() - ru + 1, ru), (1, 1)), lo, unit, keep)
+
+
+def _rows_of(lay: KVLayout, addrs: np.ndarray, row_bytes: int) -> tuple[_RowSpace, torch.Tensor]:
+    """A row view of ``lay``'s memory and the index of each address in it (on its device)."""
+    lo = min(r.addr for r in lay.regions)
+    mask = int(np.bitwise_or.reduce(addrs - lo)) if addrs.size else 0
+    mask |= row_bytes | 8
+    unit = mask & -mask  # the coarsest element every row start is aligned to
+    space = _row_space(lay, row_bytes, unit)
+    index = torch.from_numpy((addrs - space.base) // unit).to(lay.tensors[0].device)
+    return space, index
+
+
+class Gather:
+    """Sender-side repack: ``spec``'s rows from the source pool into a dense staging buffer
+    in the destination's address order. Prepared once; ``run`` may be called repeatedly.
+
+    Staging: ``nbytes`` bytes, ``[rows, head_dim]`` of the KV dtype, row ``i`` = the
+    ``i``-th row of the destination in increasing address order.
+    """
+
+    def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None):
+        self.spec = spec
+        self.row_bytes = spec.src.head_bytes
+        if src_addr is None:
+            src_addr, _ = row_addresses(spec, "dst")
+        self._space, self.index = _rows_of(spec.src, src_addr, self.row_bytes)
+        self.rows = int(src_addr.size)
+        self.nbytes = self.rows * self.row_bytes
+
+    def run(self, staging: torch.Tensor) -> int:
+        """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns bytes."""
+        out = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
+        torch.index_select(self._space.rows, 0, self.index, out=out)
+        return self.nbytes
+
+
+class Scatter:
+    """Receiver-side repack: a dense staging buffer in the source's address order into the
+    destination pool. Prepared once; ``run`` may be called repeatedly.
+
+    Staging: ``nbytes`` bytes, row ``i`` = the ``i``-th row of the source in increasing
+    address order (what ``side_runs(spec, 'src')`` put on the wire).
+    """
+
+    def __init__(self, spec: CopySpec, dst_addr: np.ndarray | None = None):
+        self.spec = spec
+        self.row_bytes = spec.dst.head_bytes
+        if dst_addr is None:
+            _, dst_addr = row_addresses(spec, "src")
+        self._space, self.index = _rows_of(spec.dst, dst_addr, self.row_bytes)
+        self.rows = int(dst_addr.size)
+        self.nbytes = self.rows * self.row_bytes
+
+    def run(self, staging: torch.Tensor) -> int:
+        """Write ``staging``'s rows into the destination pool; returns bytes."""
+        src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
+        self._space.rows.index_copy_(0, self.index, src)
+        return self.nbytes
+
+
+def _staging_rows(staging: torch.Tensor, nbytes: int, row_bytes: int, unit: int) -> torch.Tensor:
+    flat = staging.reshape(-1).view(torch.uint8)
+    if flat.numel() < nbytes:
+        raise LayoutError(f"staging buffer of {flat.numel()} B is smaller than the {nbytes} B needed")
+    if flat.data_ptr() % unit:
+        raise LayoutError(f"staging buffer at 0x{flat.data_ptr():x} is not {unit}-byte aligned")
+    return flat[:nbytes].view(_UNITS[unit]).view(-1, row_bytes // unit)
+
+
+def repack(spec: CopySpec) -> int:
+    """Copy ``spec`` between two local pools (same device): gather into a temporary staging
+    buffer in the destination's order, then scatter it. Returns the bytes moved."""
+    if spec.src.device != spec.dst.device:
+        raise LayoutError(f"repack needs both sides on one device, got {spec.src.device} and {spec.dst.device}")
+    src_addr, dst_addr = row_addresses(spec, "dst")
+    gather = Gather(spec, src_addr)
+    tmp = torch.empty(gather.nbytes, dtype=torch.uint8, device=spec.src.device)
+    gather.run(tmp)
+    space, index = _rows_of(spec.dst, dst_addr, gather.row_bytes)
+    space.rows.index_copy_(0, index, _staging_rows(tmp, gather.nbytes, gather.row_bytes, space.unit))
+    return gather.nbytes

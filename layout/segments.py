@@ -18,7 +18,17 @@ import numpy as np
 from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
 
-__all__ = ["Segments", "coalesce", "compile_segments", "count_segments", "check_segments_inside", "block_ranges"]
+__all__ = [
+    "Segments",
+    "SideBoxes",
+    "block_ranges",
+    "check_segments_inside",
+    "coalesce",
+    "compile_segments",
+    "count_segments",
+    "side_boxes",
+    "side_runs",
+]
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,80 @@ def compile_segments(spec: CopySpec) -> Segments:
     length = np.concatenate(lens)
     order = np.argsort(src, kind="stable")
     return coalesce(src[order], dst[order], length[order])
+
+
+@dataclass(frozen=True)
+class SideBoxes:
+    """One side's share of a CopySpec as boxes in that side's address order.
+
+    A box is one (layer, kv, block) of the side: slots ``slot[i] .. slot[i] + ntok[i]``
+    of block ``block_pos[i]`` (index into the side's block list) of layer-and-kv
+    ``lk[i]`` (= layer * kv_factor + kv), all mapped heads. Boxes are disjoint and sorted
+    by ``addr`` (the box's first byte), so enumerating each box in memory order walks the
+    side's bytes in increasing address order.
+    """
+
+    lk: np.ndarray
+    block_pos: np.ndarray
+    slot: np.ndarray
+    ntok: np.ndarray
+    addr: np.ndarray
+
+
+def side_boxes(spec: CopySpec, side: str) -> SideBoxes:
+    """The boxes of ``side`` ('src' or 'dst'), sorted by address."""
+    lay, blocks, first = (
+        (spec.src, spec.src_blocks, spec.src_first_token) if side == "src" else (spec.dst, spec.dst_blocks, spec.dst_first_token)
+    )
+    h0 = spec.heads.src_start if side == "src" else spec.heads.dst_start
+    tpb = lay.tokens_per_block
+    i0, i1 = (spec.start - first) // tpb, -(-(spec.stop - first) // tpb)
+    pos = np.arange(i0, i1, dtype=np.int64)
+    tok0 = first + pos * tpb
+    a = np.maximum(spec.start, tok0) - tok0
+    b = np.minimum(spec.stop, tok0 + tpb) - tok0
+    per_block = blocks[pos] * lay.block_stride + a * lay.token_stride + h0 * lay.head_stride
+    lk_n = lay.num_layers * lay.kv_factor
+    addr = (lay.base.reshape(-1, 1) + per_block[None, :]).reshape(-1)
+    order = np.argsort(addr, kind="stable")
+    lk = np.repeat(np.arange(lk_n, dtype=np.int64), pos.size)[order]
+    j = np.tile(np.arange(pos.size, dtype=np.int64), lk_n)[order]
+    return SideBoxes(lk=lk, block_pos=pos[j], slot=a[j], ntok=(b - a)[j], addr=addr[order])
+
+
+def _side_dims(lay: KVLayout, ntok: int, nheads: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """(contiguous run, outer dims outer-first) of one box of ``ntok`` tokens on one side."""
+    return _fold([(ntok, lay.token_stride, lay.token_stride), (nheads, lay.head_stride, lay.head_stride)], lay.head_bytes)
+
+
+def side_runs(spec: CopySpec, side: str) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses, lengths) of the maximal contiguous byte runs ``spec`` touches on
+    ``side``, in increasing address order. A dense staging buffer laid out in this order
+    holds the run bytes back to back."""
+    lay = spec.src if side == "src" else spec.dst
+    bx = side_boxes(spec, side)
+    nh = spec.heads.count
+    parts_addr, parts_len, parts_key = [], [], []
+    for n in np.unique(bx.ntok):
+        sel = np.flatnonzero(bx.ntok == n)
+        run, dims = _side_dims(lay, int(n), nh)
+        a = bx.addr[sel]
+        k = sel.astype(np.int64)
+        if dims:
+            grid = np.indices([d[0] for d in dims], dtype=np.int64).reshape(len(dims), -1)
+            off = (np.array([d[1] for d in dims], dtype=np.int64)[:, None] * grid).sum(0)
+            a = (a[:, None] + off[None, :]).reshape(-1)
+            k = np.repeat(k, off.size)
+        parts_addr.append(a)
+        parts_len.append(np.full(a.size, run, dtype=np.int64))
+        parts_key.append(k)
+    addr = np.concatenate(parts_addr)
+    length = np.concatenate(parts_len)
+    if len(parts_addr) > 1:
+        order = np.argsort(np.concatenate(parts_key), kind="stable")
+        addr, length = addr[order], length[order]
+    seg = coalesce(addr, addr, length)
+    return seg.src, seg.length
 
 
 def check_segments_inside(addrs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray, what: str) -> None:

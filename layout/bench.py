@@ -1,0 +1,204 @@
+"""``kvbridge bench layout``: plan compile time and repack bandwidth, as ratios from one run.
+
+Geometry of the headline case: 32 layers, 8 KV heads, head_dim 128, bf16, SGLang page
+64 (NHD, per-layer K/V tensors) -> TensorRT-LLM tokens_per_block 32 (HND, one pool).
+Plans are compiled over addresses only (no memory needed for 32K tokens); the repack
+runs on real tensors of a smaller request and is compared with a torch copy of the
+same number of bytes, interleaved in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .geometry import dtype_itemsize
+from .plan import PlanKind, plan_transfer
+from .repack import Gather, row_addresses
+from .segments import count_segments
+from .sglang_pool import sglang_layout_from_buffers
+from .trtllm_pool import trtllm_layout_from_geometry
+
+__all__ = ["bench_layout"]
+
+
+def _sglang_buffers(layers: int, heads: int, head_dim: int, page: int, pages: int, dtype: str):
+    """Per-layer K and V tensors of SGLang's MHA geometry ``[pages * page, heads, head_dim]``."""
+    tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    ts = [torch.empty(pages * page, heads, head_dim, dtype=tdtype) for _ in range(2 * layers)]
+    for t in ts:
+        t.view(torch.int16).random_()
+    return ts
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_layout(
+    *,
+    layers: int = 32,
+    heads: int = 8,
+    head_dim: int = 128,
+    dtype: str = "bfloat16",
+    src_page: int = 64,
+    dst_tokens_per_block: int = 32,
+    plan_tokens: int = 32768,
+    repack_tokens: int = 4096,
+    reps: int = 5,
+    chunk_bytes: int = 16 << 20,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the layout benchmark; returns a JSON-ready dict (see module docstring)."""
+    say = progress or (lambda _msg: None)
+    rng = np.random.default_rng(seed)
+    item = dtype_itemsize(dtype)
+
+    # -- plan compile time over addresses only (32K tokens) ---------------------------
+    say(f"planning {plan_tokens} tokens")
+    pages = plan_tokens // src_page + 8
+    page_bytes = src_page * heads * head_dim * item
+    ptrs = [0x100000000 + i * (pages * page_bytes + 4096) for i in range(2 * layers)]
+    src = sglang_layout_from_buffers(ptrs, [pages * page_bytes] * (2 * layers), [page_bytes] * (2 * layers),
+                                     src_page, heads, heads, dtype)
+    nblk = plan_tokens // dst_tokens_per_block + 8
+    dst = trtllm_layout_from_geometry(0x7F0000000000, nblk, layers, 2, heads, dst_tokens_per_block, head_dim, dtype)
+    sb = rng.permutation(np.arange(1, pages))[: plan_tokens // src_page]
+    db = rng.permutation(np.arange(nblk))[: plan_tokens // dst_tokens_per_block]
+    plan = plan_transfer(src, sb, dst, db, plan_tokens)  # warm-up
+    times = [_timed(lambda: plan_transfer(src, sb, dst, db, plan_tokens)) for _ in range(max(reps, 5))]
+    direct = plan.estimates.get(PlanKind.DIRECT)
+    seg_direct = direct.segments if direct else count_segments(plan.spec)
+    seg_staged = plan.estimates[PlanKind.STAGED_SEND].segments
+    contiguous = plan_transfer(src, sb, dst, np.arange(plan_tokens // dst_tokens_per_block), plan_tokens)
+
+    # -- repack bandwidth on real tensors, against a torch copy of the same bytes ------
+    say(f"repacking {repack_tokens} tokens")
+    rpages = repack_tokens // src_page + 2
+    ts = _sglang_buffers(layers, heads, head_dim, src_page, rpages, dtype)
+    rsrc = sglang_layout_from_buffers([t.data_ptr() for t in ts], [t.nbytes for t in ts],
+                                      [page_bytes] * (2 * layers), src_page, heads, heads, dtype, tensors=ts)
+    rnblk = repack_tokens // dst_tokens_per_block
+    rdst = trtllm_layout_from_geometry(0x7F0000000000, rnblk + 4, layers, 2, heads, dst_tokens_per_block, head_dim, dtype)
+    rsb = rng.permutation(np.arange(1, rpages))[: repack_tokens // src_page]
+    rdb = rng.permutation(np.arange(rnblk + 4))[:rnblk]
+    rplan = plan_transfer(rsrc, rsb, rdst, rdb, repack_tokens, force=PlanKind.STAGED_SEND)
+    nbytes = rplan.nbytes
+    t0 = time.perf_counter()
+    chunks = rplan.chunks(chunk_bytes)
+    gathers = [c.gather() for c in chunks]
+    prepare_s = time.perf_counter() - t0
+    ring = [torch.empty(max(g.nbytes for g in gathers), dtype=torch.uint8) for _ in range(2)]
+    whole = rplan.gather()
+    whole_stage = torch.empty(nbytes, dtype=torch.uint8)
+    a = torch.empty(nbytes, dtype=torch.uint8)
+    b = torch.empty(nbytes, dtype=torch.uint8)
+    b.random_(0, 255)
+
+    def chunked() -> None:
+        for i, g in enumerate(gathers):
+            g.run(ring[i % 2])
+
+    a.copy_(b)  # warm-up: first touch of every page
+    chunked()
+    whole.run(whole_stage)
+    t_copy, t_rep, t_whole = [], [], []
+    for _ in range(reps):
+        t_copy.append(_timed(lambda: a.copy_(b)))
+        t_rep.append(_timed(chunked))
+        t_whole.append(_timed(lambda: whole.run(whole_stage)))
+    copy_s, rep_s, whole_s = statistics.median(t_copy), statistics.median(t_rep), statistics.median(t_whole)
+    # the bytes are right: staging row i is the destination's i-th row, read from the source
+    check = _check_gather(rplan, whole_stage)
+
+    # the same repack on CUDA, when there is one
+    cuda = None
+    if torch.cuda.is_available():
+        say("repacking on CUDA")
+        cuda = _bench_cuda(rplan, nbytes, reps, whole_stage)
+
+    return {
+        "geometry": {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "dtype": dtype,
+                     "src": f"sglang page {src_page} (NHD)", "dst": f"trtllm tokens_per_block {dst_tokens_per_block} (HND)"},
+        "plan_tokens": plan_tokens,
+        "plan_ms_32k": round(statistics.median(times) * 1e3, 3),
+        "plan_kind": plan.kind.value,
+        "plan_reason": plan.explain(),
+        "segments_direct": int(seg_direct),
+        "segments_staged": int(seg_staged),
+        "segments_staged_contiguous_dst": int(contiguous.num_segments),
+        "repack_tokens": repack_tokens,
+        "repack_bytes": nbytes,
+        "repack_mode": f"gather into a 2 x {chunk_bytes >> 20} MiB staging ring, {len(chunks)} chunks (the sender's pipeline)",
+        "repack_gbps": round(nbytes / rep_s / 1e9, 3),
+        "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
+        "repack_ratio": round(copy_s / rep_s, 3),
+        "repack_whole_gbps": round(nbytes / whole_s / 1e9, 3),
+        "repack_whole_ratio": round(copy_s / whole_s, 3),
+        "repack_prepare_ms": round(prepare_s * 1e3, 2),
+        "repack_bytes_verified": check,
+        "threads": torch.get_num_threads(),
+        "cuda": cuda,
+    }
+
+
+def _check_gather(plan, staging: torch.Tensor) -> bool:
+    """Staging row i must equal the source row that lands at the destination's i-th row."""
+    src_addr, _ = row_addresses(plan.spec, "dst")
+    lay = plan.spec.src
+    row = lay.head_bytes
+    pick = np.unique(np.linspace(0, src_addr.size - 1, 4096).astype(np.int64))
+    got = staging.view(-1, row)[torch.from_numpy(pick)]
+    want = torch.stack([_read(lay, int(src_addr[i]), row) for i in pick.tolist()])
+    return bool(torch.equal(got, want))
+
+
+def _read(lay, addr: int, n: int) -> torch.Tensor:
+    for t, r in zip(lay.tensors, lay.regions):
+        if r.addr <= addr < r.addr + r.nbytes:
+            off = addr - r.addr
+            return t.reshape(-1).view(torch.uint8)[off : off + n]
+    raise AssertionError("address outside the pool")
+
+
+def _bench_cuda(rplan, nbytes: int, reps: int, cpu_stage: torch.Tensor) -> dict:
+    """The same gather on CUDA against a device copy, pools moved to the GPU."""
+    src = rplan.spec.src
+    dev_tensors = [t.cuda() for t in src.tensors]
+    dsrc = sglang_layout_from_buffers([t.data_ptr() for t in dev_tensors], [t.nbytes for t in dev_tensors],
+                                      [src.block_stride] * len(dev_tensors), src.tokens_per_block, src.num_heads,
+                                      src.total_heads, src.dtype, tensors=dev_tensors)
+    spec = replace(rplan.spec, src=dsrc)
+    g = Gather(spec)
+    stage = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    g.run(stage)
+    a.copy_(b)
+    torch.cuda.synchronize()
+
+    def t(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    tc = statistics.median(t(lambda: a.copy_(b)) for _ in range(reps))
+    tr = statistics.median(t(lambda: g.run(stage)) for _ in range(reps))
+    return {
+        "device": torch.cuda.get_device_name(),
+        "repack_gbps": round(nbytes / tr / 1e9, 1),
+        "memcpy_gbps": round(nbytes / tc / 1e9, 1),
+        "repack_ratio": round(tc / tr, 3),
+        "matches_cpu": bool(torch.equal(stage.cpu(), cpu_stage)),
+    }

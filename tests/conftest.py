@@ -1,0 +1,17 @@
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+
+@pytest.fixture(scope="session")
+def sglang_pools():
+    """SGLang 0.5.23's real pool classes (MHATokenToKVPool, MLATokenToKVPool), on CPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    return MHATokenToKVPool, MLATokenToKVPool

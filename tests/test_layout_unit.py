@@ -1,0 +1,224 @@
+"""Unit tests of the layout core: constructors, errors, head maps, coalescing, plan choice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.layout import (
+    HeadMap,
+    KVLayout,
+    LayoutError,
+    LayoutMismatchError,
+    PlanKind,
+    block_ranges,
+    check_segments_inside,
+    plan_transfer,
+    sglang_layout_from_buffers,
+    sglang_mha_layout,
+    sglang_mla_layout,
+    tp_head_slice,
+    trtllm_layout_from_geometry,
+    trtllm_pool_layout,
+)
+
+
+def fake_sglang(layers=2, heads=2, head_dim=8, page=16, pages=10, dtype="bf16", tp_rank=0, tp_size=1, total=None):
+    """An SGLang-geometry layout over made-up addresses (planning needs no memory)."""
+    item = 1 if "fp8" in dtype else 2
+    page_bytes = page * heads * head_dim * item
+    ptrs = [0x10_0000_0000 + i * (1 << 24) for i in range(2 * layers)]
+    return sglang_layout_from_buffers(ptrs, [pages * page_bytes] * (2 * layers), [page_bytes] * (2 * layers), page, heads,
+                                      total or heads * tp_size, dtype, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def fake_trtllm(layers=2, heads=2, head_dim=8, tpb=32, blocks=10, dtype="bf16", **kw):
+    return trtllm_layout_from_geometry(0x20_0000_0000, blocks, layers, 2, heads, tpb, head_dim, dtype, **kw)
+
+
+def test_sglang_layout_from_kvargs_matches_live_pool(sglang_pools):
+    MHA, MLA = sglang_pools
+    pool = MHA(size=96, page_size=16, dtype=torch.float8_e4m3fn, head_num=2, head_dim=8, layer_num=3, device="cpu",
+               enable_memory_saver=False)
+    live = sglang_mha_layout(pool, tp_rank=1, tp_size=2)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    args = sglang_layout_from_buffers(ptrs, lens, items, 16, 2, 4, "fp8_e4m3", tp_rank=1, tp_size=2)
+    assert args.describe() == live.describe()
+    assert (live.num_layers, live.kv_factor, live.num_heads, live.head_offset, live.head_dim) == (3, 2, 2, 2, 8)
+    assert (live.dtype, live.itemsize, live.tokens_per_block, live.first_block, live.num_blocks) == ("float8_e4m3fn", 1, 16, 1, 7)
+    assert live.base[0, 1] == pool.v_buffer[0].data_ptr() and live.base[2, 0] == pool.k_buffer[2].data_ptr()
+    mla = sglang_mla_layout(MLA(size=64, page_size=1, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                layer_num=2, device="cpu", enable_memory_saver=False))
+    assert (mla.kv_factor, mla.num_heads, mla.head_dim, mla.num_blocks, mla.engine) == (1, 1, 24, 65, "sglang-mla")
+
+
+def test_trtllm_pool_geometry_is_hnd_and_rejects_bad_shapes():
+    pool = torch.zeros(6, 4, 2, 2 * 32 * 8, dtype=torch.bfloat16)
+    lay = trtllm_pool_layout(pool, tokens_per_block=32, num_kv_heads=2, pool_layers=[1, 3], layer_offset=5)
+    assert lay.is_head_major and lay.layers_inside_blocks
+    assert (lay.num_layers, lay.head_dim, lay.token_stride, lay.head_stride) == (2, 8, 16, 32 * 16)
+    assert lay.base[1, 1] == pool.data_ptr() + 3 * 2 * 2 * 32 * 8 * 2 + 2 * 32 * 8 * 2
+    assert lay.block_stride == 4 * 2 * 2 * 32 * 8 * 2
+    with pytest.raises(LayoutError, match="block_size"):
+        trtllm_pool_layout(pool, tokens_per_block=24, num_kv_heads=2)
+    with pytest.raises(LayoutError, match="does not match the pool"):
+        trtllm_pool_layout(pool, tokens_per_block=32, num_kv_heads=2, dtype="fp8")
+    with pytest.raises(LayoutError, match="pool_layers"):
+        trtllm_pool_layout(pool, tokens_per_block=32, num_kv_heads=2, pool_layers=[4])
+    mla = trtllm_pool_layout(torch.zeros(3, 2, 1, 32 * 576, dtype=torch.uint8), tokens_per_block=32, num_kv_heads=1, dtype="fp8")
+    assert (mla.kv_factor, mla.head_dim, mla.engine) == (1, 576, "trtllm-mla")
+
+
+def test_incompatible_layouts_name_every_mismatch():
+    a = fake_sglang(layers=2, head_dim=8, dtype="bf16")
+    b = fake_trtllm(layers=3, head_dim=16, dtype="fp8", heads=4)
+    with pytest.raises(LayoutMismatchError) as e:
+        plan_transfer(a, [1], b, [0], 4)
+    msg = str(e.value)
+    for field in ("num_layers", "total_heads", "head_dim", "dtype"):
+        assert field in msg
+    assert len(e.value.mismatches) == 4
+    mla = trtllm_layout_from_geometry(0x1000, 4, 2, 1, 1, 32, 8, "bf16")
+    with pytest.raises(LayoutMismatchError, match="kv_factor"):
+        plan_transfer(fake_sglang(heads=1), [1], mla, [0], 4)
+
+
+@pytest.mark.parametrize(
+    "blocks, tokens, first, match",
+    [
+        ([0, 1], 20, 0, r"block ids \[0\] outside"),  # SGLang page 0 is padding
+        ([1, 10], 20, 0, r"block ids \[10\] outside"),
+        ([1], 20, 0, "needs 2"),
+        ([3, 3], 20, 0, "names a block twice"),
+        ([1, 2], (5, 5), 0, "empty"),
+        ([1, 2], 20, 8, "not a multiple"),
+        ([1, 2], (0, 20), 16, "precedes"),
+    ],
+)
+def test_bad_block_lists_and_ranges_are_named(blocks, tokens, first, match):
+    with pytest.raises(LayoutError, match=match):
+        plan_transfer(fake_sglang(), blocks, fake_trtllm(), [0, 1, 2], tokens, src_first_token=first)
+
+
+def test_bad_arguments_raise_layout_errors():
+    with pytest.raises(LayoutError, match="2-d|1-d"):
+        plan_transfer(fake_sglang(), [[1, 2]], fake_trtllm(), [0], 4)
+    with pytest.raises(LayoutError, match="integers"):
+        plan_transfer(fake_sglang(), [1.5], fake_trtllm(), [0], 4)
+    with pytest.raises(LayoutError, match="unsupported KV dtype"):
+        fake_sglang(dtype="int4")
+    with pytest.raises(LayoutError, match="not page_size"):
+        sglang_layout_from_buffers([0x1000, 0x2000], [1000, 1000], [100, 100], 16, 2, 2, "bf16")
+    with pytest.raises(LayoutError, match="malformed"):
+        KVLayout.from_description({"engine": "x"})
+    with pytest.raises(LayoutError, match="do not fit"):
+        KVLayout.from_description({**fake_trtllm().describe(), "num_blocks": 11})
+
+
+def test_tp_head_slices_and_maps():
+    assert [tp_head_slice(8, 2, r) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [tp_head_slice(8, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [tp_head_slice(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # replicated
+    with pytest.raises(LayoutError, match="cannot be split"):
+        tp_head_slice(6, 4, 0)
+    # prefill TP 2 -> decode TP 4: decode rank 3 takes global heads 6..8 = prefill rank 1's local 2..4
+    src = fake_sglang(heads=4, tp_rank=1, tp_size=2)
+    dst = fake_trtllm(heads=2, tp_rank=3, tp_size=4)
+    assert HeadMap.between(src, dst) == HeadMap(global_start=6, count=2, src_start=2, dst_start=0)
+    # and back: TP 4 -> TP 2
+    assert HeadMap.between(dst, src) == HeadMap(6, 2, 0, 2)
+    with pytest.raises(LayoutError, match="do not overlap"):
+        HeadMap.between(fake_sglang(heads=4, tp_rank=0, tp_size=2), dst)
+
+
+def test_same_layouts_coalesce_to_few_segments():
+    # SGLang -> SGLang, same page size, consecutive pages: one segment per layer and K/V
+    a, b = fake_sglang(layers=3, pages=40), fake_sglang(layers=3, pages=40)
+    plan = plan_transfer(a, np.arange(1, 8), b, np.arange(20, 27), 100)
+    assert plan.kind is PlanKind.DIRECT and plan.num_segments == 3 * 2
+    # TRT-LLM -> TRT-LLM, same block size, consecutive full blocks: one segment in all
+    t1, t2 = fake_trtllm(layers=4, blocks=20), fake_trtllm(layers=4, blocks=20)
+    plan = plan_transfer(t1, [2, 3, 4], t2, [10, 11, 12], 96)
+    assert plan.kind is PlanKind.DIRECT and plan.num_segments == 1 and plan.nbytes == 96 * 4 * 2 * 2 * 16
+    # a prefix the receiver holds (tokens 0..40): skipped, the rest still coalesces
+    plan = plan_transfer(t1, [2, 3, 4], t2, [10, 11, 12], (40, 96))
+    assert plan.nbytes == 56 * 4 * 2 * 2 * 16 and plan.num_segments < 4 * 2 * 2 * 2
+
+
+def test_plan_choice_and_explanation():
+    # NHD -> HND at scale: direct would be one segment per head per token; staging wins
+    src = fake_sglang(layers=4, heads=8, head_dim=128, page=64, pages=80)
+    dst = fake_trtllm(layers=4, heads=8, head_dim=128, tpb=32, blocks=160)
+    plan = plan_transfer(src, np.arange(1, 65), dst, np.arange(128), 4096)
+    assert plan.kind is PlanKind.STAGED_SEND
+    assert plan.estimates[PlanKind.DIRECT].segments == 4 * 2 * 4096 * 8
+    assert plan.num_segments == 1 and plan.staging_bytes == plan.nbytes
+    assert "chose staged_send" in plan.explain() and "direct" in plan.explain()
+    # prefill TP 2 -> decode TP 1 into SGLang (NHD): receiver rows are split between senders,
+    # so only receiver-side staging makes segments large
+    s = fake_sglang(layers=2, heads=4, head_dim=64, page=16, pages=70, tp_rank=1, tp_size=2)
+    d = fake_sglang(layers=2, heads=8, head_dim=64, page=16, pages=70)
+    plan = plan_transfer(s, np.arange(1, 65), d, np.arange(2, 66), 1024, kinds=tuple(PlanKind))
+    assert plan.kind is PlanKind.STAGED_RECV
+    assert plan.estimates[PlanKind.DIRECT].segments == 2 * 2 * 1024
+    assert plan.num_segments == 2 * 2
+    # without receiver-side staging, sender staging cannot merge split rows: direct it is
+    assert plan_transfer(s, np.arange(1, 65), d, np.arange(2, 66), 1024).kind is PlanKind.DIRECT
+
+
+def test_plan_from_a_peer_description_is_identical():
+    src, dst = fake_sglang(layers=2, pages=20), fake_trtllm(layers=2, blocks=20)
+    remote = KVLayout.from_description(json.loads(json.dumps(dst.describe())))
+    p1 = plan_transfer(src, [3, 5, 7], dst, [9, 1], 40, force="direct")
+    p2 = plan_transfer(src, [3, 5, 7], remote, [9, 1], 40, force="direct")
+    assert np.array_equal(p1.wire.src, p2.wire.src) and np.array_equal(p1.wire.dst, p2.wire.dst)
+
+
+def test_write_guard_accepts_room_blocks_and_rejects_others():
+    src, dst = fake_sglang(layers=2, pages=20), fake_trtllm(layers=2, blocks=20)
+    plan = plan_transfer(src, [3, 5, 7], dst, [9, 1], 40, force="direct")
+    allowed = block_ranges(dst, np.array([9, 1]))
+    check_segments_inside(plan.wire.dst, plan.wire.length, allowed, "room 7")
+    with pytest.raises(LayoutError, match="room 7: 1 segment"):
+        check_segments_inside(plan.wire.dst[:1] + dst.block_stride, plan.wire.length[:1], block_ranges(dst, np.array([1])), "room 7")
+    with pytest.raises(LayoutError, match="outside"):
+        check_segments_inside(np.array([10]), np.array([8]), np.array([[0, 16]]), "x")  # runs past the end
+
+
+def test_chunks_cover_the_plan_exactly():
+    src = fake_sglang(layers=2, heads=8, head_dim=128, page=64, pages=40)
+    dst = fake_trtllm(layers=2, heads=8, head_dim=128, tpb=32, blocks=80)
+    plan = plan_transfer(src, np.arange(1, 33), dst, np.arange(64)[::-1], (10, 2000))
+    parts = plan.chunks(1 << 20)
+    assert parts[0].spec.start == 10 and parts[-1].spec.stop == 2000
+    assert all(p.spec.stop == q.spec.start for p, q in zip(parts, parts[1:]))
+    assert sum(p.nbytes for p in parts) == plan.nbytes
+    assert all((p.spec.start - 10 if i == 0 else p.spec.start) % 64 == 0 or i == 0 for i, p in enumerate(parts))
+
+
+def test_bench_layout_cli_reports_what_the_issue_asks():
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layout", "--json", "--plan-tokens", "2048",
+                          "--repack-tokens", "256", "--reps", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    for key in ("repack_gbps", "memcpy_gbps", "repack_ratio", "plan_ms_32k", "segments_direct", "segments_staged"):
+        assert key in res
+    assert res["repack_bytes_verified"] is True
+    assert res["segments_direct"] == 32 * 2 * 2048 * 8 and res["segments_staged"] < 100
+
+
+def test_wheel_contains_every_subpackage(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (whl,) = tmp_path.glob("kvbridge-*.whl")
+    names = set(zipfile.ZipFile(whl).namelist())
+    for mod in ("kvbridge/__init__.py", "kvbridge/cli.py", "kvbridge/layout/plan.py", "kvbridge/layout/repack.py",
+                "kvbridge/common/__init__.py", "kvbridge/adapters/sglang/__init__.py", "kvbridge/adapters/trtllm/__init__.py"):
+        assert mod in names, mod
