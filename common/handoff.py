@@ -1,0 +1,719 @@
+"""Sender and receiver state machines for moving one request's KV (one "room").
+
+Decode side (``KVReceiver``): allocates blocks for a room, sends each prefill rank that
+holds part of the request a ``TransferRequest`` (its layout, block ids, the tokens it
+already holds, its transfer-engine session, an auth tag), and waits for ``TransferDone``
+from every one of them. Prefill side (``KVSender``): takes the request on its control
+endpoint, checks it (version, auth, model and layout compatibility, that every byte it
+would write lies inside the blocks the receiver allocated for that room), and as each
+prefill chunk's KV is ready plans and writes it through the Mooncake transport,
+gathering into a staging ring overlapped with the writes when the layouts differ.
+
+Room states are ordered like SGLang's ``KVPoll`` (Failed < Bootstrapping < Waiting <
+Transferring < Success), so the minimum over ranks is the request's state. Every room
+has a deadline; both sides heartbeat; ``abort`` works from either side. Each side's
+blocks for a room are released exactly once (``BlockLease``). A receiver that gives up
+while its sender may still be writing reports Failed only after the sender
+acknowledged, died, or ``quiesce_s`` passed, so its blocks are not reused under a write.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from kvbridge.layout import (
+    KVLayout,
+    LayoutError,
+    LayoutMismatchError,
+    PlanCosts,
+    PlanKind,
+    block_ranges,
+    check_compatible,
+    check_segments_inside,
+    plan_transfer,
+)
+
+from . import protocol as P
+from .blocks import BlockLease
+from .control import ControlChannel
+from .metrics import HandoffRecord, KVBridgeMetrics
+from .transport import MooncakeTransport, TransportError
+
+__all__ = ["RoomState", "KVSender", "KVReceiver", "HandoffConfig", "default_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+class RoomState(enum.IntEnum):
+    """Where a room is; ordered so that the minimum over ranks is the request's state."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+TERMINAL = (RoomState.FAILED, RoomState.SUCCESS)
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """Knobs shared by both sides (seconds unless named otherwise)."""
+
+    deadline_s: float = 60.0  # a room must finish within this after it starts
+    heartbeat_s: float = 0.5  # receivers ping the senders they wait on this often
+    peer_timeout_s: float = 3.0  # a peer silent this long is gone; its rooms fail
+    quiesce_s: float = 1.0  # how long a failing receiver waits for its sender to stop writing
+    chunk_bytes: int = 16 << 20  # staging chunk: gather of chunk i+1 overlaps the write of chunk i
+    write_timeout_s: float = 30.0  # bound on one chunk's write
+    secret: str = ""  # shared secret for auth tags; empty: auth off
+    model: str = ""  # model name both sides must agree on (empty: not checked)
+    kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND)
+    costs: PlanCosts = field(default_factory=PlanCosts)
+
+
+_METRICS: KVBridgeMetrics | None = None
+_METRICS_LOCK = threading.Lock()
+
+
+def default_metrics() -> KVBridgeMetrics:
+    """The process's Prometheus metrics (created on first use, in the default registry)."""
+    global _METRICS
+    with _METRICS_LOCK:
+        if _METRICS is None:
+            _METRICS = KVBridgeMetrics()
+        return _METRICS
+
+
+class HandoffFailed(RuntimeError):
+    """A room failed; ``reason`` says why."""
+
+
+@dataclass
+class _Chunk:
+    blocks: np.ndarray
+    first_token: int
+    start: int
+    stop: int
+    last: bool
+
+
+@dataclass
+class _Target:
+    """One decode rank pulling a sender room: its request and how far it has been served."""
+
+    peer: str
+    request: P.TransferRequest
+    remote: KVLayout
+    allowed: np.ndarray
+    sent: int = 0  # chunks of the room already written to this target
+
+
+@dataclass
+class _SendRoom:
+    room: int
+    deadline: float
+    record: HandoffRecord
+    lease: BlockLease | None = None
+    state: RoomState = RoomState.BOOTSTRAPPING
+    targets: dict[str, _Target] = field(default_factory=dict)
+    expected: int = 1  # decode ranks that will pull this room (TP fan-out)
+    chunks: list[_Chunk] = field(default_factory=list)
+    busy: bool = False
+    reason: str = ""
+
+
+class _Side:
+    """What both sides share: layout, transport, control channel, rooms and deadlines."""
+
+    role = ""
+
+    def __init__(self, layout: KVLayout, transport: MooncakeTransport, config: HandoffConfig | None,
+                 metrics: KVBridgeMetrics | None, bind_host: str | None):
+        self.layout = layout
+        self.transport = transport
+        self.config = config or HandoffConfig()
+        self.metrics = metrics or default_metrics()
+        self._lock = threading.RLock()
+        self._peers_seen: dict[str, float] = {}
+        self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
+                                      name=f"kvbridge-{self.role}")
+
+    def _count_blocks(self, n: int) -> None:
+        self.metrics.blocks_held.labels(self.role).inc(n)
+
+    def _send(self, peer: str, msg) -> None:
+        if isinstance(msg, (P.TransferFailed, P.Abort)) and len(msg.reason) > 4000:
+            msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
+        self.channel.send(peer, P.encode(msg))
+
+    def _on_frame(self, peer: str, payload: bytes) -> None:
+        self._peers_seen[peer] = time.monotonic()
+        try:
+            msg = P.decode(payload)
+        except P.ProtocolError as e:
+            log.warning("%s: refused a malformed control message from %s: %s", self.role, peer, e)
+            self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
+            return
+        self._on_message(peer, msg)
+
+    def _on_message(self, peer: str, msg) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _on_tick(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the control channel (rooms still open fail)."""
+        self.channel.close()
+
+
+class KVSender(_Side):
+    """Prefill side of one rank: serves TransferRequests for its rooms.
+
+    Called by the prefill engine: ``add_room`` when a request is admitted (with the
+    blocks it holds, and how to release them), ``send_chunk`` after each prefill chunk
+    with the blocks and token range just computed, ``poll``/``abort``; the decode side
+    reaches it at ``endpoint``.
+    """
+
+    role = "sender"
+
+    def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, host: str = "127.0.0.1",
+                 config: HandoffConfig | None = None, metrics: KVBridgeMetrics | None = None, workers: int = 2):
+        self._rooms: dict[int, _SendRoom] = {}
+        self._early: dict[int, tuple[str, P.TransferRequest, float]] = {}
+        super().__init__(layout, transport, config, metrics, bind_host=host)
+        cfg = self.config
+        for t in layout.tensors or ():
+            transport.register_tensor(t)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
+        self._rings: deque = deque()
+        for _ in range(workers):
+            ring = [torch.empty(cfg.chunk_bytes, dtype=torch.uint8, device=layout.device or "cpu") for _ in range(2)]
+            for t in ring:
+                transport.register_tensor(t)
+            self._rings.append(ring)
+
+    @property
+    def endpoint(self) -> str:
+        """The control endpoint decode ranks send TransferRequests to."""
+        return self.channel.endpoint
+
+    # -- engine-facing ------------------------------------------------------------------
+    def add_room(self, room: int, blocks: Sequence[int] = (), release: Callable[[np.ndarray, bool], None] | None = None,
+                 deadline_s: float | None = None) -> None:
+        """Prefill engine, on admitting request ``room``: it will prefill here. ``release``
+        gets ``blocks`` back once the handoff is over (delivered or given up)."""
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} already exists on this sender")
+            rec = HandoffRecord(room=room, role=self.role)
+            r = _SendRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec)
+            r.lease = BlockLease(room, blocks, release, self._count_blocks)
+            self._rooms[room] = r
+            self.metrics.inflight.labels(self.role).inc()
+            early = self._early.pop(room, None)
+        if early is not None:
+            self._accept(early[0], early[1])
+
+    def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0) -> None:
+        """Prefill engine, after a chunk: tokens ``[start, stop)`` of ``room`` are in ``blocks``
+        (a block list in token order whose entry 0 holds token ``first_token``)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise KeyError(f"room {room} is not on this sender")
+            if r.state in TERMINAL:
+                return
+            if r.chunks and r.chunks[-1].last:
+                raise ValueError(f"room {room}: chunk after the last one")
+            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, last))
+        self._kick(r)
+
+    def poll(self, room: int) -> RoomState:
+        """The room's state (Failed for an unknown room)."""
+        r = self._rooms.get(room)
+        return r.state if r is not None else RoomState.FAILED
+
+    def failure_reason(self, room: int) -> str:
+        """Why the room failed ('' if it did not)."""
+        r = self._rooms.get(room)
+        return r.reason if r is not None else f"room {room} is not on this sender"
+
+    def record(self, room: int) -> HandoffRecord | None:
+        """The room's figures."""
+        r = self._rooms.get(room)
+        return r.record if r is not None else None
+
+    def abort(self, room: int, reason: str = "aborted by prefill") -> None:
+        """Prefill engine: give the room up; the decode side is told."""
+        self._fail(room, reason, code="aborted", notify=True)
+
+    def forget(self, room: int) -> None:
+        """Drop a finished room's bookkeeping."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.state in TERMINAL and not r.busy:
+                del self._rooms[room]
+
+    def close(self) -> None:
+        """Fail open rooms, stop workers and the control channel."""
+        for room in list(self._rooms):
+            if self._rooms[room].state not in TERMINAL:
+                self._fail(room, "sender shutting down", code="shutdown", notify=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+    # -- control plane (I/O thread) -----------------------------------------------------
+    def _on_message(self, peer: str, msg) -> None:
+        if isinstance(msg, P.TransferRequest):
+            self._accept(peer, msg)
+        elif isinstance(msg, P.Heartbeat):
+            self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint))
+        elif isinstance(msg, P.Abort):
+            r = self._rooms.get(msg.room)
+            if r is not None and peer in r.targets:
+                self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
+            elif r is None:
+                self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown", code="unknown_room"))
+        else:
+            log.warning("sender: unexpected %s from %s", type(msg).__name__, peer)
+
+    def _refuse(self, peer: str, room: int, reason: str, code: str) -> None:
+        log.warning("sender: refused room %s from %s: %s", room, peer, reason)
+        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code))
+
+    def _accept(self, peer: str, req: P.TransferRequest) -> None:
+        cfg = self.config
+        if cfg.secret and not P.verify(req, cfg.secret):
+            self._refuse(peer, req.room, "authentication failed: bad or missing auth tag", "auth")
+            return
+        if cfg.model and req.model and req.model != cfg.model:
+            self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible")
+            self._fail(req.room, f"decode peer runs model {req.model!r}", code="incompatible", notify=False)
+            return
+        with self._lock:
+            r = self._rooms.get(req.room)
+            if r is None:
+                self._early[req.room] = (peer, req, time.monotonic())
+                return
+            if peer in r.targets:
+                return  # a duplicate (replayed) request changes nothing
+            if len(r.targets) >= max(r.expected, req.receivers):
+                self._refuse(peer, req.room, f"room already pulled by {len(r.targets)} decode rank(s)", "conflict")
+                return
+        try:
+            remote = KVLayout.from_description(req.layout)
+            check_compatible(self.layout, remote)
+            blocks = np.asarray(req.block_ids, dtype=np.int64)
+            if blocks.size and ((blocks < remote.first_block) | (blocks >= remote.num_blocks)).any():
+                raise LayoutError("receiver block ids outside its own pool")
+            if not 0 <= req.token_start < req.token_stop:
+                raise LayoutError(f"empty token range [{req.token_start}, {req.token_stop})")
+        except (LayoutMismatchError, LayoutError) as e:
+            reason = f"incompatible layouts: {e}"
+            self._refuse(peer, req.room, reason, "incompatible")
+            self._fail(req.room, reason, code="incompatible", notify=True)
+            return
+        with self._lock:
+            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks))
+            r.expected = max(r.expected, req.receivers)
+            if r.state is RoomState.BOOTSTRAPPING:
+                r.state = RoomState.WAITING
+        self._kick(r)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        for room, (peer, req, t) in list(self._early.items()):
+            if now - t > cfg.deadline_s:
+                self._early.pop(room, None)
+                self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s", "unknown_room")
+        for r in list(self._rooms.values()):
+            if r.state in TERMINAL:
+                continue
+            if now > r.deadline:
+                self._fail(r.room, f"deadline exceeded in state {r.state.name}", code="timeout", notify=True)
+            else:
+                silent = [p for p in r.targets if now - self._peers_seen.get(p, now) > cfg.peer_timeout_s]
+                if silent:
+                    self._fail(r.room, f"decode peer silent for {cfg.peer_timeout_s:.1f} s", code="peer_gone", notify=True)
+
+    # -- data plane (workers) -----------------------------------------------------------
+    def _next_work(self, r: _SendRoom) -> tuple[_Target, _Chunk] | None:
+        for t in r.targets.values():
+            if t.sent < len(r.chunks):
+                return t, r.chunks[t.sent]
+        return None
+
+    def _kick(self, r: _SendRoom) -> None:
+        with self._lock:
+            if r.busy or r.state in TERMINAL or self._next_work(r) is None:
+                return
+            r.busy = True
+        self._pool.submit(self._drain, r)
+
+    def _drain(self, r: _SendRoom) -> None:
+        ring = self._rings.popleft()
+        try:
+            while True:
+                with self._lock:
+                    work = self._next_work(r) if r.state not in TERMINAL else None
+                    if work is None:
+                        break
+                    r.state = RoomState.TRANSFERRING
+                target, chunk = work
+                self._send_one(r, target, chunk, ring)
+                with self._lock:
+                    target.sent += 1
+                    if chunk.last:
+                        self._send(target.peer, P.TransferDone(room=r.room, bytes=r.record.bytes, segments=r.record.segments,
+                                                               plan=r.record.plan, seconds=r.record.seconds))
+                    complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
+                                and all(t.sent == len(r.chunks) for t in r.targets.values()))
+                if complete:
+                    self._succeed(r)
+        except (TransportError, LayoutError, HandoffFailed) as e:
+            with self._lock:
+                r.busy = False
+            self._fail(r.room, str(e), code="transfer", notify=True)
+        except Exception as e:  # never leave a room hanging on a bug
+            log.exception("sender: room %s crashed", r.room)
+            with self._lock:
+                r.busy = False
+            self._fail(r.room, f"internal error: {e!r}", code="internal", notify=True)
+        finally:
+            self._rings.append(ring)
+            with self._lock:
+                r.busy = False
+        self._kick(r)
+
+    def _send_one(self, r: _SendRoom, t: _Target, c: _Chunk, ring: list[torch.Tensor]) -> None:
+        req = t.request
+        start, stop = max(c.start, req.token_start), min(c.stop, req.token_stop)
+        if c.last and c.stop != req.token_stop:
+            raise HandoffFailed(f"prefill has {c.stop} tokens but decode expects {req.token_stop}")
+        if stop <= start:
+            return
+        cfg = self.config
+        plan = plan_transfer(self.layout, c.blocks, t.remote, req.block_ids, (start, stop),
+                             src_first_token=c.first_token, dst_first_token=req.first_token,
+                             kinds=cfg.kinds, costs=cfg.costs)
+        # the guard: not one byte outside the blocks this receiver allocated for this room
+        check_segments_inside(plan.wire.dst, plan.wire.length, t.allowed, f"room {r.room}")
+        rec = r.record
+        rec.plan, rec.plan_reason = plan.kind.value, plan.explain()
+        deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
+        if plan.kind is PlanKind.DIRECT:
+            t0 = time.perf_counter()
+            h = self.transport.write_async(req.session, plan.wire.src, plan.wire.dst, plan.wire.length, deadline)
+            try:
+                h.wait()
+            finally:
+                self._settle_write(h)
+            rec.transfer_s += time.perf_counter() - t0
+            rec.chunks += 1
+        elif plan.kind is PlanKind.STAGED_SEND:
+            self._pipeline(r, req.session, plan, ring, deadline)
+        else:
+            raise HandoffFailed(f"plan kind {plan.kind.value} needs receiver staging, which this sender does not use")
+        rec.bytes += plan.nbytes
+        rec.segments += plan.num_segments
+
+    def _pipeline(self, r: _SendRoom, session: str, plan, ring: list[torch.Tensor], deadline_s: float) -> None:
+        """Gather chunk i into ring slot i % 2 while chunk i-1 is on the wire."""
+        rec = r.record
+        inflight: deque = deque()
+        end = time.monotonic() + deadline_s
+        try:
+            for i, part in enumerate(plan.chunks(self.config.chunk_bytes)):
+                if r.state in TERMINAL:
+                    raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
+                slot = ring[i % 2]
+                if len(inflight) == 2:  # the slot we are about to overwrite must be sent
+                    inflight.popleft().wait(end - time.monotonic())
+                t0 = time.perf_counter()
+                part.gather().run(slot)
+                rec.repack_s += time.perf_counter() - t0
+                w = part.wire.shifted(src_by=slot.data_ptr())
+                inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic()))
+                rec.chunks += 1
+            t0 = time.perf_counter()
+            while inflight:
+                inflight.popleft().wait(end - time.monotonic())
+            rec.transfer_s += time.perf_counter() - t0
+        finally:
+            for h in inflight:  # on failure: no piece of ours may still be in the engine
+                self._settle_write(h)
+
+    def _settle_write(self, h) -> None:
+        """After a write ended (or to end it): make sure the engine holds none of its pieces,
+        so our staging slot and the peer's blocks may be reused."""
+        if not h.done:
+            h.abort("room failed")
+        if not h.settle(self.config.write_timeout_s):
+            log.error("sender: pieces of a failed write are still in the transfer engine after %.1f s",
+                      self.config.write_timeout_s)
+
+    def _succeed(self, r: _SendRoom) -> None:
+        with self._lock:
+            if r.state in TERMINAL:
+                return
+            r.state = RoomState.SUCCESS
+            rec = r.record
+            rec.finished, rec.result = time.monotonic(), "success"
+        r.lease.release(True)
+        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.observe(rec)
+
+    def _fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.state in TERMINAL:
+                return
+            r.state, r.reason = RoomState.FAILED, reason
+            r.record.finished, r.record.result, r.record.reason = time.monotonic(), (
+                "aborted" if code == "aborted" else "failed"), reason
+            busy = r.busy
+        log.warning("sender: room %s failed: %s", room, reason)
+        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.observe(r.record)
+        if busy:  # tell the peer and release only once no write of ours can still land
+            threading.Thread(target=self._settle_when_idle, args=(r, notify, code), daemon=True).start()
+        else:
+            self._settle(r, notify, code)
+
+    def _settle(self, r: _SendRoom, notify: bool, code: str) -> None:
+        if notify:
+            for peer in r.targets:
+                self._send(peer, P.TransferFailed(room=r.room, reason=r.reason, code=code))
+        r.lease.release(False)
+
+    def _settle_when_idle(self, r: _SendRoom, notify: bool, code: str) -> None:
+        end = time.monotonic() + self.config.write_timeout_s + 1
+        while r.busy and time.monotonic() < end:
+            time.sleep(0.002)
+        self._settle(r, notify, code)
+
+
+@dataclass
+class _RecvRoom:
+    room: int
+    deadline: float
+    record: HandoffRecord
+    lease: BlockLease
+    peers: dict[str, str]  # endpoint -> "pending" | "done" | "failed"
+    state: RoomState = RoomState.BOOTSTRAPPING
+    reason: str = ""
+    closing_since: float | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class KVReceiver(_Side):
+    """Decode side of one rank: pulls rooms from prefill senders into its own blocks.
+
+    Called by the decode engine: ``request`` once blocks are allocated, ``poll`` until
+    Success or Failed, ``abort`` to give up. ``release`` passed to ``request`` gets the
+    blocks back exactly once: with True when they hold the KV, False when they are free.
+    """
+
+    role = "receiver"
+
+    def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, config: HandoffConfig | None = None,
+                 metrics: KVBridgeMetrics | None = None):
+        self._rooms: dict[int, _RecvRoom] = {}
+        self._last_ping = 0.0
+        super().__init__(layout, transport, config, metrics, bind_host=None)
+        for t in layout.tensors or ():
+            transport.register_tensor(t)
+
+    def request(self, room: int, endpoints: str | Sequence[str], blocks, start: int, stop: int,
+                release: Callable[[np.ndarray, bool], None] | None = None, *, first_token: int = 0,
+                deadline_s: float | None = None, receivers: int = 1) -> None:
+        """Decode engine, after allocating ``blocks`` (in token order, entry 0 holding token
+        ``first_token``) for tokens ``[0, stop)`` of ``room``, of which ``[0, start)`` it
+        already holds: ask every prefill rank at ``endpoints`` for its part. ``receivers``
+        is how many decode ranks pull the room from each of those prefill ranks (decode TP
+        over prefill TP when decode has more ranks)."""
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not eps:
+            raise ValueError("at least one prefill endpoint is needed")
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} already exists on this receiver")
+            rec = HandoffRecord(room=room, role=self.role)
+            lease = BlockLease(room, blocks, release, self._count_blocks)
+            r = _RecvRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec, lease,
+                          {ep: "pending" for ep in eps})
+            self._rooms[room] = r
+            self.metrics.inflight.labels(self.role).inc()
+        msg = P.TransferRequest(
+            room=room, model=self.config.model, layout=self.layout.describe(), block_ids=lease.blocks.tolist(),
+            first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
+            sent_at=time.time(), receivers=receivers,
+        )
+        if self.config.secret:
+            msg = P.sign(msg, self.config.secret)
+        now = time.monotonic()
+        for ep in eps:
+            self._peers_seen.setdefault(ep, now)
+            self._send(ep, msg)
+        with self._lock:
+            if r.state is RoomState.BOOTSTRAPPING:
+                r.state = RoomState.WAITING
+
+    def poll(self, room: int) -> RoomState:
+        """The room's state (Failed for an unknown room)."""
+        r = self._rooms.get(room)
+        return r.state if r is not None else RoomState.FAILED
+
+    def wait(self, room: int, timeout_s: float | None = None) -> RoomState:
+        """Block until the room is Success or Failed (or ``timeout_s``); returns the state."""
+        r = self._rooms.get(room)
+        if r is None:
+            return RoomState.FAILED
+        r.done.wait(timeout_s)
+        return r.state
+
+    def failure_reason(self, room: int) -> str:
+        """Why the room failed ('' if it did not)."""
+        r = self._rooms.get(room)
+        return r.reason if r is not None else f"room {room} is not on this receiver"
+
+    def record(self, room: int) -> HandoffRecord | None:
+        """The room's figures."""
+        r = self._rooms.get(room)
+        return r.record if r is not None else None
+
+    def abort(self, room: int, reason: str = "aborted by decode") -> None:
+        """Decode engine: give the room up; the prefill side is told."""
+        self._begin_fail(room, reason, code="aborted", notify=True)
+
+    def forget(self, room: int) -> None:
+        """Drop a finished room's bookkeeping."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.state in TERMINAL:
+                del self._rooms[room]
+
+    def close(self) -> None:
+        """Fail open rooms and stop the control channel."""
+        for room in list(self._rooms):
+            self._begin_fail(room, "receiver shutting down", code="shutdown", notify=True)
+            self._finish_fail(self._rooms[room])
+        super().close()
+
+    # -- control plane (I/O thread) -----------------------------------------------------
+    def _on_message(self, peer: str, msg) -> None:
+        if isinstance(msg, P.Heartbeat):
+            return
+        r = self._rooms.get(getattr(msg, "room", -1))
+        if r is None or peer not in r.peers:
+            if not isinstance(msg, P.Heartbeat):
+                log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
+            return
+        if isinstance(msg, P.TransferDone):
+            with self._lock:
+                r.peers[peer] = "done"
+                r.record.bytes += msg.bytes
+                r.record.segments += msg.segments
+                r.record.plan = msg.plan
+                all_done = all(v == "done" for v in r.peers.values())
+            if all_done and r.state not in TERMINAL and r.closing_since is None:
+                self._succeed(r)
+            elif r.closing_since is not None and self._quiet(r):
+                self._finish_fail(r)
+        elif isinstance(msg, P.TransferFailed):
+            with self._lock:
+                r.peers[peer] = "failed"
+            if r.closing_since is None:
+                self._begin_fail(r.room, f"prefill {peer} failed the room: {msg.reason}", code=msg.code, notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+        elif isinstance(msg, P.Abort):
+            with self._lock:
+                r.peers[peer] = "failed"
+            self._begin_fail(r.room, f"aborted by prefill: {msg.reason}", code="aborted", notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+
+    def _quiet(self, r: _RecvRoom) -> bool:
+        """No sender of this room can still be writing."""
+        return all(v != "pending" for v in r.peers.values())
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        if now - self._last_ping >= cfg.heartbeat_s:
+            self._last_ping = now
+            waiting = {ep for r in self._rooms.values() if r.state not in TERMINAL for ep, s in r.peers.items() if s == "pending"}
+            for ep in waiting:
+                self._send(ep, P.Heartbeat(room=0, sender=self.transport.session_id))
+        for r in list(self._rooms.values()):
+            if r.state in TERMINAL:
+                continue
+            if r.closing_since is not None:
+                if self._quiet(r) or now - r.closing_since > cfg.quiesce_s:
+                    self._finish_fail(r)
+                continue
+            if now > r.deadline:
+                self._begin_fail(r.room, f"deadline exceeded in state {r.state.name}", code="timeout", notify=True)
+                continue
+            for ep, s in r.peers.items():
+                if s == "pending" and now - self._peers_seen.get(ep, now) > cfg.peer_timeout_s:
+                    r.peers[ep] = "failed"  # gone: it cannot be writing any more
+                    self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s",
+                                     code="peer_gone", notify=True)
+                    break
+            if r.closing_since is not None and self._quiet(r):
+                self._finish_fail(r)
+
+    def _succeed(self, r: _RecvRoom) -> None:
+        with self._lock:
+            if r.state in TERMINAL:
+                return
+            r.state = RoomState.SUCCESS
+            r.record.finished, r.record.result = time.monotonic(), "success"
+        r.lease.release(True)
+        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.observe(r.record)
+        r.done.set()
+
+    def _begin_fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
+        """Start failing: tell the senders, then wait for them to stop writing."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.state in TERMINAL or r.closing_since is not None:
+                return
+            r.closing_since, r.reason = time.monotonic(), reason
+            r.record.result = "aborted" if code == "aborted" else "failed"
+            r.record.reason = reason
+        log.warning("receiver: room %s failing: %s", room, reason)
+        if notify:
+            for ep, s in r.peers.items():
+                if s == "pending":
+                    self._send(ep, P.Abort(room=room, reason=reason))
+
+    def _finish_fail(self, r: _RecvRoom) -> None:
+        with self._lock:
+            if r.state in TERMINAL:
+                return
+            r.state = RoomState.FAILED
+            r.record.finished = time.monotonic()
+        r.lease.release(False)
+        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.observe(r.record)
+        r.done.set()

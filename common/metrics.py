@@ -1,0 +1,90 @@
+"""Per-handoff figures: a Python record and Prometheus metrics.
+
+Prometheus names (all prefixed ``kvbridge_``):
+
+- ``handoffs_total{role, result, plan}``: finished handoffs (result: success, failed, aborted)
+- ``handoff_bytes_total{role, plan}``, ``handoff_segments_total{role, plan}``
+- ``handoff_seconds{role, plan}``: histogram of handoff wall time (request to done)
+- ``handoff_transfer_gbps{role, plan}``: histogram of payload GB/s
+- ``handoffs_inflight{role}``: gauge
+- ``blocks_held{role}``: gauge of blocks leased to handoffs and not yet released
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["HandoffRecord", "KVBridgeMetrics"]
+
+
+@dataclass
+class HandoffRecord:
+    """What one handoff did, on one side."""
+
+    room: int
+    role: str  # "sender" or "receiver"
+    plan: str = ""
+    plan_reason: str = ""
+    bytes: int = 0
+    segments: int = 0
+    chunks: int = 0
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    result: str = "pending"  # pending, success, failed, aborted
+    reason: str = ""
+    repack_s: float = 0.0
+    transfer_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from start to finish (or to now)."""
+        return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB/s over the wall time."""
+        s = self.seconds
+        return self.bytes / s / 1e9 if s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """Plain data, with derived seconds and GB/s."""
+        d = asdict(self)
+        d["seconds"] = self.seconds
+        d["gbps"] = self.gbps
+        return d
+
+
+class KVBridgeMetrics:
+    """Prometheus metrics of one process; pass a registry to keep them apart (tests)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        from prometheus_client import REGISTRY
+
+        self.registry = registry if registry is not None else REGISTRY
+        r = self.registry
+        self.handoffs = Counter("kvbridge_handoffs", "Finished handoffs", ["role", "result", "plan"], registry=r)
+        self.bytes = Counter("kvbridge_handoff_bytes", "Payload bytes moved", ["role", "plan"], registry=r)
+        self.segments = Counter("kvbridge_handoff_segments", "Wire segments issued", ["role", "plan"], registry=r)
+        self.seconds = Histogram(
+            "kvbridge_handoff_seconds", "Handoff wall time", ["role", "plan"], registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.gbps = Histogram(
+            "kvbridge_handoff_transfer_gbps", "Payload GB/s per handoff", ["role", "plan"], registry=r,
+            buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400),
+        )
+        self.inflight = Gauge("kvbridge_handoffs_inflight", "Handoffs in progress", ["role"], registry=r)
+        self.blocks_held = Gauge("kvbridge_blocks_held", "Blocks leased to handoffs", ["role"], registry=r)
+
+    def observe(self, rec: HandoffRecord) -> None:
+        """Account one finished handoff."""
+        plan = rec.plan or "none"
+        self.handoffs.labels(rec.role, rec.result, plan).inc()
+        if rec.result == "success":
+            self.bytes.labels(rec.role, plan).inc(rec.bytes)
+            self.segments.labels(rec.role, plan).inc(rec.segments)
+            self.seconds.labels(rec.role, plan).observe(rec.seconds)
+            self.gbps.labels(rec.role, plan).observe(rec.gbps)

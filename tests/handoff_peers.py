@@ -1,0 +1,235 @@
+"""Prefill and decode peers that run in their own OS processes for the handoff tests.
+
+Each peer owns a pool in one engine's exact format (SGLang: per-layer K/V tensors
+``[slots, heads, head_dim]`` with padding page 0; TensorRT-LLM: one ``[blocks, layers,
+kv_factor, heads*tokens_per_block*head_dim]`` pool), filled with bytes derived from a
+seed, a real Mooncake transport on 127.0.0.1 and a kvbridge sender or receiver. The
+parent drives them over a Pipe. A decode peer rebuilds each prefill peer's pool from its
+seed to know what every moved byte must be, and checks that nothing else changed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import numpy as np
+import torch
+
+POOL_SPEC_KEYS = ("engine", "layers", "total_heads", "tp", "rank", "head_dim", "dtype", "tpb", "blocks", "seed", "mla")
+
+
+def build_pool(spec: dict):
+    """(layout, tensors) of a pool of ``spec``'s geometry filled from ``spec['seed']``."""
+    from kvbridge.layout import sglang_layout_from_buffers, tp_head_slice, trtllm_pool_layout
+
+    mla = spec.get("mla", False)
+    heads = 1 if mla else tp_head_slice(spec["total_heads"], spec["tp"], spec["rank"])[1]
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp16": torch.float16}[spec["dtype"]]
+    tpb, L = spec["tpb"], spec["layers"]
+    g = torch.Generator().manual_seed(spec["seed"])
+    if spec["engine"] == "sglang":
+        slots = spec["blocks"] * tpb  # page 0 included: SGLang's padding page
+        n = L * (1 if mla else 2)
+        ts = [torch.empty(slots, heads, spec["head_dim"], dtype=dtype) for _ in range(n)]
+        for t in ts:
+            b = t.view(-1).view(torch.uint8)
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+        item = ts[0][0].numel() * ts[0].element_size() * tpb
+        lay = sglang_layout_from_buffers([t.data_ptr() for t in ts], [t.numel() * t.element_size() for t in ts],
+                                         [item] * n, tpb, heads, 1 if mla else spec["total_heads"], spec["dtype"],
+                                         is_mla=mla, tp_rank=spec["rank"], tp_size=spec["tp"], tensors=ts)
+        return lay, ts
+    pool = torch.empty(spec["blocks"], L, 1 if mla else 2, heads * tpb * spec["head_dim"], dtype=dtype)
+    b = pool.view(-1).view(torch.uint8)
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+    lay = trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype=spec["dtype"],
+                             total_heads=None if mla else spec["total_heads"], tp_rank=0 if mla else spec["rank"],
+                             tp_size=1 if mla else spec["tp"])
+    return lay, [pool]
+
+
+class BlockAllocator:
+    """A free list of block ids handing out scattered blocks; counts what is free."""
+
+    def __init__(self, first: int, end: int, seed: int):
+        self._free = list(np.random.default_rng(seed).permutation(np.arange(first, end)))
+        self.total = end - first
+        self.double_frees = 0
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > len(self._free):
+            raise RuntimeError(f"out of blocks: want {n}, have {len(self._free)}")
+        out, self._free = self._free[:n], self._free[n:]
+        return np.array(out, dtype=np.int64)
+
+    def alloc_every_other(self, n: int) -> np.ndarray:
+        """n blocks with a gap between each (scattered destinations)."""
+        pool = sorted(self._free)
+        out = pool[: 2 * n : 2]
+        if len(out) < n:
+            raise RuntimeError("out of blocks")
+        keep = set(out)
+        self._free = [b for b in self._free if b not in keep]
+        return np.array(out, dtype=np.int64)
+
+    def free(self, blocks) -> None:
+        ids = [int(b) for b in blocks]
+        if set(ids) & set(self._free):
+            self.double_frees += 1
+        self._free.extend(ids)
+
+
+def _config(cfg: dict):
+    from kvbridge.common.handoff import HandoffConfig
+    from kvbridge.layout import PlanKind
+
+    cfg = dict(cfg)
+    if "kinds" in cfg:
+        cfg["kinds"] = tuple(PlanKind(k) for k in cfg["kinds"])
+    return HandoffConfig(**cfg)
+
+
+def _serve(conn, handle):
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            conn.send(("stopped",))
+            return
+        try:
+            conn.send(handle(*cmd))
+        except Exception as e:  # report, do not die: the parent asserts
+            conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
+
+
+def prefill_main(conn, spec: dict, cfg: dict) -> None:
+    """Prefill peer: serves rooms from its pool."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from kvbridge.common.handoff import KVSender, RoomState
+    from kvbridge.common.transport import MooncakeTransport
+
+    lay, tensors = build_pool(spec)
+    alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 7)
+    transport = MooncakeTransport("127.0.0.1")
+    sender = KVSender(lay, transport, config=_config(cfg))
+    conn.send(("ready", sender.endpoint, alloc.free_count))
+
+    def handle(op, *args):
+        if op == "serve":
+            room, num_tokens, chunk_tokens = args[:3]
+            delay = args[3] if len(args) > 3 else 0.0
+            nblk = -(-num_tokens // lay.tokens_per_block)
+            blocks = alloc.alloc(nblk)
+            sender.add_room(room, blocks, release=lambda b, ok: alloc.free(b))
+            tpb = lay.tokens_per_block
+            bounds = list(range(0, num_tokens, chunk_tokens)) + [num_tokens]
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if delay:
+                    time.sleep(delay)
+                first = (a // tpb) * tpb
+                sender.send_chunk(room, blocks[first // tpb : -(-b // tpb)], a, b, last=b == num_tokens, first_token=first)
+            return ("serving", blocks.tolist())
+        if op == "register":  # a room whose KV is not ready yet
+            room, num_tokens = args
+            blocks = alloc.alloc(-(-num_tokens // lay.tokens_per_block))
+            sender.add_room(room, blocks, release=lambda b, ok: alloc.free(b))
+            return ("registered", blocks.tolist())
+        if op == "wait":
+            room, timeout = args
+            end = time.monotonic() + timeout
+            while sender.poll(room) not in (RoomState.SUCCESS, RoomState.FAILED) and time.monotonic() < end:
+                time.sleep(0.002)
+            rec = sender.record(room)
+            time.sleep(0.05)  # a failing room releases once its writes are over
+            return ("done", sender.poll(room).name, sender.failure_reason(room), rec.as_dict() if rec else None,
+                    alloc.free_count, alloc.double_frees)
+        if op == "abort":
+            sender.abort(args[0])
+            return ("aborted",)
+        if op == "free":
+            return ("free", alloc.free_count, alloc.double_frees)
+        raise ValueError(op)
+
+    try:
+        _serve(conn, handle)
+    finally:
+        sender.close()
+        transport.close()
+
+
+def decode_main(conn, spec: dict, cfg: dict) -> None:
+    """Decode peer: pulls rooms into its pool and verifies every byte."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from kvbridge.common.handoff import KVReceiver
+    from kvbridge.common.transport import MooncakeTransport
+    from kvbridge.layout import HeadMap
+    from kvhelpers import read_units, snapshot, unit_offsets, written_mask
+
+    lay, tensors = build_pool(spec)
+    alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 11)
+    transport = MooncakeTransport("127.0.0.1")
+    recv = KVReceiver(lay, transport, config=_config(cfg))
+    conn.send(("ready", transport.session_id, alloc.free_count))
+
+    def handle(op, *args):
+        if op == "pull":
+            room, endpoints, start, stop, receivers, sources = args[:6]
+            opts = args[6] if len(args) > 6 else {}
+            nblk = -(-stop // lay.tokens_per_block)
+            blocks = alloc.alloc_every_other(nblk) if opts.get("scattered") else alloc.alloc(nblk)
+            before = snapshot(lay)
+            t0 = time.perf_counter()
+            recv.request(room, endpoints, blocks, start, stop, release=lambda b, ok: None if ok else alloc.free(b),
+                         receivers=receivers, deadline_s=opts.get("deadline_s"))
+            state = recv.wait(room, opts.get("timeout", 60))
+            elapsed = time.perf_counter() - t0
+            rec = recv.record(room)
+            result = {"state": state.name, "reason": recv.failure_reason(room), "record": rec.as_dict(),
+                      "elapsed": elapsed, "free": alloc.free_count, "blocks": blocks.tolist()}
+            if state.name == "SUCCESS" and opts.get("verify", True):
+                after = snapshot(lay)
+                masks = None
+                ok = True
+                for src_spec, src_blocks in sources:
+                    slay, _ = build_pool(src_spec)
+                    hm = HeadMap.between(slay, lay)
+                    so = unit_offsets(slay, src_blocks, 0, start, stop, range(hm.src_start, hm.src_start + hm.count))
+                    do = unit_offsets(lay, blocks, 0, start, stop, range(hm.dst_start, hm.dst_start + hm.count))
+                    ok &= bool(np.array_equal(read_units(slay, so), read_units(lay, do, after)))
+                    m = written_mask(lay, do)
+                    masks = m if masks is None else [x | y for x, y in zip(masks, m)]
+                result["bytes_ok"] = ok
+                result["untouched_ok"] = all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(after, before, masks))
+                result["written_bytes"] = int(sum(m.sum() for m in masks))
+            if opts.get("release_after", True) and state.name == "SUCCESS":
+                alloc.free(blocks)  # the "request finished": its blocks go back
+                result["free"] = alloc.free_count
+            return ("pulled", result)
+        if op == "start_pull":  # fire and return at once (fault tests)
+            room, endpoints, start, stop = args[:4]
+            blocks = alloc.alloc(-(-stop // lay.tokens_per_block))
+            recv.request(room, endpoints, blocks, start, stop, release=lambda b, ok: alloc.free(b))
+            return ("started", blocks.tolist())
+        if op == "wait":
+            room, timeout = args
+            t0 = time.perf_counter()
+            state = recv.wait(room, timeout)
+            return ("done", state.name, recv.failure_reason(room), time.perf_counter() - t0, alloc.free_count,
+                    alloc.double_frees)
+        if op == "abort":
+            recv.abort(args[0])
+            return ("aborted",)
+        if op == "free":
+            return ("free", alloc.free_count, alloc.double_frees)
+        raise ValueError(op)
+
+    try:
+        _serve(conn, handle)
+    finally:
+        recv.close()
+        transport.close()

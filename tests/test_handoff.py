@@ -1,0 +1,198 @@
+"""Handoffs between prefill and decode in SEPARATE OS processes over Mooncake TCP on 127.0.0.1.
+
+Pools are in SGLang's and TensorRT-LLM's exact formats; the decode process verifies
+every moved byte against the prefill pool (rebuilt from its seed) and that nothing
+else in its pool changed; block free-counts are checked on both sides.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+import handoff_peers
+
+CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20)
+
+
+class Peer:
+    """A peer process driven over a Pipe."""
+
+    def __init__(self, role: str, spec: dict, cfg: dict | None = None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        target = handoff_peers.prefill_main if role == "prefill" else handoff_peers.decode_main
+        self.spec = spec
+        self.proc = ctx.Process(target=target, args=(child, spec, {**CFG, **(cfg or {})}), daemon=True)
+        self.proc.start()
+        msg = self.call_raw(timeout=60)
+        assert msg[0] == "ready", msg
+        self.endpoint_or_session, self.free0 = msg[1], msg[2]
+
+    def call_raw(self, *cmd, timeout=60):
+        if cmd:
+            self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {cmd[:1]} within {timeout} s")
+        msg = self.conn.recv()
+        if msg[0] == "error":
+            raise AssertionError(msg[1])
+        return msg
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.conn.poll(5)
+            except (BrokenPipeError, OSError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def spec(engine, *, layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=16, blocks=64, seed=1, mla=False):
+    return dict(engine=engine, layers=layers, total_heads=total_heads, tp=tp, rank=rank, head_dim=head_dim,
+                dtype=dtype, tpb=tpb, blocks=blocks, seed=seed, mla=mla)
+
+
+@pytest.fixture
+def peers():
+    started = []
+
+    def make(role, s, cfg=None):
+        p = Peer(role, s, cfg)
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        p.stop()
+
+
+def pull(decode, room, prefills, start, stop, sources, receivers=1, **opts):
+    return decode.call_raw("pull", room, [p.endpoint_or_session for p in prefills], start, stop, receivers, sources, opts,
+                           timeout=90)[1]
+
+
+def check_ok(res, prefill_waits):
+    assert res["state"] == "SUCCESS", res["reason"]
+    assert res["bytes_ok"], "decode pool does not hold the prefill's K/V"
+    assert res["untouched_ok"], "bytes outside the request changed in the decode pool"
+    for w in prefill_waits:
+        assert w[1] == "SUCCESS", w[2]
+
+
+@pytest.mark.parametrize(
+    "src_engine, src_tpb, dst_engine, dst_tpb",
+    [("sglang", 16, "trtllm", 32), ("trtllm", 32, "sglang", 16), ("sglang", 1, "trtllm", 64), ("trtllm", 64, "sglang", 64)],
+)
+def test_cross_format_handoff_chunked_with_prefix(peers, src_engine, src_tpb, dst_engine, dst_tpb):
+    """Chunked prefill sends, a prefix the receiver already holds, both directions."""
+    ps = spec(src_engine, tpb=src_tpb, blocks=400 // src_tpb + 4, seed=3)
+    ds = spec(dst_engine, tpb=dst_tpb, blocks=400 // dst_tpb + 8, seed=4)
+    pre, dec = peers("prefill", ps), peers("decode", ds)
+    room, n = 11, 300
+    blocks = pre.call_raw("serve", room, n, 96)[1]  # 4 prefill chunks
+    res = pull(dec, room, [pre], 40, n, [(ps, blocks)])  # decode holds tokens 0..40 already
+    w = pre.call_raw("wait", room, 30)
+    check_ok(res, [w])
+    assert res["written_bytes"] == 2 * 2 * (n - 40) * 4 * 32 * 2
+    assert res["record"]["bytes"] == res["written_bytes"]
+    # blocks: prefill got its blocks back, decode kept none after "finishing" the request
+    assert w[4] == pre.free0 and w[5] == 0
+    assert res["free"] == dec.free0
+
+
+def test_staged_plan_overlapped_and_scattered_destination(peers):
+    """NHD -> HND at a size where staging wins; decode blocks scattered over its pool."""
+    ps = spec("sglang", layers=4, total_heads=8, head_dim=64, tpb=64, blocks=20, seed=5)
+    ds = spec("trtllm", layers=4, total_heads=8, head_dim=64, tpb=32, blocks=80, seed=6)
+    pre, dec = peers("prefill", ps, {"chunk_bytes": 2 << 20}), peers("decode", ds)
+    blocks = pre.call_raw("serve", 5, 1024, 1024)[1]
+    res = pull(dec, 5, [pre], 0, 1024, [(ps, blocks)], scattered=True)
+    w = pre.call_raw("wait", 5, 30)
+    check_ok(res, [w])
+    assert res["record"]["plan"] == "staged_send"
+    assert w[3]["chunks"] > 1 and w[3]["repack_s"] > 0  # gathered in chunks through the ring
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (2, 4)])
+def test_tensor_parallel_head_maps(peers, src_tp, dst_tp):
+    """Prefill TP != decode TP: each decode rank pulls exactly its heads from the right prefill ranks."""
+    from kvbridge.layout import tp_head_slice
+
+    total = 4
+    pres = [peers("prefill", spec("sglang", total_heads=total, tp=src_tp, rank=r, tpb=16, blocks=24, seed=20 + r))
+            for r in range(src_tp)]
+    decs = [peers("decode", spec("trtllm", total_heads=total, tp=dst_tp, rank=r, tpb=32, blocks=24, seed=40 + r))
+            for r in range(dst_tp)]
+    room, n = 99, 200
+    served = [p.call_raw("serve", room, n, 64)[1] for p in pres]
+    receivers = max(1, dst_tp // src_tp)
+    for d in decs:
+        d0, dn = tp_head_slice(total, dst_tp, d.spec["rank"])
+        mine = [i for i, p in enumerate(pres)
+                if set(range(*(lambda a, b: (a, a + b))(*tp_head_slice(total, src_tp, p.spec["rank"])))) & set(range(d0, d0 + dn))]
+        d.conn.send(("pull", room, [pres[i].endpoint_or_session for i in mine], 0, n, receivers,
+                     [(pres[i].spec, served[i]) for i in mine], {}))
+    results = [d.call_raw(timeout=90)[1] for d in decs]
+    waits = [p.call_raw("wait", room, 30) for p in pres]
+    for res in results:
+        check_ok(res, waits)
+        assert res["written_bytes"] == 2 * 2 * n * (total // dst_tp) * 32 * 2
+
+
+def test_mla_and_fp8_pools(peers):
+    ps = spec("sglang", total_heads=1, head_dim=96, dtype="fp8", tpb=1, blocks=130, seed=8, mla=True)
+    ds = spec("trtllm", total_heads=1, head_dim=96, dtype="fp8", tpb=32, blocks=8, seed=9, mla=True)
+    pre, dec = peers("prefill", ps), peers("decode", ds)
+    blocks = pre.call_raw("serve", 1, 100, 50)[1]
+    res = pull(dec, 1, [pre], 0, 100, [(ps, blocks)])
+    check_ok(res, [pre.call_raw("wait", 1, 30)])
+
+
+def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
+    """Unknown room, incompatible layouts, wrong auth tag, a peer that is gone."""
+    ps = spec("sglang", seed=12)
+    pre = peers("prefill", ps, {"secret": "s3cret", "deadline_s": 2.0})
+    good = peers("decode", spec("trtllm", tpb=32, seed=13), {"secret": "s3cret", "deadline_s": 3.0})
+    bad_auth = peers("decode", spec("trtllm", tpb=32, seed=14), {"secret": "wrong", "deadline_s": 3.0})
+    bad_geom = peers("decode", spec("trtllm", tpb=32, head_dim=64, seed=15), {"secret": "s3cret", "deadline_s": 3.0})
+
+    # unknown room: no prefill registers it; both ends fail within the deadline, blocks freed
+    t0 = time.monotonic()
+    res = pull(good, 1001, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and "unknown room" in res["reason"], res["reason"]
+    assert time.monotonic() - t0 < 3.0 + 1.5 and res["free"] == good.free0
+
+    # wrong auth tag: refused and named, before the prefill even has the room
+    res = pull(bad_auth, 1002, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and "authentication failed" in res["reason"] and res["free"] == bad_auth.free0
+
+    # incompatible layouts (head_dim 64 vs 32): both sides fail, naming the mismatch
+    pre.call_raw("register", 1003, 64)
+    res = pull(bad_geom, 1003, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and "head_dim" in res["reason"] and res["free"] == bad_geom.free0
+    w = pre.call_raw("wait", 1003, 5)
+    assert w[1] == "FAILED" and "head_dim" in w[2]
+    assert w[4] == pre.free0 and w[5] == 0  # its blocks went back, once
+
+    # the room a wrong auth tag asked for is served to the right decode peer, byte-exact
+    blocks = pre.call_raw("serve", 1002, 64, 64)[1]
+    res = pull(good, 1002, [pre], 0, 64, [(ps, blocks)])
+    check_ok(res, [pre.call_raw("wait", 1002, 5)])
+    assert pre.call_raw("free")[1:] == (pre.free0, 0)
+
+    # the prefill peer is gone: the decode room fails within its timeout and frees its blocks
+    pre.proc.kill()
+    pre.proc.join(5)
+    t0 = time.monotonic()
+    res = pull(good, 1004, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and ("unreachable" in res["reason"] or "deadline" in res["reason"]), res["reason"]
+    assert time.monotonic() - t0 < 3.0 + 1.5
+    assert res["free"] == good.free0
