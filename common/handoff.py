@@ -108,6 +108,7 @@ class _Chunk:
     start: int
     stop: int
     last: bool
+    aux: dict | None = None
 
 
 @dataclass
@@ -229,9 +230,12 @@ class KVSender(_Side):
         if early is not None:
             self._accept(early[0], early[1])
 
-    def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0) -> None:
+    def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0,
+                   aux: dict | None = None) -> None:
         """Prefill engine, after a chunk: tokens ``[start, stop)`` of ``room`` are in ``blocks``
-        (a block list in token order whose entry 0 holds token ``first_token``)."""
+        (a block list in token order whose entry 0 holds token ``first_token``). With the
+        last chunk, ``aux`` (e.g. ``{"output_ids": [first_token_id]}``) reaches the decode
+        side in the same message that reports the KV landed."""
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
@@ -240,7 +244,7 @@ class KVSender(_Side):
                 return
             if r.chunks and r.chunks[-1].last:
                 raise ValueError(f"room {room}: chunk after the last one")
-            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, last))
+            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, last, aux))
         self._kick(r)
 
     def poll(self, room: int) -> RoomState:
@@ -381,7 +385,8 @@ class KVSender(_Side):
                     target.sent += 1
                     if chunk.last:
                         self._send(target.peer, P.TransferDone(room=r.room, bytes=r.record.bytes, segments=r.record.segments,
-                                                               plan=r.record.plan, seconds=r.record.seconds))
+                                                               plan=r.record.plan, seconds=r.record.seconds,
+                                                               aux=chunk.aux or {}))
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if complete:
@@ -519,6 +524,7 @@ class _RecvRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
     closing_since: float | None = None
+    aux: dict = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -598,6 +604,11 @@ class KVReceiver(_Side):
         r = self._rooms.get(room)
         return r.record if r is not None else None
 
+    def aux(self, room: int) -> dict:
+        """What the prefill side sent beside the KV (``output_ids``...), once Success."""
+        r = self._rooms.get(room)
+        return dict(r.aux) if r is not None else {}
+
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         """Decode engine: give the room up; the prefill side is told."""
         self._begin_fail(room, reason, code="aborted", notify=True)
@@ -631,6 +642,7 @@ class KVReceiver(_Side):
                 r.record.bytes += msg.bytes
                 r.record.segments += msg.segments
                 r.record.plan = msg.plan
+                r.aux.update(msg.aux)
                 all_done = all(v == "done" for v in r.peers.values())
             if all_done and r.state not in TERMINAL and r.closing_since is None:
                 self._succeed(r)

@@ -107,14 +107,20 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
             raise ProtocolError(f"staging_addr {self.staging_addr} and staging_bytes {self.staging_bytes} must both be 0 or both be set")
 
 
+AuxValue = Union[int, float, str, bool, None, list[Union[int, float]]]
+
+
 class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     """Prefill -> decode: room ``room``'s KV has landed (``bytes`` in ``segments``
-    segments, by plan ``plan``, in ``seconds``)."""
+    segments, by plan ``plan``, in ``seconds``). ``aux`` carries what the prefill
+    produced beside the KV, engine-neutral: ``output_ids`` (the first generated
+    token(s)), optionally ``output_logprobs``, ``cached_tokens``..."""
 
     bytes: Count
     segments: Count
     plan: Annotated[str, Meta(max_length=64)]
     seconds: Seconds
+    aux: Annotated[dict[Annotated[str, Meta(max_length=64)], AuxValue], Meta(max_length=32)] = {}
 
 
 class TransferFailed(_Msg, tag="transfer_failed", kw_only=True):

@@ -132,7 +132,9 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
                 if delay:
                     time.sleep(delay)
                 first = (a // tpb) * tpb
-                sender.send_chunk(room, blocks[first // tpb : -(-b // tpb)], a, b, last=b == num_tokens, first_token=first)
+                last = b == num_tokens
+                sender.send_chunk(room, blocks[first // tpb : -(-b // tpb)], a, b, last=last, first_token=first,
+                                  aux={"output_ids": [room % 50000], "cached_tokens": 0} if last else None)
             return ("serving", blocks.tolist())
         if op == "register":  # a room whose KV is not ready yet
             room, num_tokens = args
@@ -189,7 +191,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
             state = recv.wait(room, opts.get("timeout", 60))
             elapsed = time.perf_counter() - t0
             rec = recv.record(room)
-            result = {"state": state.name, "reason": recv.failure_reason(room), "record": rec.as_dict(),
+            result = {"state": state.name, "reason": recv.failure_reason(room), "record": rec.as_dict(), "aux": recv.aux(room),
                       "elapsed": elapsed, "free": alloc.free_count, "blocks": blocks.tolist()}
             if state.name == "SUCCESS" and opts.get("verify", True):
                 after = snapshot(lay)

@@ -103,6 +103,7 @@ def test_cross_format_handoff_chunked_with_prefix(peers, src_engine, src_tpb, ds
     check_ok(res, [w])
     assert res["written_bytes"] == 2 * 2 * (n - 40) * 4 * 32 * 2
     assert res["record"]["bytes"] == res["written_bytes"]
+    assert res["aux"] == {"output_ids": [room], "cached_tokens": 0}  # the first token rides with Done
     # blocks: prefill got its blocks back, decode kept none after "finishing" the request
     assert w[4] == pre.free0 and w[5] == 0
     assert res["free"] == dec.free0
