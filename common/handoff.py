@@ -195,7 +195,7 @@ class KVSender(_Side):
     def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, host: str = "127.0.0.1",
                  config: HandoffConfig | None = None, metrics: KVBridgeMetrics | None = None, workers: int = 2):
         self._rooms: dict[int, _SendRoom] = {}
-        self._early: dict[int, tuple[str, P.TransferRequest, float]] = {}
+        self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         super().__init__(layout, transport, config, metrics, bind_host=host)
         cfg = self.config
         for t in layout.tensors or ():
@@ -226,9 +226,9 @@ class KVSender(_Side):
             r.lease = BlockLease(room, blocks, release, self._count_blocks)
             self._rooms[room] = r
             self.metrics.inflight.labels(self.role).inc()
-            early = self._early.pop(room, None)
-        if early is not None:
-            self._accept(early[0], early[1])
+            early = self._early.pop(room, {})
+        for peer, (req, _) in early.items():  # every decode rank that asked before the room existed
+            self._accept(peer, req)
 
     def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0,
                    aux: dict | None = None) -> None:
@@ -312,7 +312,7 @@ class KVSender(_Side):
         with self._lock:
             r = self._rooms.get(req.room)
             if r is None:
-                self._early[req.room] = (peer, req, time.monotonic())
+                self._early.setdefault(req.room, {})[peer] = (req, time.monotonic())
                 return
             if peer in r.targets:
                 return  # a duplicate (replayed) request changes nothing
@@ -342,10 +342,13 @@ class KVSender(_Side):
     def _on_tick(self) -> None:
         now = time.monotonic()
         cfg = self.config
-        for room, (peer, req, t) in list(self._early.items()):
-            if now - t > cfg.deadline_s:
+        for room, waiting in list(self._early.items()):
+            for peer, (req, t) in list(waiting.items()):
+                if now - t > cfg.deadline_s:
+                    waiting.pop(peer, None)
+                    self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s", "unknown_room")
+            if not waiting:
                 self._early.pop(room, None)
-                self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s", "unknown_room")
         for r in list(self._rooms.values()):
             if r.state in TERMINAL:
                 continue
@@ -444,7 +447,9 @@ class KVSender(_Side):
         inflight: deque = deque()
         end = time.monotonic() + deadline_s
         try:
-            for i, part in enumerate(plan.chunks(self.config.chunk_bytes)):
+            # small first chunks get bytes on the wire early; never more than the ring slot
+            size = min(self.config.chunk_bytes, max(1 << 20, plan.nbytes // 4))
+            for i, part in enumerate(plan.chunks(size)):
                 if r.state in TERMINAL:
                     raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
                 slot = ring[i % 2]

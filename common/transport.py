@@ -69,7 +69,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
-DEFAULT_MAX_PIECE_BYTES = 64 << 20
+DEFAULT_MAX_PIECE_BYTES = 4 << 20  # pieces in flight spread over the TCP lanes; RDMA slices further itself
 # Status codes of transfer_check_status.
 _DONE, _PENDING, _FAILED, _MC_TIMEOUT = 1, 0, -1, -2
 # Stop scanning in-flight pieces after this many pending ones in a row (they finish

@@ -45,7 +45,8 @@ def _bench_layout(args: argparse.Namespace) -> int:
 
     res = _run_with_status(
         "kvbridge bench layout",
-        lambda say: bench_layout(plan_tokens=args.plan_tokens, repack_tokens=args.repack_tokens, reps=args.reps, progress=say),
+        lambda say: bench_layout(plan_tokens=args.plan_tokens, repack_tokens=args.repack_tokens, reps=args.reps or 5,
+                                 progress=say),
         args.json,
     )
     if args.json:
@@ -63,7 +64,27 @@ def _bench_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = {"layout": _bench_layout}
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from kvbridge.common.bench_transfer import bench_transfer
+
+    res = _run_with_status(
+        "kvbridge bench transfer",
+        lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=args.reps or 3, progress=say),
+        args.json,
+    )
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    _print_table(
+        f"transfer: {res['geometry']['tokens']} tokens, SGLang page 64 -> TensorRT-LLM block 32, Mooncake TCP loopback",
+        res,
+        ["bytes", "handoff_gbps", "raw_gbps", "ratio", "scattered_gbps", "scattered_ratio", "small_handoff_ms",
+         "small_raw_ms", "small_overhead_ms", "plan", "segments", "scattered_segments", "chunks"],
+    )
+    return 0
+
+
+BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer}
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -92,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--json", action="store_true", help="print one JSON object")
         b.add_argument("--plan-tokens", type=int, default=32768)
         b.add_argument("--repack-tokens", type=int, default=4096)
-        b.add_argument("--reps", type=int, default=5)
+        b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 3 transfer)")
+        b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
+        b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
 
     demo = sub.add_parser("demo", help="run the main demo and print its report")

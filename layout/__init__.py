@@ -7,12 +7,14 @@ from .copyspec import CopySpec, TokenRuns
 from .geometry import KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype, check_compatible, dtype_itemsize
 from .heads import HeadMap, tp_head_slice
 from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer
+from .pools import allocate_pool
 from .repack import repack
 from .segments import Segments, block_ranges, check_segments_inside, coalesce, compile_segments, count_segments
 from .sglang_pool import sglang_layout_from_buffers, sglang_mha_layout, sglang_mla_layout
 from .trtllm_pool import trtllm_layout_from_geometry, trtllm_pool_layout
 
 __all__ = [
+    "allocate_pool",
     "CopySpec",
     "HeadMap",
     "KVLayout",

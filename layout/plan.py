@@ -196,7 +196,7 @@ def _fmt_bytes(n: float) -> str:
 
 def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKind, KindEstimate]:
     """Wire segments and estimated seconds of each allowed kind (direct's segment count is
-    exact up to a few million pieces, an upper bound beyond)."""
+    exact for small plans, an upper bound for large ones; see ``count_segments``)."""
     out: dict[PlanKind, KindEstimate] = {}
     n = spec.nbytes
     for kind in kinds:

@@ -121,9 +121,10 @@ def _classes(spec: CopySpec):
         yield sel, run, dims
 
 
-def count_segments(spec: CopySpec, exact_limit: int = 1 << 22) -> int:
-    """Segments ``compile_segments(spec)`` yields; exact up to ``exact_limit`` pieces,
-    an upper bound (no merging across boxes) beyond it, without materializing them."""
+def count_segments(spec: CopySpec, exact_limit: int = 1 << 15) -> int:
+    """Segments ``compile_segments(spec)`` yields: exact while the unmerged count is at
+    most ``exact_limit``, else that count (an upper bound that ignores merges across
+    boxes), computed without materializing anything."""
     total = 0
     for sel, _, dims in _classes(spec):
         total += sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))

@@ -17,37 +17,14 @@ import traceback
 import numpy as np
 import torch
 
-POOL_SPEC_KEYS = ("engine", "layers", "total_heads", "tp", "rank", "head_dim", "dtype", "tpb", "blocks", "seed", "mla")
-
-
 def build_pool(spec: dict):
     """(layout, tensors) of a pool of ``spec``'s geometry filled from ``spec['seed']``."""
-    from kvbridge.layout import sglang_layout_from_buffers, tp_head_slice, trtllm_pool_layout
+    from kvbridge.layout.pools import allocate_pool
 
-    mla = spec.get("mla", False)
-    heads = 1 if mla else tp_head_slice(spec["total_heads"], spec["tp"], spec["rank"])[1]
-    dtype = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp16": torch.float16}[spec["dtype"]]
-    tpb, L = spec["tpb"], spec["layers"]
-    g = torch.Generator().manual_seed(spec["seed"])
-    if spec["engine"] == "sglang":
-        slots = spec["blocks"] * tpb  # page 0 included: SGLang's padding page
-        n = L * (1 if mla else 2)
-        ts = [torch.empty(slots, heads, spec["head_dim"], dtype=dtype) for _ in range(n)]
-        for t in ts:
-            b = t.view(-1).view(torch.uint8)
-            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
-        item = ts[0][0].numel() * ts[0].element_size() * tpb
-        lay = sglang_layout_from_buffers([t.data_ptr() for t in ts], [t.numel() * t.element_size() for t in ts],
-                                         [item] * n, tpb, heads, 1 if mla else spec["total_heads"], spec["dtype"],
-                                         is_mla=mla, tp_rank=spec["rank"], tp_size=spec["tp"], tensors=ts)
-        return lay, ts
-    pool = torch.empty(spec["blocks"], L, 1 if mla else 2, heads * tpb * spec["head_dim"], dtype=dtype)
-    b = pool.view(-1).view(torch.uint8)
-    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
-    lay = trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype=spec["dtype"],
-                             total_heads=None if mla else spec["total_heads"], tp_rank=0 if mla else spec["rank"],
-                             tp_size=1 if mla else spec["tp"])
-    return lay, [pool]
+    lay = allocate_pool(spec["engine"], layers=spec["layers"], total_heads=spec["total_heads"], head_dim=spec["head_dim"],
+                        dtype=spec["dtype"], tokens_per_block=spec["tpb"], num_blocks=spec["blocks"], tp_size=spec["tp"],
+                        tp_rank=spec["rank"], mla=spec.get("mla", False), seed=spec["seed"])
+    return lay, list(lay.tensors)
 
 
 class BlockAllocator:

@@ -197,3 +197,34 @@ def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
     assert res["state"] == "FAILED" and ("unreachable" in res["reason"] or "deadline" in res["reason"]), res["reason"]
     assert time.monotonic() - t0 < 3.0 + 1.5
     assert res["free"] == good.free0
+
+
+def test_decode_gone_fails_the_prefill_room_and_frees_its_blocks(peers):
+    """The decode process dies after asking for a room: the prefill side fails the room
+    within its peer timeout (plus one second) and its blocks go back exactly once."""
+    pre = peers("prefill", spec("sglang", seed=30))
+    dec = peers("decode", spec("trtllm", tpb=32, seed=31))
+    pre.call_raw("register", 7, 64)  # KV not ready yet: the room waits for the decode side
+    dec.call_raw("start_pull", 7, [pre.endpoint_or_session], 0, 64)
+    time.sleep(0.5)  # the request has reached the prefill side
+    dec.proc.kill()
+    dec.proc.join(5)
+    t0 = time.monotonic()
+    w = pre.call_raw("wait", 7, 10)
+    assert w[1] == "FAILED" and "silent" in w[2], w[2]
+    assert time.monotonic() - t0 < CFG["peer_timeout_s"] + 1.0
+    assert w[4] == pre.free0 and w[5] == 0
+
+
+def test_abort_from_decode_reaches_prefill(peers):
+    pre = peers("prefill", spec("sglang", seed=32))
+    dec = peers("decode", spec("trtllm", tpb=32, seed=33))
+    pre.call_raw("register", 8, 64)
+    dec.call_raw("start_pull", 8, [pre.endpoint_or_session], 0, 64)
+    time.sleep(0.3)
+    dec.call_raw("abort", 8)
+    d = dec.call_raw("wait", 8, 5)
+    w = pre.call_raw("wait", 8, 5)
+    assert d[1] == "FAILED" and "aborted" in d[2]
+    assert w[1] == "FAILED" and "aborted by decode" in w[2]
+    assert d[4] == dec.free0 and w[4] == pre.free0 and d[5] == w[5] == 0

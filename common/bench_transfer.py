@@ -1,0 +1,222 @@
+"""``kvbridge bench transfer``: a real handoff against a raw Mooncake write, same run.
+
+Two OS processes over Mooncake TCP on 127.0.0.1: a prefill peer with an SGLang-format
+pool (NHD, page 64) and a decode peer with a TensorRT-LLM-format pool (HND, block 32),
+32 layers x 8 KV heads x head_dim 128, bf16. Measured, interleaved over ``reps``:
+
+- ``handoff``: 8192 tokens, request sent -> Success seen by the decode side (control
+  round trip, plan, gather, write, done message: everything);
+- ``raw``: one Mooncake batch write of the same total bytes as 4 MiB segments;
+- ``scattered``: the handoff into every-other destination block;
+- ``small``: a 128-token handoff to a warm peer, against a raw write of its bytes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["bench_transfer"]
+
+GEOM = dict(layers=32, total_heads=8, head_dim=128, dtype="bf16")
+SRC_PAGE, DST_BLOCK = 64, 32
+
+
+def _bytes_per_token() -> int:
+    return GEOM["layers"] * 2 * GEOM["total_heads"] * GEOM["head_dim"] * 2
+
+
+def _serve(conn, handle) -> None:
+    """Answer the parent's commands until "stop"; an exception goes back as ("error", text)."""
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            return
+        try:
+            conn.send(handle(cmd))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _pool(engine: str, tokens: int, scattered_room: bool, seed: int):
+    from kvbridge.layout import allocate_pool
+
+    tpb = SRC_PAGE if engine == "sglang" else DST_BLOCK
+    blocks = (2 if scattered_room else 1) * (-(-tokens // tpb)) + 4
+    return allocate_pool(engine, tokens_per_block=tpb, num_blocks=blocks, seed=seed, **GEOM)
+
+
+def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from kvbridge.common.handoff import HandoffConfig, KVSender
+    from kvbridge.common.transport import MooncakeTransport
+
+    lay = _pool("sglang", tokens, False, 1)
+    transport = MooncakeTransport("127.0.0.1")
+    sender = KVSender(lay, transport, config=HandoffConfig(**cfg), workers=1)
+    # raw-write source: a registered buffer as large as the biggest request
+    raw_src = torch.empty(tokens * _bytes_per_token(), dtype=torch.uint8)
+    raw_src.random_(0, 255)
+    transport.register_tensor(raw_src)
+    conn.send(("ready", sender.endpoint))
+
+    def handle(cmd):
+        if cmd[0] == "serve":
+            _, room, n = cmd
+            pages = np.arange(1, 1 + -(-n // SRC_PAGE))
+            sender.add_room(room, pages)
+            sender.send_chunk(room, pages, 0, n, last=True, aux={"output_ids": [1]})
+            return ("ok",)
+        if cmd[0] == "raw":
+            _, session, dst, nbytes, piece = cmd
+            k = -(-nbytes // piece)
+            offs = np.arange(k, dtype=np.int64) * piece
+            lens = np.minimum(piece, nbytes - offs)
+            t0 = time.perf_counter()
+            transport.write(session, raw_src.data_ptr() + offs, dst + offs, lens, 60)
+            return ("ok", time.perf_counter() - t0)
+        if cmd[0] == "record":
+            rec = sender.record(cmd[1])
+            return ("ok", rec.as_dict() if rec else None)
+        raise ValueError(cmd[0])
+
+    _serve(conn, handle)
+    sender.close()
+    transport.close()
+
+
+def _decode_peer(conn, tokens: int, cfg: dict) -> None:
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from kvbridge.common.handoff import HandoffConfig, KVReceiver, RoomState
+    from kvbridge.common.transport import MooncakeTransport
+
+    lay = _pool("trtllm", tokens, True, 2)
+    transport = MooncakeTransport("127.0.0.1")
+    recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
+    conn.send(("ready", transport.session_id, lay.regions[0].addr))
+
+    def handle(cmd):
+        _, room, endpoint, n, scattered = cmd
+        nblk = -(-n // DST_BLOCK)
+        blocks = np.arange(0, 2 * nblk, 2) if scattered else np.arange(nblk)
+        t0 = time.perf_counter()
+        recv.request(room, endpoint, blocks, 0, n)
+        state = recv.wait(room, 120)
+        dt = time.perf_counter() - t0
+        rec = recv.record(room)
+        recv.forget(room)
+        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, recv.failure_reason(room))
+
+    _serve(conn, handle)
+    recv.close()
+    transport.close()
+
+
+def _recv(conn, proc, timeout: float = 300.0):
+    """A peer's answer; raises if it reported an error, died, or went silent."""
+    end = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"benchmark peer {proc.name} died (exit code {proc.exitcode})")
+        if time.monotonic() > end:
+            raise RuntimeError(f"benchmark peer {proc.name} did not answer within {timeout:.0f} s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"benchmark peer {proc.name}: {msg[1]}")
+    return msg
+
+
+def bench_transfer(
+    *,
+    tokens: int = 8192,
+    small_tokens: int = 128,
+    reps: int = 3,
+    chunk_bytes: int = 16 << 20,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict."""
+    say = progress or (lambda _m: None)
+    ctx = mp.get_context("spawn")
+    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0)
+    pc, pchild = ctx.Pipe()
+    dc, dchild = ctx.Pipe()
+    say("starting peers")
+    pre = ctx.Process(target=_prefill_peer, args=(pchild, tokens, cfg), daemon=True)
+    dec = ctx.Process(target=_decode_peer, args=(dchild, tokens, cfg), daemon=True)
+    pre.start()
+    dec.start()
+    try:
+        endpoint = _recv(pc, pre)[1]
+        _, session, dst_base = _recv(dc, dec)
+        bytes_per_token = _bytes_per_token()
+        room = iter(range(1, 1 << 30))
+
+        def handoff(n: int, scattered: bool = False) -> tuple[float, dict]:
+            r = next(room)
+            pc.send(("serve", r, n))
+            _recv(pc, pre)
+            dc.send(("pull", r, endpoint, n, scattered))
+            _, ok, dt, nbytes, segs, plan, reason = _recv(dc, dec)
+            if not ok:
+                raise RuntimeError(f"handoff failed: {reason}")
+            pc.send(("record", r))
+            rec = _recv(pc, pre)[1]
+            return dt, {"bytes": nbytes, "segments": segs, "plan": plan, "repack_s": rec["repack_s"], "chunks": rec["chunks"]}
+
+        def raw(n: int) -> float:
+            pc.send(("raw", session, dst_base, n * bytes_per_token, 4 << 20))
+            return _recv(pc, pre)[1]
+
+        say("warming up")
+        raw(small_tokens)
+        handoff(small_tokens)
+        big = {"handoff": [], "raw": [], "scattered": [], "small": [], "small_raw": []}
+        info = {}
+        for i in range(reps):
+            say(f"rep {i + 1}/{reps}")
+            big["raw"].append(raw(tokens))
+            dt, info = handoff(tokens)
+            big["handoff"].append(dt)
+            dt, sinfo = handoff(tokens, scattered=True)
+            big["scattered"].append(dt)
+            big["small_raw"].append(raw(small_tokens))
+            big["small"].append(handoff(small_tokens)[0])
+        med = {k: statistics.median(v) for k, v in big.items()}
+        nbytes = tokens * bytes_per_token
+        return {
+            "geometry": {**GEOM, "tokens": tokens, "src": f"sglang page {SRC_PAGE} (NHD)",
+                         "dst": f"trtllm tokens_per_block {DST_BLOCK} (HND)", "link": "mooncake tcp 127.0.0.1"},
+            "bytes": nbytes,
+            "handoff_gbps": round(nbytes / med["handoff"] / 1e9, 3),
+            "raw_gbps": round(nbytes / med["raw"] / 1e9, 3),
+            "ratio": round(med["raw"] / med["handoff"], 3),
+            "scattered_gbps": round(nbytes / med["scattered"] / 1e9, 3),
+            "scattered_ratio": round(med["handoff"] / med["scattered"], 3),
+            "small_tokens": small_tokens,
+            "small_handoff_ms": round(med["small"] * 1e3, 3),
+            "small_raw_ms": round(med["small_raw"] * 1e3, 3),
+            "small_overhead_ms": round((med["small"] - med["small_raw"]) * 1e3, 3),
+            "plan": info.get("plan"),
+            "segments": info.get("segments"),
+            "scattered_segments": sinfo.get("segments"),
+            "chunks": info.get("chunks"),
+            "repack_s": round(info.get("repack_s", 0.0), 4),
+            "reps": reps,
+            "samples_s": {k: [round(x, 5) for x in v] for k, v in big.items()},
+        }
+    finally:
+        for conn in (pc, dc):
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in (pre, dec):
+            p.join(10)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,74 @@
+"""Allocate KV pools in an engine's exact memory format, without the engine.
+
+For benchmarks, demos and tests, and for the TensorRT-LLM side where the engine cannot
+run. ``engine='sglang'``: per layer one allocation holding K then V, each
+``[num_blocks * tokens_per_block, heads, head_dim]`` (slot = page * page_size + token,
+page 0 the padding page), as ``MHATokenToKVPool`` lays them out; MLA: per layer
+``[slots, 1, head_dim]``. ``engine='trtllm'``: one tensor ``[num_blocks, layers,
+kv_factor, heads * tokens_per_block * head_dim]``, HND inside a block. fp8 is stored as
+uint8. ``seed`` fills every byte deterministically (same seed, same bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .geometry import KVLayout, LayoutError, dtype_itemsize
+from .heads import tp_head_slice
+from .sglang_pool import sglang_layout_from_buffers
+from .trtllm_pool import trtllm_pool_layout
+
+__all__ = ["allocate_pool"]
+
+_STORE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
+
+
+def _fill(t: torch.Tensor, gen: torch.Generator) -> None:
+    b = t.reshape(-1).view(torch.uint8)
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).to(b.device))
+
+
+def allocate_pool(
+    engine: str,
+    *,
+    layers: int,
+    total_heads: int,
+    head_dim: int,
+    dtype: str,
+    tokens_per_block: int,
+    num_blocks: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    mla: bool = False,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+) -> KVLayout:
+    """A fresh pool of one engine's format and its KVLayout (tensors attached)."""
+    heads = 1 if mla else tp_head_slice(total_heads, tp_size, tp_rank)[1]
+    store = torch.uint8 if dtype_itemsize(dtype) == 1 else _STORE[dtype_itemsize(dtype)]
+    if "float16" == dtype or dtype in ("fp16", "half"):
+        store = torch.float16
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    tpb = tokens_per_block
+    if engine == "sglang":
+        slots = num_blocks * tpb
+        kv = 1 if mla else 2
+        per_layer = [torch.empty(kv, slots, heads, head_dim, dtype=store, device=device) for _ in range(layers)]
+        if gen is not None:
+            for t in per_layer:
+                _fill(t, gen)
+        tensors = [t[k] for k in range(kv) for t in per_layer]  # K of every layer, then V
+        page = heads * head_dim * tensors[0].element_size() * tpb
+        return sglang_layout_from_buffers(
+            [t.data_ptr() for t in tensors], [t.numel() * t.element_size() for t in tensors], [page] * len(tensors),
+            tpb, heads, 1 if mla else total_heads, dtype, is_mla=mla, tp_rank=tp_rank, tp_size=tp_size,
+            tensors=tensors,
+        )
+    if engine == "trtllm":
+        pool = torch.empty(num_blocks, layers, 1 if mla else 2, heads * tpb * head_dim, dtype=store, device=device)
+        if gen is not None:
+            _fill(pool, gen)
+        return trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype=dtype,
+                                  total_heads=None if mla else total_heads, tp_rank=0 if mla else tp_rank,
+                                  tp_size=1 if mla else tp_size)
+    raise LayoutError(f"unknown engine format {engine!r}; known: 'sglang', 'trtllm'")
