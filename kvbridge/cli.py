@@ -100,6 +100,76 @@ def _demo(args: argparse.Namespace) -> int:
     return _bench_layout(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from kvbridge.common.costmodel import MODEL_PRESETS, ModelGeometry, break_even_prompt_len, decide, load_link
+
+    if args.config:
+        model = ModelGeometry.from_hf_config(args.config, dtype_bytes=args.kv_dtype_bytes)
+    else:
+        model = MODEL_PRESETS[args.preset]
+    link = load_link(args.link)
+    kw = dict(output_len=args.output_len, prefill_tps=args.prefill_tps, decode_prefill_tps=args.decode_prefill_tps,
+              queue_s=args.queue_ms / 1e3, tp=args.tp)
+    d = decide(model, link, args.prompt_len, **kw)
+    out = d.as_dict()
+    if args.break_even or args.plot:
+        out["break_even_prompt_len"] = break_even_prompt_len(model, link, **kw)
+    if args.plot:
+        out["plot"] = _plot_break_even(model, link, kw, args.plot, out["break_even_prompt_len"])
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    h = d.handoff
+    t = Table(title=f"{model.name} ({model.source}), prompt {args.prompt_len} tokens, link {link.describe()}")
+    t.add_column("part")
+    t.add_column("ms", justify="right")
+    for name, v in [("KV bytes", None), ("handoff: setup", h.setup_s), ("handoff: wire", h.wire_s),
+                    ("handoff: segments", h.segments_s), ("handoff: repack not hidden", h.repack_s),
+                    ("handoff total", h.total_s), ("queue for prefill", d.queue_s), ("prefill on prefill worker", d.prefill_s),
+                    ("first token, disaggregated", d.disaggregated_ttft_s), ("first token, recompute on decode", d.local_ttft_s)]:
+        t.add_row(name, f"{h.bytes:,} B" if v is None else f"{v * 1e3:.2f}")
+    Console().print(t)
+    print(d.verdict)
+    if "break_even_prompt_len" in out:
+        print(f"break-even prompt length on this link: {out['break_even_prompt_len']}")
+    return 0
+
+
+def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
+    """PNG: first-token time disaggregated vs recompute over prompt lengths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from kvbridge.common.costmodel import decide
+
+    lens = np.unique(np.geomspace(64, 131072, 40).astype(int))
+    ds = [decide(model, link, int(n), **kw) for n in lens]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(lens, [d.disaggregated_ttft_s * 1e3 for d in ds], label="prefill worker + KV handoff")
+    ax.plot(lens, [d.handoff.total_s * 1e3 for d in ds], "--", label="KV handoff alone")
+    ax.plot(lens, [d.local_ttft_s * 1e3 for d in ds], label="recompute on the decode worker")
+    if break_even:
+        ax.axvline(break_even, color="grey", lw=0.8)
+        ax.text(break_even * 0.93, 0.04, f"break-even: {break_even:,} tokens", rotation=90, fontsize=8, ha="right",
+                va="bottom", transform=ax.get_xaxis_transform())
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("time to first token (ms, log)")
+    ax.set_title(f"{model.name} over {link.name} ({link.source})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for ``kvbridge``."""
     p = argparse.ArgumentParser(prog="kvbridge", description="Move KV caches between LLM serving engines.")
@@ -117,6 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
+
+    from kvbridge.common.costmodel import LINK_PRESETS, MODEL_PRESETS
+
+    plan = sub.add_parser("plan", help="is moving a request's KV worth it? (the cost model)")
+    src = plan.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="llama3-8b", help="built-in model geometry")
+    src.add_argument("--config", help="a Hugging Face config.json (or its folder)")
+    plan.add_argument("--kv-dtype-bytes", type=int, default=2, help="with --config: bytes per KV element")
+    plan.add_argument("--prompt-len", type=int, required=True)
+    plan.add_argument("--output-len", type=int, default=256)
+    plan.add_argument("--link", default="tcp", help=f"a preset ({', '.join(LINK_PRESETS)}) or a file from `kvbridge bench link --out`")
+    plan.add_argument("--prefill-tps", type=float, help="prefill tokens/s on the prefill worker (default: from FLOPs)")
+    plan.add_argument("--decode-prefill-tps", type=float, help="prefill tokens/s on the decode worker (default: half)")
+    plan.add_argument("--queue-ms", type=float, default=0.0, help="wait for the prefill worker")
+    plan.add_argument("--tp", type=int, default=1, help="GPUs per worker")
+    plan.add_argument("--break-even", action="store_true", help="also find the prompt length from which moving wins")
+    plan.add_argument("--plot", help="write a PNG of first-token time against prompt length")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_plan)
 
     demo = sub.add_parser("demo", help="run the main demo and print its report")
     demo.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,0 +1,256 @@
+"""Is moving this request's KV worth it? Predicted handoff time against the alternatives.
+
+For one request (model geometry, prompt length) on one link, the handoff costs
+
+    setup (handshake, registration) + segments * per_segment + bytes / bandwidth
+    (+ the sender's repack, of which only the first chunk is not hidden when overlapped)
+
+and the alternatives are recomputing the prefill on the decode worker
+(``prompt_len / decode_prefill_tps``) or waiting in the prefill queue and then moving.
+Link figures come from measurement (``kvbridge bench link`` writes a JSON file this
+module reads) or from presets, which are labelled as presets. Plan segments and
+staging come from ``kvbridge.layout.plan_transfer`` over the two engines' layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LINK_PRESETS",
+    "MODEL_PRESETS",
+    "LinkProfile",
+    "ModelGeometry",
+    "Decision",
+    "decide",
+    "predict_handoff_s",
+    "break_even_prompt_len",
+    "load_link",
+]
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """What moving bytes between two workers costs on one link."""
+
+    name: str
+    bandwidth_bytes_per_s: float  # sustained payload bandwidth, large pieces
+    per_segment_s: float  # marginal cost of one more piece inside a batch
+    setup_s: float  # per handoff: control round trip + first write to a warm peer
+    repack_bytes_per_s: float  # sender gather into staging (GPU: HBM copy; CPU here)
+    source: str = "preset"  # "preset" or "measured: <file>"
+
+    def describe(self) -> str:
+        """One line: the figures and where they come from."""
+        return (
+            f"{self.name}: {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {self.per_segment_s * 1e6:.1f} us/segment, "
+            f"setup {self.setup_s * 1e3:.2f} ms, repack {self.repack_bytes_per_s / 1e9:.0f} GB/s ({self.source})"
+        )
+
+
+# Presets are public figures, not measurements of this deployment (see the README):
+# NVLink 4 ~450 GB/s per direction (~380 measured with large copies); PCIe Gen5 x16
+# ~64 GB/s per direction (~50 effective); 400G NDR InfiniBand 50 GB/s per port (~45
+# effective); TCP: what Mooncake TCP reached on loopback on a small CPU machine here.
+LINK_PRESETS: dict[str, LinkProfile] = {
+    "nvlink": LinkProfile("nvlink", 380e9, 2e-6, 0.3e-3, 2000e9),
+    "pcie5": LinkProfile("pcie5", 50e9, 4e-6, 0.3e-3, 2000e9),
+    "ib400": LinkProfile("ib400", 45e9, 5e-6, 0.5e-3, 2000e9),
+    "tcp": LinkProfile("tcp", 1.5e9, 30e-6, 1.0e-3, 8e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What sizes a request's KV and its prefill compute."""
+
+    name: str
+    layers: int
+    kv_heads: int  # 1 for MLA (one latent "head")
+    head_dim: int  # MLA: kv_lora_rank + qk_rope_head_dim
+    kv_factor: int  # 2 (K and V) or 1 (MLA)
+    dtype_bytes: int
+    params: float  # parameters that run per token (active parameters for MoE)
+    hidden: int
+    attn_heads: int
+    source: str = "preset"
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV bytes of ``tokens`` tokens (all layers, whole model, before TP split)."""
+        return self.layers * self.kv_factor * self.kv_heads * self.head_dim * self.dtype_bytes * tokens
+
+    def prefill_flops(self, tokens: int) -> float:
+        """Forward FLOPs of a prefill of ``tokens`` tokens: 2 x params per token plus the
+        causal attention scores and weighted sums (2 x 2 x layers x tokens^2 / 2 x hidden)."""
+        return 2.0 * self.params * tokens + 2.0 * self.layers * tokens * tokens * self.hidden
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, dtype_bytes: int = 2) -> "ModelGeometry":
+        """Geometry from a Hugging Face ``config.json`` (Llama/Qwen-style GQA or DeepSeek MLA)."""
+        p = Path(path)
+        cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        vocab = int(cfg.get("vocab_size", 32000))
+        inter = int(cfg.get("intermediate_size", 4 * hidden))
+        if cfg.get("kv_lora_rank"):
+            kv_heads, head_dim, kv_factor = 1, int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 64)), 1
+        else:
+            kv_heads = int(cfg.get("num_key_value_heads", heads))
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            kv_factor = 2
+        # dense estimate: attention (4 h^2, GQA-adjusted) + gated MLP (3 h i) per layer + embeddings
+        attn = hidden * (heads * (hidden // heads)) * 2 + hidden * kv_heads * head_dim * kv_factor
+        params = layers * (attn + 3 * hidden * inter) + vocab * hidden
+        if cfg.get("n_routed_experts"):  # MoE: only the active experts run per token
+            moe_inter = int(cfg.get("moe_intermediate_size", inter))
+            active = int(cfg.get("num_experts_per_tok", 8)) + int(cfg.get("n_shared_experts", 0) or 0)
+            params = layers * (attn + 3 * hidden * moe_inter * active) + vocab * hidden
+        return cls(cfg.get("model_type", p.stem), layers, kv_heads, head_dim, kv_factor, dtype_bytes, float(params),
+                   hidden, heads, source=f"config: {p}")
+
+
+MODEL_PRESETS: dict[str, ModelGeometry] = {
+    "llama3-8b": ModelGeometry("llama3-8b", 32, 8, 128, 2, 2, 8.0e9, 4096, 32),
+    "llama3-70b": ModelGeometry("llama3-70b", 80, 8, 128, 2, 2, 70.6e9, 8192, 64),
+    "qwen3-8b": ModelGeometry("qwen3-8b", 36, 8, 128, 2, 2, 8.2e9, 4096, 32),
+    "deepseek-v3": ModelGeometry("deepseek-v3", 61, 1, 576, 1, 1, 37e9, 7168, 128),  # fp8 KV, 37B active
+}
+
+
+def load_link(spec: str) -> LinkProfile:
+    """A preset name (``nvlink``, ``pcie5``, ``ib400``, ``tcp``) or the path of a file
+    written by ``kvbridge bench link --out``."""
+    if spec in LINK_PRESETS:
+        return LINK_PRESETS[spec]
+    p = Path(spec)
+    if not p.exists():
+        raise ValueError(f"unknown link {spec!r}: not a preset ({', '.join(LINK_PRESETS)}) nor a file")
+    d = json.loads(p.read_text())
+    try:
+        return LinkProfile(d.get("name", p.stem), float(d["bandwidth_bytes_per_s"]), float(d["per_segment_s"]),
+                           float(d["setup_s"]), float(d["repack_bytes_per_s"]), source=f"measured: {p}")
+    except KeyError as e:
+        raise ValueError(f"{p} lacks {e}; write it with `kvbridge bench link --out {p}`") from None
+
+
+@dataclass(frozen=True)
+class HandoffEstimate:
+    """Predicted handoff time and its parts (seconds)."""
+
+    bytes: int
+    segments: int
+    setup_s: float
+    wire_s: float
+    segments_s: float
+    repack_s: float  # the part of the repack not hidden behind the wire
+    total_s: float
+
+
+def predict_handoff_s(nbytes: int, segments: int, link: LinkProfile, *, staged: bool, chunk_bytes: int = 16 << 20,
+                      overlapped: bool = True) -> HandoffEstimate:
+    """Handoff time for ``nbytes`` in ``segments`` wire segments; a staged plan adds the
+    sender's repack, of which only the first chunk shows when overlapped with the wire."""
+    wire = nbytes / link.bandwidth_bytes_per_s
+    seg = segments * link.per_segment_s
+    rep = 0.0
+    if staged:
+        full = nbytes / link.repack_bytes_per_s
+        first = min(nbytes, max(1 << 20, min(chunk_bytes, nbytes // 4))) / link.repack_bytes_per_s
+        rep = first + max(0.0, full - first - (wire + seg)) if overlapped else full
+    total = link.setup_s + wire + seg + rep
+    return HandoffEstimate(nbytes, segments, link.setup_s, wire, seg, rep, total)
+
+
+@dataclass
+class Decision:
+    """The verdict for one request and the numbers behind it."""
+
+    move: bool
+    verdict: str
+    handoff: HandoffEstimate
+    recompute_s: float
+    queue_s: float
+    prefill_s: float
+    disaggregated_ttft_s: float
+    local_ttft_s: float
+    model: str
+    link: str
+    prompt_len: int
+    output_len: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        d = asdict(self)
+        d["handoff"] = asdict(self.handoff)
+        return d
+
+
+def decide(
+    model: ModelGeometry,
+    link: LinkProfile,
+    prompt_len: int,
+    *,
+    output_len: int = 256,
+    segments: int | None = None,
+    staged: bool = True,
+    prefill_tps: float | None = None,
+    decode_prefill_tps: float | None = None,
+    queue_s: float = 0.0,
+    gpu_tflops: float = 989.0,
+    mfu: float = 0.45,
+    tp: int = 1,
+) -> Decision:
+    """Move the KV (prefill worker computes, then hands off) or compute the prefill on the
+    decode worker? ``prefill_tps`` / ``decode_prefill_tps``: prefill tokens/s on each
+    worker (default: from FLOPs at ``gpu_tflops`` x ``mfu`` x ``tp``; the decode worker
+    shares its GPU with running decodes, so by default it prefills at half that rate).
+    ``queue_s``: time the request waits for the prefill worker. ``segments`` defaults to
+    one per 16 MiB (a staged plan into contiguous blocks)."""
+    if prompt_len <= 0:
+        raise ValueError(f"prompt_len must be positive, got {prompt_len}")
+    nbytes = model.kv_bytes(prompt_len)
+    segs = segments if segments is not None else max(1, math.ceil(nbytes / (16 << 20)))
+    flops_s = gpu_tflops * 1e12 * mfu * tp
+    prefill_s = prompt_len / prefill_tps if prefill_tps else model.prefill_flops(prompt_len) / flops_s
+    recompute_s = prompt_len / decode_prefill_tps if decode_prefill_tps else 2.0 * model.prefill_flops(prompt_len) / flops_s
+    h = predict_handoff_s(nbytes, segs, link, staged=staged)
+    disagg = queue_s + prefill_s + h.total_s
+    local = recompute_s
+    move = disagg < local
+    why = (
+        f"moving {nbytes / 2**30:.2f} GiB over {link.name} takes {h.total_s * 1e3:.1f} ms "
+        f"(wire {h.wire_s * 1e3:.1f}, segments {h.segments_s * 1e3:.2f}, setup {h.setup_s * 1e3:.2f}, "
+        f"repack not hidden {h.repack_s * 1e3:.1f}); with {queue_s * 1e3:.0f} ms queue and {prefill_s * 1e3:.0f} ms prefill "
+        f"the first token comes after {disagg * 1e3:.0f} ms, against {local * 1e3:.0f} ms recomputing on the decode worker"
+    )
+    verdict = ("MOVE the KV: " if move else "RECOMPUTE locally: ") + why
+    return Decision(move, verdict, h, recompute_s, queue_s, prefill_s, disagg, local, model.name, link.describe(),
+                    prompt_len, output_len, {"bytes_per_token": model.kv_bytes(1), "segments": segs})
+
+
+def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 16, hi: int = 1 << 20, **kw) -> int | None:
+    """Smallest prompt length from which moving wins (bisection; None if it never does
+    in ``[lo, hi]``, ``lo`` if it always does)."""
+    if decide(model, link, lo, **kw).move:
+        return lo
+    if not decide(model, link, hi, **kw).move:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if decide(model, link, mid, **kw).move:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def with_measured(link: LinkProfile, **figures: float) -> LinkProfile:
+    """A copy of ``link`` with measured figures replacing the preset ones."""
+    return replace(link, source="measured", **figures)

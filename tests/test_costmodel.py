@@ -1,0 +1,94 @@
+"""The cost model's arithmetic on fixed inputs, and `kvbridge plan`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge.common.costmodel import (
+    LINK_PRESETS,
+    MODEL_PRESETS,
+    LinkProfile,
+    ModelGeometry,
+    break_even_prompt_len,
+    decide,
+    load_link,
+    predict_handoff_s,
+)
+
+LINK = LinkProfile("test", bandwidth_bytes_per_s=1e9, per_segment_s=10e-6, setup_s=1e-3, repack_bytes_per_s=4e9)
+
+
+def test_kv_bytes_of_presets():
+    assert MODEL_PRESETS["llama3-8b"].kv_bytes(1) == 32 * 2 * 8 * 128 * 2 == 131072
+    assert MODEL_PRESETS["llama3-8b"].kv_bytes(32768) == 4 << 30
+    assert MODEL_PRESETS["deepseek-v3"].kv_bytes(1) == 61 * 576  # MLA latent, fp8
+
+
+def test_handoff_prediction_parts():
+    h = predict_handoff_s(1 << 30, 64, LINK, staged=False)
+    assert h.wire_s == pytest.approx((1 << 30) / 1e9)
+    assert h.segments_s == pytest.approx(64e-5)
+    assert h.total_s == pytest.approx(1e-3 + (1 << 30) / 1e9 + 64e-5)
+    # staged and overlapped: only the first chunk's repack (16 MiB at 4 GB/s) shows
+    s = predict_handoff_s(1 << 30, 64, LINK, staged=True)
+    assert s.repack_s == pytest.approx((16 << 20) / 4e9)
+    # not overlapped: all of it
+    assert predict_handoff_s(1 << 30, 64, LINK, staged=True, overlapped=False).repack_s == pytest.approx((1 << 30) / 4e9)
+    # a repack slower than the wire shows beyond the wire time
+    slow = LinkProfile("slow-repack", 1e9, 0, 0, 0.5e9)
+    r = predict_handoff_s(1 << 30, 1, slow, staged=True)
+    assert r.total_s == pytest.approx((1 << 30) / 0.5e9, rel=1e-3)
+
+
+def test_decision_compares_first_token_times():
+    m = MODEL_PRESETS["llama3-8b"]
+    d = decide(m, LINK, 4096, prefill_tps=10000, decode_prefill_tps=5000, queue_s=0.1)
+    assert d.prefill_s == pytest.approx(0.4096) and d.recompute_s == pytest.approx(0.8192)
+    assert d.disaggregated_ttft_s == pytest.approx(0.1 + 0.4096 + d.handoff.total_s)
+    assert d.move is (d.disaggregated_ttft_s < d.local_ttft_s)
+    # a long enough queue makes recomputing win
+    assert not decide(m, LINK, 4096, prefill_tps=10000, decode_prefill_tps=5000, queue_s=5.0).move
+
+
+def test_nvlink_and_tcp_give_opposite_verdicts_for_a_32k_llama3_8b_prompt():
+    m = MODEL_PRESETS["llama3-8b"]
+    nv, tcp = decide(m, LINK_PRESETS["nvlink"], 32768), decide(m, LINK_PRESETS["tcp"], 32768)
+    assert nv.move and not tcp.move
+    assert tcp.handoff.wire_s > nv.handoff.wire_s * 100
+    assert "MOVE" in nv.verdict and "RECOMPUTE" in tcp.verdict
+
+
+def test_break_even_is_where_the_verdict_flips():
+    m, link = MODEL_PRESETS["llama3-8b"], LINK_PRESETS["tcp"]
+    n = break_even_prompt_len(m, link)
+    assert n is not None and not decide(m, link, n - 1).move and decide(m, link, n).move
+
+
+def test_geometry_from_hf_config_and_link_files(tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    g = ModelGeometry.from_hf_config(tmp_path)
+    assert (g.layers, g.kv_heads, g.head_dim, g.kv_factor) == (4, 2, 32, 2) and g.kv_bytes(10) == 4 * 2 * 2 * 32 * 2 * 10
+    mla = {**cfg, "kv_lora_rank": 64, "qk_rope_head_dim": 16}
+    (tmp_path / "mla.json").write_text(json.dumps(mla))
+    g = ModelGeometry.from_hf_config(tmp_path / "mla.json", dtype_bytes=1)
+    assert (g.kv_heads, g.head_dim, g.kv_factor) == (1, 80, 1)
+    link_file = tmp_path / "link.json"
+    link_file.write_text(json.dumps({"name": "here", "bandwidth_bytes_per_s": 2e9, "per_segment_s": 3e-5, "setup_s": 1e-3,
+                                     "repack_bytes_per_s": 8e9}))
+    assert load_link(str(link_file)).source.startswith("measured")
+    with pytest.raises(ValueError, match="unknown link"):
+        load_link("carrier-pigeon")
+
+
+def test_plan_cli_json():
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "plan", "--preset", "llama3-8b", "--prompt-len", "32768",
+                          "--link", "nvlink", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["move"] is True and d["handoff"]["bytes"] == 4 << 30 and "nvlink" in d["link"]
