@@ -44,7 +44,7 @@ def _serve(conn, handle) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def _pool(engine: str, tokens: int, scattered_room: bool, seed: int):
+def _pool(engine: str, tokens: int, scattered_room: bool, seed: int | None):
     from kvbridge.layout import allocate_pool
 
     tpb = SRC_PAGE if engine == "sglang" else DST_BLOCK
@@ -81,6 +81,12 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
             t0 = time.perf_counter()
             transport.write(session, raw_src.data_ptr() + offs, dst + offs, lens, 60)
             return ("ok", time.perf_counter() - t0)
+        if cmd[0] == "raw_pieces":  # n pieces of `size` bytes, scattered by `stride`, in one write
+            _, session, dst, n, size, stride = cmd
+            offs = np.arange(n, dtype=np.int64) * stride
+            t0 = time.perf_counter()
+            transport.write(session, raw_src.data_ptr() + offs, dst + offs, np.full(n, size, dtype=np.int64), 60)
+            return ("ok", time.perf_counter() - t0)
         if cmd[0] == "record":
             rec = sender.record(cmd[1])
             return ("ok", rec.as_dict() if rec else None)
@@ -96,7 +102,7 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
     from kvbridge.common.handoff import HandoffConfig, KVReceiver, RoomState
     from kvbridge.common.transport import MooncakeTransport
 
-    lay = _pool("trtllm", tokens, True, 2)
+    lay = _pool("trtllm", tokens, True, None)  # its contents are overwritten anyway
     transport = MooncakeTransport("127.0.0.1")
     recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
     conn.send(("ready", transport.session_id, lay.regions[0].addr))
@@ -138,17 +144,25 @@ def bench_transfer(
     small_tokens: int = 128,
     reps: int = 3,
     chunk_bytes: int = 16 << 20,
+    sweep: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384),
+    link_only: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict."""
+    """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict.
+
+    Also measures the link (bandwidth, per-segment cost, setup, repack) and checks the
+    cost model against measured handoffs over ``sweep`` prompt lengths."""
+    from kvbridge.common.costmodel import LinkProfile, predict_handoff_s
+
     say = progress or (lambda _m: None)
     ctx = mp.get_context("spawn")
+    cap = max([tokens, small_tokens] + ([] if link_only else list(sweep)))
     cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0)
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
     say("starting peers")
-    pre = ctx.Process(target=_prefill_peer, args=(pchild, tokens, cfg), daemon=True)
-    dec = ctx.Process(target=_decode_peer, args=(dchild, tokens, cfg), daemon=True)
+    pre = ctx.Process(target=_prefill_peer, args=(pchild, cap, cfg), daemon=True, name="prefill")
+    dec = ctx.Process(target=_decode_peer, args=(dchild, cap, cfg), daemon=True, name="decode")
     pre.start()
     dec.start()
     try:
@@ -173,11 +187,36 @@ def bench_transfer(
             pc.send(("raw", session, dst_base, n * bytes_per_token, 4 << 20))
             return _recv(pc, pre)[1]
 
+        def raw_pieces(n: int, size: int) -> float:
+            pc.send(("raw_pieces", session, dst_base, n, size, 2 * size))
+            return _recv(pc, pre)[1]
+
         say("warming up")
         raw(small_tokens)
         handoff(small_tokens)
+
+        # -- the link: bandwidth, per-segment cost, setup, repack ---------------------
+        say("measuring the link")
+        link_tokens = min(cap, 4096)
+        t_bw = statistics.median(raw(link_tokens) for _ in range(reps))
+        bw = link_tokens * bytes_per_token / t_bw
+        n_small = 2000
+        t_seg = statistics.median(raw_pieces(n_small, 4096) for _ in range(reps))
+        per_seg = max(0.0, (t_seg - n_small * 4096 / bw) / n_small)
+        small = [handoff(small_tokens) for _ in range(reps)]
+        small_raw = [raw(small_tokens) for _ in range(reps)]
+        setup = max(0.0, statistics.median(s[0] for s in small) - statistics.median(small_raw))
+        _, big_info = handoff(link_tokens)
+        repack_bps = big_info["bytes"] / big_info["repack_s"] if big_info["repack_s"] > 0 else 8e9
+        link = LinkProfile("mooncake-tcp-loopback", bw, per_seg, setup, repack_bps, source="measured")
+        link_fig = {"name": link.name, "bandwidth_bytes_per_s": bw, "per_segment_s": per_seg, "setup_s": setup,
+                    "repack_bytes_per_s": repack_bps, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if link_only:
+            return {"link": link_fig}
+
+        # -- the headline handoff against raw writes ---------------------------------
         big = {"handoff": [], "raw": [], "scattered": [], "small": [], "small_raw": []}
-        info = {}
+        info, sinfo = {}, {}
         for i in range(reps):
             say(f"rep {i + 1}/{reps}")
             big["raw"].append(raw(tokens))
@@ -189,6 +228,18 @@ def bench_transfer(
             big["small"].append(handoff(small_tokens)[0])
         med = {k: statistics.median(v) for k, v in big.items()}
         nbytes = tokens * bytes_per_token
+
+        # -- the cost model against measured handoffs -------------------------------
+        per_len = []
+        for n in sweep:
+            say(f"cost model check: {n} tokens")
+            runs = [handoff(n) for _ in range(reps)]
+            measured = statistics.median(r[0] for r in runs)
+            pred = predict_handoff_s(runs[0][1]["bytes"], runs[0][1]["segments"], link,
+                                     staged=runs[0][1]["plan"] == "staged_send", chunk_bytes=chunk_bytes)
+            per_len.append({"tokens": n, "bytes": runs[0][1]["bytes"], "measured_ms": round(measured * 1e3, 2),
+                            "predicted_ms": round(pred.total_s * 1e3, 2),
+                            "error": round(abs(pred.total_s - measured) / measured, 3)})
         return {
             "geometry": {**GEOM, "tokens": tokens, "src": f"sglang page {SRC_PAGE} (NHD)",
                          "dst": f"trtllm tokens_per_block {DST_BLOCK} (HND)", "link": "mooncake tcp 127.0.0.1"},
@@ -207,6 +258,9 @@ def bench_transfer(
             "scattered_segments": sinfo.get("segments"),
             "chunks": info.get("chunks"),
             "repack_s": round(info.get("repack_s", 0.0), 4),
+            "link": link_fig,
+            "model_error_max": max(p["error"] for p in per_len),
+            "model_check": per_len,
             "reps": reps,
             "samples_s": {k: [round(x, 5) for x in v] for k, v in big.items()},
         }

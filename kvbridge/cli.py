@@ -36,7 +36,7 @@ def _print_table(title: str, result: dict, keys: list[str]) -> None:
     for k in keys:
         if k in result:
             v = result[k]
-            table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+            table.add_row(k, f"{v:,}" if isinstance(v, int) else f"{v:.4g}" if isinstance(v, float) else str(v))
     Console().print(table)
 
 
@@ -79,12 +79,31 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         f"transfer: {res['geometry']['tokens']} tokens, SGLang page 64 -> TensorRT-LLM block 32, Mooncake TCP loopback",
         res,
         ["bytes", "handoff_gbps", "raw_gbps", "ratio", "scattered_gbps", "scattered_ratio", "small_handoff_ms",
-         "small_raw_ms", "small_overhead_ms", "plan", "segments", "scattered_segments", "chunks"],
+         "small_raw_ms", "small_overhead_ms", "plan", "segments", "scattered_segments", "chunks", "model_error_max"],
     )
+    for p in res["model_check"]:
+        print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
     return 0
 
 
-BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer}
+def _bench_link(args: argparse.Namespace) -> int:
+    from kvbridge.common.bench_transfer import bench_transfer
+
+    res = _run_with_status("kvbridge bench link", lambda say: bench_transfer(reps=args.reps or 3, link_only=True, progress=say),
+                           args.json)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res["link"], f, indent=1)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        _print_table("link: Mooncake TCP on 127.0.0.1 (measured)", res["link"], list(res["link"]))
+        if args.out:
+            print(f"written to {args.out}; use it with `kvbridge plan --link {args.out}`")
+    return 0
+
+
+BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link}
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -186,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 3 transfer)")
         b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
+        b.add_argument("--out", help="link: write the measured link figures here (for `kvbridge plan --link FILE`)")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
 
     from kvbridge.common.costmodel import LINK_PRESETS, MODEL_PRESETS
