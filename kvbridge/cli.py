@@ -69,7 +69,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
     res = _run_with_status(
         "kvbridge bench transfer",
-        lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=args.reps or 3, progress=say),
+        lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=args.reps or 3,
+                                   sweep=tuple(int(x) for x in args.sweep.split(",")), progress=say),
         args.json,
     )
     if args.json:
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 3 transfer)")
         b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
+        b.add_argument("--sweep", default="1024,2048,4096,8192,16384",
+                       help="transfer: prompt lengths for the cost-model check (comma-separated)")
         b.add_argument("--out", help="link: write the measured link figures here (for `kvbridge plan --link FILE`)")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
 
