@@ -33,43 +33,63 @@ __all__ = ["Gather", "Scatter", "row_addresses", "repack"]
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def row_addresses(spec: CopySpec, order: str) -> tuple[np.ndarray, np.ndarray]:
+def row_addresses(spec: CopySpec, order: str, want: str = "both"):
     """(source address, destination address) of every row of ``spec``, in increasing
-    address order of side ``order`` ('src' or 'dst'). int64 arrays of ``rows`` entries."""
+    address order of side ``order`` ('src' or 'dst'). int64 arrays of ``rows`` entries.
+    ``want='src'`` or ``'dst'`` computes and returns only that side's array.
+
+    Each box of ``side_boxes`` contributes ``ntok x heads`` rows; a row's address on a
+    side is (per box) + (per token) + (per head), so each array is one broadcast sum of
+    small terms, laid out in ``order``'s memory order inside the box."""
     X, Y = (spec.src, spec.dst) if order == "src" else (spec.dst, spec.src)
     x_first, y_first = (spec.src_first_token, spec.dst_first_token) if order == "src" else (spec.dst_first_token, spec.src_first_token)
     y_blocks = spec.dst_blocks if order == "src" else spec.src_blocks
-    hx, hy = (spec.heads.src_start, spec.heads.dst_start) if order == "src" else (spec.heads.dst_start, spec.heads.src_start)
+    hy = spec.heads.dst_start if order == "src" else spec.heads.src_start
     nh = spec.heads.count
+    need_x = want in ("both", order)
+    need_y = want in ("both", "dst" if order == "src" else "src")
     bx = side_boxes(spec, order)
+    head_major = X.head_stride > X.token_stride  # enumerate heads outside tokens inside a box
+    # per token of the request: where it lives on Y (block and slot)
+    toks = np.arange(spec.start, spec.stop, dtype=np.int64)
+    rel = toks - y_first
+    y_tok = y_blocks[rel // Y.tokens_per_block] * Y.block_stride + (rel % Y.tokens_per_block) * Y.token_stride
+    y_head = (hy + np.arange(nh, dtype=np.int64)) * Y.head_stride
     y_base = Y.base.reshape(-1)
     xs, ys, keys = [], [], []
     for n in np.unique(bx.ntok):
         n = int(n)
         sel = np.flatnonzero(bx.ntok == n)
-        # enumerate one box in X's memory order: heads outside tokens when X is head-major
-        t_rel, h = np.meshgrid(np.arange(n, dtype=np.int64), np.arange(nh, dtype=np.int64), indexing="ij")
-        if X.head_stride > X.token_stride:
-            t_rel, h = t_rel.T, h.T
-        t_rel, h = t_rel.reshape(-1), h.reshape(-1)
-        x_off = t_rel * X.token_stride + h * X.head_stride
-        x = (bx.addr[sel][:, None] + x_off[None, :]).reshape(-1)
-        tok = (x_first + bx.block_pos[sel] * X.tokens_per_block + bx.slot[sel])[:, None] + t_rel[None, :]
-        rel = tok - y_first
-        y = (
-            y_base[bx.lk[sel]][:, None]
-            + y_blocks[rel // Y.tokens_per_block] * Y.block_stride
-            + (rel % Y.tokens_per_block) * Y.token_stride
-            + ((hy + h) * Y.head_stride)[None, :]
-        ).reshape(-1)
-        xs.append(x)
-        ys.append(y)
+        t = np.arange(n, dtype=np.int64)
+        shape = (sel.size, nh, n) if head_major else (sel.size, n, nh)
+
+        def grid(per_box, per_tok, per_head):
+            tok_term = per_tok[:, None, :] if head_major else per_tok[:, :, None]
+            head_term = per_head[None, :, None] if head_major else per_head[None, None, :]
+            return np.broadcast_to(per_box[:, None, None] + tok_term + head_term, shape).reshape(-1)
+
+        if need_x:
+            xs.append(grid(bx.addr[sel], np.broadcast_to(t * X.token_stride, (sel.size, n)),
+                           np.arange(nh, dtype=np.int64) * X.head_stride))
+        if need_y:
+            first_tok = x_first + bx.block_pos[sel] * X.tokens_per_block + bx.slot[sel] - spec.start
+            ys.append(grid(y_base[bx.lk[sel]], y_tok[first_tok[:, None] + t[None, :]], y_head))
         keys.append(np.repeat(sel.astype(np.int64), n * nh))
-    x, y = np.concatenate(xs), np.concatenate(ys)
-    if len(xs) > 1:
-        order_idx = np.argsort(np.concatenate(keys), kind="stable")
-        x, y = x[order_idx], y[order_idx]
-    return (x, y) if order == "src" else (y, x)
+    order_idx = np.argsort(np.concatenate(keys), kind="stable") if len(keys) > 1 else None
+
+    def join(parts):
+        if not parts:
+            return None
+        a = np.concatenate(parts)
+        return a[order_idx] if order_idx is not None else a
+
+    x, y = join(xs), join(ys)
+    src, dst = (x, y) if order == "src" else (y, x)
+    if want == "src":
+        return src
+    if want == "dst":
+        return dst
+    return src, dst
 
 
 class _CudaSpan:
@@ -134,7 +154,7 @@ class Gather:
         self.spec = spec
         self.row_bytes = spec.src.head_bytes
         if src_addr is None:
-            src_addr, _ = row_addresses(spec, "dst")
+            src_addr = row_addresses(spec, "dst", want="src")
         self._space, self.index = _rows_of(spec.src, src_addr, self.row_bytes)
         self.rows = int(src_addr.size)
         self.nbytes = self.rows * self.row_bytes
@@ -158,7 +178,7 @@ class Scatter:
         self.spec = spec
         self.row_bytes = spec.dst.head_bytes
         if dst_addr is None:
-            _, dst_addr = row_addresses(spec, "src")
+            dst_addr = row_addresses(spec, "src", want="dst")
         self._space, self.index = _rows_of(spec.dst, dst_addr, self.row_bytes)
         self.rows = int(dst_addr.size)
         self.nbytes = self.rows * self.row_bytes
