@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kvbridge.layout import (
+    CopySpec,
     KVLayout,
     LayoutError,
     LayoutMismatchError,
@@ -43,6 +44,7 @@ from kvbridge.layout import (
     check_segments_inside,
     plan_transfer,
 )
+from kvbridge.layout.repack import Scatter
 
 from . import protocol as P
 from .blocks import BlockLease
@@ -80,8 +82,9 @@ class HandoffConfig:
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
-    kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND)
+    kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
     costs: PlanCosts = field(default_factory=PlanCosts)
+    recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
 
 
 _METRICS: KVBridgeMetrics | None = None
@@ -120,6 +123,10 @@ class _Target:
     remote: KVLayout
     allowed: np.ndarray
     sent: int = 0  # chunks of the room already written to this target
+    staged_bytes: int = 0  # bytes written into the receiver's staging so far
+    bytes: int = 0  # payload written to this target
+    segments: int = 0
+    staged: list = field(default_factory=list)  # P.StagedChunk per staged_recv chunk
 
 
 @dataclass
@@ -314,6 +321,9 @@ class KVSender(_Side):
             if r is None:
                 self._early.setdefault(req.room, {})[peer] = (req, time.monotonic())
                 return
+            if r.state is RoomState.FAILED:
+                self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed")
+                return
             if peer in r.targets:
                 return  # a duplicate (replayed) request changes nothing
             if len(r.targets) >= max(r.expected, req.receivers):
@@ -355,7 +365,9 @@ class KVSender(_Side):
             if now > r.deadline:
                 self._fail(r.room, f"deadline exceeded in state {r.state.name}", code="timeout", notify=True)
             else:
-                silent = [p for p in r.targets if now - self._peers_seen.get(p, now) > cfg.peer_timeout_s]
+                served = bool(r.chunks) and r.chunks[-1].last
+                silent = [p for p, t in r.targets.items()
+                          if not (served and t.sent == len(r.chunks)) and now - self._peers_seen.get(p, now) > cfg.peer_timeout_s]
                 if silent:
                     self._fail(r.room, f"decode peer silent for {cfg.peer_timeout_s:.1f} s", code="peer_gone", notify=True)
 
@@ -387,9 +399,10 @@ class KVSender(_Side):
                 with self._lock:
                     target.sent += 1
                     if chunk.last:
-                        self._send(target.peer, P.TransferDone(room=r.room, bytes=r.record.bytes, segments=r.record.segments,
-                                                               plan=r.record.plan, seconds=r.record.seconds,
-                                                               aux=chunk.aux or {}))
+                        self._send(target.peer, P.TransferDone(
+                            room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
+                            seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
+                            src_layout=self.layout.describe() if target.staged else {}))
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if complete:
@@ -417,29 +430,45 @@ class KVSender(_Side):
         if stop <= start:
             return
         cfg = self.config
+        kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or req.staging_bytes - t.staged_bytes > 0)
         plan = plan_transfer(self.layout, c.blocks, t.remote, req.block_ids, (start, stop),
                              src_first_token=c.first_token, dst_first_token=req.first_token,
-                             kinds=cfg.kinds, costs=cfg.costs)
-        # the guard: not one byte outside the blocks this receiver allocated for this room
-        check_segments_inside(plan.wire.dst, plan.wire.length, t.allowed, f"room {r.room}")
+                             kinds=kinds, costs=cfg.costs)
+        if plan.kind is PlanKind.STAGED_RECV and plan.nbytes > req.staging_bytes - t.staged_bytes:
+            plan = plan_transfer(self.layout, c.blocks, t.remote, req.block_ids, (start, stop),
+                                 src_first_token=c.first_token, dst_first_token=req.first_token,
+                                 kinds=tuple(k for k in kinds if k is not PlanKind.STAGED_RECV), costs=cfg.costs)
         rec = r.record
         rec.plan, rec.plan_reason = plan.kind.value, plan.explain()
         deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
-        if plan.kind is PlanKind.DIRECT:
+        if plan.kind is PlanKind.STAGED_RECV:
+            # into the staging this receiver set aside for this sender, after what is there
+            base = req.staging_addr + t.staged_bytes
+            wire = plan.wire.shifted(dst_by=base)
+            allowed = np.array([[req.staging_addr, req.staging_addr + req.staging_bytes]], dtype=np.int64)
+        else:
+            wire, allowed = plan.wire, t.allowed
+        # the guard: not one byte outside what this receiver set aside for this room
+        check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
+        if plan.kind is PlanKind.STAGED_SEND:
+            self._pipeline(r, req.session, plan, ring, deadline)
+        else:
             t0 = time.perf_counter()
-            h = self.transport.write_async(req.session, plan.wire.src, plan.wire.dst, plan.wire.length, deadline)
+            h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline)
             try:
                 h.wait()
             finally:
                 self._settle_write(h)
             rec.transfer_s += time.perf_counter() - t0
             rec.chunks += 1
-        elif plan.kind is PlanKind.STAGED_SEND:
-            self._pipeline(r, req.session, plan, ring, deadline)
-        else:
-            raise HandoffFailed(f"plan kind {plan.kind.value} needs receiver staging, which this sender does not use")
+        if plan.kind is PlanKind.STAGED_RECV:
+            t.staged.append(P.StagedChunk(first_token=c.first_token, start=start, stop=stop, offset=t.staged_bytes,
+                                          blocks=c.blocks.tolist()))
+            t.staged_bytes += plan.nbytes
         rec.bytes += plan.nbytes
         rec.segments += plan.num_segments
+        t.bytes += plan.nbytes
+        t.segments += plan.num_segments
 
     def _pipeline(self, r: _SendRoom, session: str, plan, ring: list[torch.Tensor], deadline_s: float) -> None:
         """Gather chunk i into ring slot i % 2 while chunk i-1 is on the wire."""
@@ -519,6 +548,37 @@ class KVSender(_Side):
         self._settle(r, notify, code)
 
 
+class _Arena:
+    """First-fit allocator of byte ranges in one registered staging buffer."""
+
+    def __init__(self, size: int, align: int = 256):
+        self.size, self.align = size, align
+        self._free: list[tuple[int, int]] = [(0, size)] if size else []
+        self._lock = threading.Lock()
+
+    def alloc(self, n: int) -> int | None:
+        n = -(-n // self.align) * self.align
+        with self._lock:
+            for i, (off, ln) in enumerate(self._free):
+                if ln >= n:
+                    self._free[i] = (off + n, ln - n)
+                    return off
+        return None
+
+    def free(self, off: int, n: int) -> None:
+        n = -(-n // self.align) * self.align
+        with self._lock:
+            self._free.append((off, n))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for o, ln in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + ln)
+                elif ln:
+                    merged.append((o, ln))
+            self._free = merged
+
+
 @dataclass
 class _RecvRoom:
     room: int
@@ -526,6 +586,8 @@ class _RecvRoom:
     record: HandoffRecord
     lease: BlockLease
     peers: dict[str, str]  # endpoint -> "pending" | "done" | "failed"
+    first_token: int = 0
+    staging: dict[str, tuple[int, int]] = field(default_factory=dict)  # endpoint -> (offset, bytes)
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
     closing_since: float | None = None
@@ -550,6 +612,13 @@ class KVReceiver(_Side):
         super().__init__(layout, transport, config, metrics, bind_host=None)
         for t in layout.tensors or ():
             transport.register_tensor(t)
+        n = self.config.recv_staging_bytes
+        self._arena = _Arena(n)
+        self._staging = None
+        if n:
+            self._staging = torch.empty(n, dtype=torch.uint8, device=layout.device or "cpu")
+            transport.register_tensor(self._staging)
+        self._scatter_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-scatter")
 
     def request(self, room: int, endpoints: str | Sequence[str], blocks, start: int, stop: int,
                 release: Callable[[np.ndarray, bool], None] | None = None, *, first_token: int = 0,
@@ -562,6 +631,19 @@ class KVReceiver(_Side):
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not eps:
             raise ValueError("at least one prefill endpoint is needed")
+        ids = np.asarray(blocks, dtype=np.int64)
+        lay = self.layout
+        if ids.size and ((ids < lay.first_block) | (ids >= lay.num_blocks)).any():
+            raise ValueError(f"room {room}: block ids outside this pool's {lay.first_block}..{lay.num_blocks - 1}")
+        try:  # validate everything before the room exists, so a bad request leaks nothing
+            base = P.TransferRequest(
+                room=room, model=self.config.model, layout=lay.describe(), block_ids=ids.tolist(),
+                first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
+                sent_at=time.time(), receivers=receivers,
+            )
+            P.encode(base)
+        except P.ProtocolError as e:
+            raise ValueError(f"room {room}: {e}") from None
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} already exists on this receiver")
@@ -571,15 +653,24 @@ class KVReceiver(_Side):
                           {ep: "pending" for ep in eps})
             self._rooms[room] = r
             self.metrics.inflight.labels(self.role).inc()
-        msg = P.TransferRequest(
-            room=room, model=self.config.model, layout=self.layout.describe(), block_ids=lease.blocks.tolist(),
-            first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
-            sent_at=time.time(), receivers=receivers,
-        )
-        if self.config.secret:
-            msg = P.sign(msg, self.config.secret)
+        r.first_token = first_token
+        # staging for staged_recv plans: one slice per sender, or none at all
+        if self._staging is not None:
+            need = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
+            for ep in eps:
+                off = self._arena.alloc(need)
+                if off is None:
+                    self._free_staging(r)
+                    break
+                r.staging[ep] = (off, need)
         now = time.monotonic()
         for ep in eps:
+            msg = base
+            if ep in r.staging:
+                off, n = r.staging[ep]
+                msg = msgspec.structs.replace(base, staging_addr=self._staging.data_ptr() + off, staging_bytes=n)
+            if self.config.secret:
+                msg = P.sign(msg, self.config.secret)
             self._peers_seen.setdefault(ep, now)
             self._send(ep, msg)
         with self._lock:
@@ -630,6 +721,7 @@ class KVReceiver(_Side):
         for room in list(self._rooms):
             self._begin_fail(room, "receiver shutting down", code="shutdown", notify=True)
             self._finish_fail(self._rooms[room])
+        self._scatter_pool.shutdown(wait=True, cancel_futures=True)
         super().close()
 
     # -- control plane (I/O thread) -----------------------------------------------------
@@ -642,17 +734,11 @@ class KVReceiver(_Side):
                 log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
             return
         if isinstance(msg, P.TransferDone):
-            with self._lock:
-                r.peers[peer] = "done"
-                r.record.bytes += msg.bytes
-                r.record.segments += msg.segments
-                r.record.plan = msg.plan
-                r.aux.update(msg.aux)
-                all_done = all(v == "done" for v in r.peers.values())
-            if all_done and r.state not in TERMINAL and r.closing_since is None:
-                self._succeed(r)
-            elif r.closing_since is not None and self._quiet(r):
-                self._finish_fail(r)
+            if msg.staged and r.closing_since is None:
+                r.peers[peer] = "scattering"  # the sender is done writing; our scatter is not
+                self._scatter_pool.submit(self._scatter, r, peer, msg)
+                return
+            self._peer_done(r, peer, msg)
         elif isinstance(msg, P.TransferFailed):
             with self._lock:
                 r.peers[peer] = "failed"
@@ -667,9 +753,50 @@ class KVReceiver(_Side):
             if self._quiet(r):
                 self._finish_fail(r)
 
+    def _peer_done(self, r: _RecvRoom, peer: str, msg) -> None:
+        with self._lock:
+            r.peers[peer] = "done"
+            r.record.bytes += msg.bytes
+            r.record.segments += msg.segments
+            r.record.plan = msg.plan
+            r.aux.update(msg.aux)
+            all_done = all(v == "done" for v in r.peers.values())
+        if all_done and r.state not in TERMINAL and r.closing_since is None:
+            self._succeed(r)
+        elif r.closing_since is not None and self._quiet(r):
+            self._finish_fail(r)
+
+    def _scatter(self, r: _RecvRoom, peer: str, msg) -> None:
+        """Move what a sender wrote into our staging to our blocks (staged_recv plans)."""
+        try:
+            if peer not in r.staging:
+                raise LayoutError("sender used receiver staging that was not offered to it")
+            off, size = r.staging[peer]
+            src = KVLayout.from_description(msg.src_layout)
+            t0 = time.perf_counter()
+            for ch in msg.staged:
+                spec = CopySpec.build(src, ch.blocks, self.layout, r.lease.blocks, (ch.start, ch.stop),
+                                      src_first_token=ch.first_token, dst_first_token=r.first_token)
+                if ch.offset + spec.nbytes > size:
+                    raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
+                Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])
+            r.record.repack_s += time.perf_counter() - t0
+        except (LayoutError, ValueError) as e:
+            r.peers[peer] = "failed"
+            self._begin_fail(r.room, f"cannot scatter what prefill {peer} staged: {e}", code="staging", notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+            return
+        self._peer_done(r, peer, msg)
+
+    def _free_staging(self, r: _RecvRoom) -> None:
+        for off, n in r.staging.values():
+            self._arena.free(off, n)
+        r.staging.clear()
+
     def _quiet(self, r: _RecvRoom) -> bool:
         """No sender of this room can still be writing."""
-        return all(v != "pending" for v in r.peers.values())
+        return all(v not in ("pending", "scattering") for v in r.peers.values())
 
     def _on_tick(self) -> None:
         now = time.monotonic()
@@ -704,6 +831,7 @@ class KVReceiver(_Side):
                 return
             r.state = RoomState.SUCCESS
             r.record.finished, r.record.result = time.monotonic(), "success"
+        self._free_staging(r)
         r.lease.release(True)
         self.metrics.inflight.labels(self.role).dec()
         self.metrics.observe(r.record)
@@ -730,6 +858,7 @@ class KVReceiver(_Side):
                 return
             r.state = RoomState.FAILED
             r.record.finished = time.monotonic()
+        self._free_staging(r)
         r.lease.release(False)
         self.metrics.inflight.labels(self.role).dec()
         self.metrics.observe(r.record)

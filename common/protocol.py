@@ -27,6 +27,7 @@ from msgspec import Meta
 __all__ = [
     "Abort",
     "Heartbeat",
+    "StagedChunk",
     "MAX_BLOCK_IDS",
     "MAX_MESSAGE_BYTES",
     "Message",
@@ -110,6 +111,18 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
 AuxValue = Union[int, float, str, bool, None, list[Union[int, float]]]
 
 
+class StagedChunk(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One chunk the sender wrote into the receiver's staging (``staged_recv`` plans):
+    tokens ``[start, stop)`` from the sender's blocks ``blocks`` (entry 0 holds token
+    ``first_token``), rows in the sender's address order at staging ``offset``."""
+
+    first_token: Token
+    start: Token
+    stop: Token
+    offset: Count
+    blocks: Annotated[list[BlockId], Meta(max_length=MAX_BLOCK_IDS)]
+
+
 class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     """Prefill -> decode: room ``room``'s KV has landed (``bytes`` in ``segments``
     segments, by plan ``plan``, in ``seconds``). ``aux`` carries what the prefill
@@ -121,6 +134,9 @@ class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     plan: Annotated[str, Meta(max_length=64)]
     seconds: Seconds
     aux: Annotated[dict[Annotated[str, Meta(max_length=64)], AuxValue], Meta(max_length=32)] = {}
+    # staged_recv only: the sender's layout and what it wrote where, for the receiver's scatter
+    src_layout: Annotated[dict[str, Any], Meta(max_length=256)] = {}
+    staged: Annotated[list[StagedChunk], Meta(max_length=1 << 16)] = []
 
 
 class TransferFailed(_Msg, tag="transfer_failed", kw_only=True):

@@ -228,3 +228,20 @@ def test_abort_from_decode_reaches_prefill(peers):
     assert d[1] == "FAILED" and "aborted" in d[2]
     assert w[1] == "FAILED" and "aborted by decode" in w[2]
     assert d[4] == dec.free0 and w[4] == pre.free0 and d[5] == w[5] == 0
+
+
+def test_receiver_staging_cuts_segments_for_split_rows(peers):
+    """Prefill TP 2 -> SGLang decode TP 1: each prefill rank holds half of every NHD row the
+    decode writes, so direct writes are one segment per token and layer; with receiver
+    staging each rank sends its own contiguous runs and the decode scatters them."""
+    total = 4
+    pres = [peers("prefill", spec("sglang", total_heads=total, tp=2, rank=r, tpb=16, blocks=40, seed=60 + r))
+            for r in range(2)]
+    dec = peers("decode", spec("sglang", total_heads=total, tpb=16, blocks=40, seed=62), {"recv_staging_bytes": 8 << 20})
+    served = [p.call_raw("serve", 3, 512, 256)[1] for p in pres]
+    res = pull(dec, 3, pres, 0, 512, [(p.spec, b) for p, b in zip(pres, served)])
+    waits = [p.call_raw("wait", 3, 30) for p in pres]
+    check_ok(res, waits)
+    assert res["record"]["plan"] == "staged_recv"
+    direct_segments = 2 * 2 * 512  # per token, layer and K/V, from each of the two ranks
+    assert res["record"]["segments"] * 10 <= 2 * direct_segments

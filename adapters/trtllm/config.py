@@ -1,0 +1,137 @@
+"""The plugin's own settings (TensorRT-LLM's ``kv_connector_config`` only names classes).
+
+Read, later entries winning, from: defaults; the JSON or YAML file named by
+``KVBRIDGE_TRTLLM_CONFIG``; environment variables ``KVBRIDGE_<FIELD>`` (e.g.
+``KVBRIDGE_BUS_PORT=18500``, ``KVBRIDGE_ON_FAILURE=fail``); explicit overrides. Every
+rank of a server reads the same sources (TensorRT-LLM's MPI workers inherit the
+environment of ``trtllm-serve``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+from kvbridge.common.handoff import HandoffConfig
+
+__all__ = ["BridgeConfig", "ConfigError", "CONFIG_ENV"]
+
+CONFIG_ENV = "KVBRIDGE_TRTLLM_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A setting that is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """Settings of one TensorRT-LLM server's kvbridge plugin.
+
+    Networking: ``host`` is the address this server's ranks bind and advertise (control
+    sockets and the Mooncake transfer engine); ``bus_port`` is where rank 0's connector
+    scheduler listens (its *bus*: rank coordination, and the discovery endpoint a router
+    gives decode servers: ``tcp://host:bus_port``); 0 picks a free port.
+    ``scheduler_endpoint`` names rank 0's bus explicitly for ranks that cannot learn it
+    over MPI. ``metadata_server``, ``protocol`` and ``device_name`` go to Mooncake
+    (``protocol="rdma"`` on GPU hosts).
+
+    Behaviour: ``on_failure`` is what a decode server does when a handoff fails:
+    ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing and
+    auth: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
+    ``chunk_bytes``, ``secret``, ``model``.
+
+    Geometry overrides (normally read from the pool and the LLM args): ``tokens_per_block``,
+    ``num_kv_heads`` (the model's KV heads), ``head_dim``, ``dtype`` (logical KV dtype
+    when the pool stores bytes, e.g. ``"fp8"``), ``tp_size`` / ``tp_rank``,
+    ``world_size`` (ranks that run a connector worker).
+    """
+
+    host: str = "127.0.0.1"
+    bus_port: int = 0
+    scheduler_endpoint: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+    on_failure: str = "recompute"
+    deadline_s: float = 60.0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 3.0
+    quiesce_s: float = 1.0
+    chunk_bytes: int = 16 << 20
+    secret: str = ""
+    model: str = ""
+    tokens_per_block: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = ""
+    tp_size: int = 0
+    tp_rank: int = -1
+    world_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.on_failure not in ("recompute", "fail"):
+            raise ConfigError(f"on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
+        if not 0 <= self.bus_port < 65536:
+            raise ConfigError(f"bus_port {self.bus_port} is not a TCP port")
+        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "BridgeConfig":
+        """Settings from the config file, the environment and ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        path = env.get(CONFIG_ENV, "")
+        if path:
+            values.update(_read_file(path))
+        known = {f.name: f for f in fields(cls)}
+        for name in known:
+            raw = env.get("KVBRIDGE_" + name.upper())
+            if raw is not None:
+                values[name] = raw
+        values.update(overrides or {})
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown kvbridge TensorRT-LLM settings {unknown}; known: {sorted(known)}")
+        typed = {}
+        for name, v in values.items():
+            kind = type(known[name].default)
+            try:
+                typed[name] = kind(v) if not isinstance(v, kind) else v
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
+        return cls(**typed)
+
+    def with_(self, **changes: Any) -> "BridgeConfig":
+        """A copy with ``changes``."""
+        return replace(self, **changes)
+
+    def handoff(self) -> HandoffConfig:
+        """The handoff state machines' settings."""
+        return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
+                             quiesce_s=self.quiesce_s, chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read {CONFIG_ENV}={path!r}: {e}") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"{path} is YAML but PyYAML is not installed; use JSON") from None
+        data = yaml.safe_load(text) or {}
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings")
+    return data
