@@ -259,6 +259,13 @@ class KVSender(_Side):
         r = self._rooms.get(room)
         return r.state if r is not None else RoomState.FAILED
 
+    def requests(self, room: int) -> list[P.TransferRequest]:
+        """The accepted TransferRequests of the room's decode ranks (e.g. to learn the
+        prefix they already hold)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return [t.request for t in r.targets.values()] if r is not None else []
+
     def failure_reason(self, room: int) -> str:
         """Why the room failed ('' if it did not)."""
         r = self._rooms.get(room)

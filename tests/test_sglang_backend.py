@@ -1,0 +1,164 @@
+"""kvbridge's SGLang transfer backend against the REAL sglang package (0.5.23), on CPU.
+
+Three OS processes each import SGLang once and load plugins with SGLang's own loader
+(``sglang.srt.plugins.load_plugins``) from the installed entry point; they then play
+prefill and decode scheduler ranks, case after case (tests/sglang_peers.py), with real
+MHA/MLA token pools, real KVArgs and SGLang's bootstrap server, Mooncake TCP on
+127.0.0.1. Every moved byte is compared with the prefill pools; decode pages outside the
+request must be unchanged; the decode metadata row must hold the first token.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")
+pytest.importorskip("mooncake")
+
+import sglang_peers  # noqa: E402
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(240)]
+
+
+class Peer:
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=sglang_peers.main, args=(child,), daemon=True)
+        self.proc.start()
+
+    def recv(self, timeout=120):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("peer did not answer")
+        msg = self.conn.recv()
+        if msg[0] == "error":
+            raise AssertionError(msg[1])
+        return msg
+
+    def call(self, *cmd, timeout=120):
+        self.conn.send(cmd)
+        return self.recv(timeout)[1]
+
+    def stop(self):
+        try:
+            self.conn.send(("stop",))
+            self.conn.poll(3)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(1)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    ctx = mp.get_context("spawn")
+    ps = [Peer(ctx) for _ in range(3)]
+    ready = [p.recv(timeout=180) for p in ps]
+    yield ps, ready
+    for p in ps:  # all at once: each needs a moment to close its transport
+        try:
+            p.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    for p in ps:
+        p.conn.poll(3)
+        p.proc.join(1)
+        if p.proc.is_alive():
+            p.proc.kill()
+            p.proc.join(5)
+
+
+_PORT = [18700 + random.randint(0, 500) * 2]
+
+
+def _case(**kw):
+    _PORT[0] += 1
+    base = dict(mla=False, dtype="bfloat16", layers=3, heads=4, head_dim=8, lora=16, rope=8, slots=2048,
+                page_size=16, p_tp=1, d_tp=1, seed=1, port=_PORT[0])
+    base.update(kw)
+    return base
+
+
+def _run(peers, case, requests):
+    """Set up prefill ranks then decode ranks on the three processes; run ``requests``
+    [(room, num_tokens, chunk_pages, decode_prefix_len)]; verify every byte."""
+    procs = peers
+    pre = procs[: case["p_tp"]]
+    dec = procs[case["p_tp"]: case["p_tp"] + case["d_tp"]]
+    assert len(dec) == case["d_tp"]
+    for rank, p in enumerate(pre):  # rank 0 starts the bootstrap server
+        rec = p.call("setup", "prefill", case, rank)
+        assert rec["endpoint"].startswith("tcp://") and rec["layout"]["tokens_per_block"] == case["page_size"]
+    for rank, p in enumerate(dec):
+        p.call("setup", "decode", case, rank)
+    ps = case["page_size"]
+    rng = np.random.default_rng(case["seed"])
+    npages_pool = case["slots"] // ps
+    results = []
+    for room, num_tokens, chunk_pages, prefix in requests:
+        n_all = -(-num_tokens // ps)
+        pages = [int(x) for x in rng.permutation(np.arange(1, npages_pool + 1))[:n_all]]
+        for p in pre:
+            p.conn.send(("serve", room, pages, num_tokens, chunk_pages, room % 1000 + 7, 60.0))
+        for p in dec:
+            p.conn.send(("pull", room, num_tokens, prefix, 60.0))
+        sres = [p.recv()[1] for p in pre]
+        dres = [p.recv()[1] for p in dec]
+        for s in sres:
+            assert s["state"] == 4, s
+            assert s["prefix"] == prefix
+        sent = pages[prefix // ps:]
+        src = [p.call("content", sent) for p in pre]  # per rank, per buffer [pages, ps, heads, dim]
+        for d_rank, d in enumerate(dec):
+            r = dres[d_rank]
+            assert r["state"] == 4, r
+            assert r["output_id"] == room % 1000 + 7 and r["room_row"] == room
+            assert r["cached"] == prefix and r["logprob"] == -0.25
+            assert r["untouched"], f"bytes outside the request's pages changed: slots {r['changed_slots']}, pages {r['pages']}"
+            for b, got in enumerate(r["content"]):
+                if case["mla"]:
+                    want = src[0][b]
+                    for other in src[1:]:
+                        assert np.array_equal(other[b], want)
+                else:
+                    full = np.concatenate([s[b] for s in src], axis=2) if case["p_tp"] > 1 else src[0][b]
+                    h = full.shape[2] // case["d_tp"]
+                    want = full[:, :, d_rank * h:(d_rank + 1) * h]
+                assert np.array_equal(got, want), f"buffer {b} differs on decode rank {d_rank}"
+        results.append((sres, dres))
+    for p in pre + dec:
+        p.call("teardown")
+    return results
+
+
+def test_plugin_loaded_by_sglang(peers):
+    """SGLang's loader ran kvbridge's entry point in every process: choice, enum member,
+    get_kv_class hook (also where prefill/decode/disagg_service imported it by name)."""
+    _, ready = peers
+    for _, import_s, chk in ready:
+        assert chk["entry_points"] == ["kvbridge.adapters.sglang:register"]
+        assert chk["choice"]
+        assert chk["enum"] == (True, "KVBRIDGE", True, True)
+        assert chk["classes"] and chk["kvargs"] == "KVArgs" and chk["mooncake_still"]
+        assert all(a and b for a, b in chk["patched_in"].values()), chk["patched_in"]
+        assert chk["argv_backend"] == "kvbridge" and chk["server_args"] == "kvbridge"
+
+
+@pytest.mark.parametrize(
+    "case,requests",
+    [
+        pytest.param(_case(page_size=16), [(11, 200, 3, 0), (12, 77, 1, 32)], id="mha-p16-tp1to1-prefix"),
+        pytest.param(_case(page_size=1, d_tp=2, seed=2), [(21, 150, 40, 0)], id="mha-p1-tp1to2"),
+        pytest.param(_case(page_size=64, p_tp=2, seed=3), [(31, 300, 2, 0)], id="mha-p64-tp2to1"),
+        pytest.param(_case(mla=True, page_size=16, d_tp=2, seed=4), [(41, 130, 2, 0)], id="mla-p16-tp1to2"),
+        pytest.param(_case(mla=True, page_size=64, p_tp=2, seed=5), [(51, 200, 1, 0)], id="mla-p64-tp2to1"),
+    ],
+)
+def test_handoff(peers, case, requests):
+    procs, _ = peers
+    _run(procs, case, requests)
