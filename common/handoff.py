@@ -438,6 +438,7 @@ class KVSender(_Side):
             return
         cfg = self.config
         kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or req.staging_bytes - t.staged_bytes > 0)
+        t_plan = time.perf_counter()
         plan = plan_transfer(self.layout, c.blocks, t.remote, req.block_ids, (start, stop),
                              src_first_token=c.first_token, dst_first_token=req.first_token,
                              kinds=kinds, costs=cfg.costs)
@@ -446,6 +447,7 @@ class KVSender(_Side):
                                  src_first_token=c.first_token, dst_first_token=req.first_token,
                                  kinds=tuple(k for k in kinds if k is not PlanKind.STAGED_RECV), costs=cfg.costs)
         rec = r.record
+        rec.plan_s += time.perf_counter() - t_plan
         rec.plan, rec.plan_reason = plan.kind.value, plan.explain()
         deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
         if plan.kind is PlanKind.STAGED_RECV:
@@ -490,7 +492,9 @@ class KVSender(_Side):
                     raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
                 slot = ring[i % 2]
                 if len(inflight) == 2:  # the slot we are about to overwrite must be sent
+                    t0 = time.perf_counter()
                     inflight.popleft().wait(end - time.monotonic())
+                    rec.transfer_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 part.gather().run(slot)
                 rec.repack_s += time.perf_counter() - t0

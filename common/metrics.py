@@ -35,6 +35,7 @@ class HandoffRecord:
     finished: float | None = None
     result: str = "pending"  # pending, success, failed, aborted
     reason: str = ""
+    plan_s: float = 0.0
     repack_s: float = 0.0
     transfer_s: float = 0.0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -73,6 +74,16 @@ def _bench_transfer(args: argparse.Namespace) -> int:
                                    sweep=tuple(int(x) for x in args.sweep.split(",")), progress=say),
         args.json,
     )
+    if args.plot:
+        from kvbridge.common.costmodel import MODEL_PRESETS, LinkProfile
+        from kvbridge.common.plots import plot_transfer
+
+        res["plots"] = plot_transfer(res, args.plot)
+        lk = res["link"]
+        link = LinkProfile(lk["name"], lk["bandwidth_bytes_per_s"], lk["per_segment_s"], lk["setup_s"],
+                           lk["repack_bytes_per_s"], source="measured in this run")
+        res["plots"].append(_plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, f"{args.plot}/break_even_llama3-8b.png",
+                                             None))
     if args.json:
         print(json.dumps(res))
         return 0
@@ -84,6 +95,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     )
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
+    for f in res.get("plots", []):
+        print(f"chart: {f}")
     return 0
 
 
@@ -168,6 +181,10 @@ def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
 
     from kvbridge.common.costmodel import decide
 
+    if break_even is None:
+        from kvbridge.common.costmodel import break_even_prompt_len
+
+        break_even = break_even_prompt_len(model, link, **kw)
     lens = np.unique(np.geomspace(64, 131072, 40).astype(int))
     ds = [decide(model, link, int(n), **kw) for n in lens]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -185,6 +202,7 @@ def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
     ax.set_title(f"{model.name} over {link.name} ({link.source})")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -208,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
         b.add_argument("--sweep", default="1024,2048,4096,8192,16384",
                        help="transfer: prompt lengths for the cost-model check (comma-separated)")
+        b.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
         b.add_argument("--out", help="link: write the measured link figures here (for `kvbridge plan --link FILE`)")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
 
