@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU-host checks, sized to finish in under 5 minutes on one H100/H200:
+#   1. the CUDA-marked tests (gather/scatter on device tensors, through a zero-copy alias
+#      of the pool's device memory, must give the CPU's bytes);
+#   2. the layout benchmark, whose "cuda" section times the repack against a device copy;
+#   3. the transfer benchmark (Mooncake; TCP unless the host has RDMA and the CUDA wheel).
+# Usage: scripts/gpu_check.sh [OUT_DIR]   (OUT_DIR gets the JSON and the log)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_check_out}
+mkdir -p "$OUT"
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || { echo "run 'make install' first (or set PY)" >&2; exit 1; }
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+export PYTHONUNBUFFERED=1
+timeout 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
+timeout 90 "$PY" -m kvbridge.cli bench layout --json --repack-tokens 8192 | tee "$OUT/bench_layout.json"
+timeout 90 "$PY" -m kvbridge.cli bench transfer --json --reps 2 --sweep 1024,4096 | tee "$OUT/bench_transfer.json"
+echo "gpu_check: all done; results in $OUT"
