@@ -75,8 +75,8 @@ class HandoffConfig:
     """Knobs shared by both sides (seconds unless named otherwise)."""
 
     deadline_s: float = 60.0  # a room must finish within this after it starts
-    heartbeat_s: float = 0.5  # receivers ping the senders they wait on this often
-    peer_timeout_s: float = 3.0  # a peer silent this long is gone; its rooms fail
+    heartbeat_s: float = 1.0  # receivers ping the senders they wait on this often
+    peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
     quiesce_s: float = 1.0  # how long a failing receiver waits for its sender to stop writing
     chunk_bytes: int = 16 << 20  # staging chunk: gather of chunk i+1 overlaps the write of chunk i
     write_timeout_s: float = 30.0  # bound on one chunk's write
