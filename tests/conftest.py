@@ -15,3 +15,13 @@ def sglang_pools():
         warnings.simplefilter("ignore")
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     return MHATokenToKVPool, MLATokenToKVPool
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the cross-engine compatibility matrix when its tests ran."""
+    mod = sys.modules.get("test_compat_matrix")
+    if mod is None or not mod.MATRIX:
+        return
+    terminalreporter.section("cross-engine compatibility matrix (every cell byte-exact)")
+    for line in mod.format_matrix():
+        terminalreporter.write_line(line)
