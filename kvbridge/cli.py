@@ -117,7 +117,37 @@ def _bench_link(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link}
+def _bench_sglang(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in ("sglang", "mooncake") if importlib.util.find_spec(m) is None]
+    if missing:
+        logging.getLogger("kvbridge.cli").error("bench sglang needs %s installed", " and ".join(missing))
+        return 2
+    from kvbridge.adapters.sglang.bench import bench_sglang
+
+    res = _run_with_status(
+        "kvbridge bench sglang",
+        lambda say: bench_sglang(tokens=args.tokens, tp_tokens=args.tp_tokens, layers=args.layers, reps=args.reps or 3,
+                                 mc_tcp_max_queued=args.mc_tcp_max_queued, progress=say),
+        args.json,
+    )
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    g = res["geometry"]
+    _print_table(
+        f"sglang: kvbridge vs SGLang's Mooncake backend, {g['tokens']} tokens (TP 2->1: {g['tp_tokens']}), "
+        f"{g['layers']} layers x {g['heads']} heads x {g['head_dim']}, page {g['page_size']}, Mooncake TCP loopback",
+        res,
+        ["kvbridge_gbps", "sglang_mooncake_gbps", "ratio", "kvbridge_segments_same_tp", "sglang_segments_same_tp",
+         "kvbridge_segments_tp2to1", "sglang_segments_tp2to1", "segments_ratio_tp2to1", "kvbridge_plan_tp2to1",
+         "kvbridge_gbps_tp2to1", "sglang_mooncake_gbps_tp2to1", "ratio_tp2to1", "verified"],
+    )
+    return 0 if all(res["verified"].values()) else 1
+
+
+BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link, "sglang": _bench_sglang}
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -228,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="transfer: prompt lengths for the cost-model check (comma-separated)")
         b.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
         b.add_argument("--out", help="link: write the measured link figures here (for `kvbridge plan --link FILE`)")
+        b.add_argument("--tp-tokens", type=int, default=1024, help="sglang: request size of the TP 2 -> 1 case")
+        b.add_argument("--layers", type=int, default=8, help="sglang: layers of the KV pools")
+        b.add_argument("--mc-tcp-max-queued", type=int, default=None,
+                       help="sglang: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER for the worker processes (default: Mooncake's)")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
 
     from kvbridge.common.costmodel import LINK_PRESETS, MODEL_PRESETS

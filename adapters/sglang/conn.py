@@ -177,8 +177,13 @@ class KVBridgeKVManager(CommonKVManager):
         self._kvb_lock = threading.Lock()
         self._kvb_closed = threading.Event()
         timeout = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()) + float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+        # KVBRIDGE_RECV_STAGING_BYTES: staging a decode rank offers its senders (staged_recv
+        # plans, e.g. prefill TP 2 -> decode TP 1 MHA, where direct writes are per token)
         self.kvb_config = HandoffConfig(deadline_s=timeout, model=os.environ.get("KVBRIDGE_MODEL", ""),
-                                        secret=os.environ.get("KVBRIDGE_SECRET", ""))
+                                        peer_timeout_s=float(os.environ.get("KVBRIDGE_PEER_TIMEOUT_S", "10") or 10),
+                                        secret=os.environ.get("KVBRIDGE_SECRET", ""),
+                                        recv_staging_bytes=int(os.environ.get("KVBRIDGE_RECV_STAGING_BYTES", "0") or 0)
+                                        if disaggregation_mode == DisaggregationMode.DECODE else 0)
         self.transport = _transport_for(args, self._kvb_host)
         self.kv_sender: Optional[KVSender] = None
         self.kv_receiver: Optional[KVReceiver] = None
