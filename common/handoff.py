@@ -682,7 +682,7 @@ class KVReceiver(_Side):
                 msg = msgspec.structs.replace(base, staging_addr=self._staging.data_ptr() + off, staging_bytes=n)
             if self.config.secret:
                 msg = P.sign(msg, self.config.secret)
-            self._peers_seen.setdefault(ep, now)
+            self._peers_seen[ep] = now  # a fresh request starts a fresh liveness window
             self._send(ep, msg)
         with self._lock:
             if r.state is RoomState.BOOTSTRAPPING:

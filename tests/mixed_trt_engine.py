@@ -1,0 +1,290 @@
+"""The "TensorRT-LLM side" of the mixed-engine tests: our own tiny model runner over a KV
+pool of TensorRT-LLM's exact geometry, and a one-rank executor that drives the kvbridge
+TensorRT-LLM connector in the executor's order (as tests/trtllm_driver.py does, in this
+process) with that runner as its forward pass.
+
+``TinyLlamaRunner`` implements the Llama forward (RMSNorm, GQA attention with
+non-interleaved "rotate half" RoPE, SiLU MLP) over the weights transformers loads from
+the tiny model's folder, and keeps K/V ONLY in the pool
+``[num_blocks, layers, 2, kv_heads * tokens_per_block * head_dim]`` (HND inside a block,
+``kvbridge.layout.allocate_pool("trtllm", ...)``). What the pool holds per token is what
+SGLang's ``MHATokenToKVPool`` and transformers' ``DynamicCache`` hold: K after RoPE, V
+as projected (SGLang: ``LlamaAttention.forward`` applies ``rotary_emb`` before
+``RadixAttention`` stores k; transformers: ``apply_rotary_pos_emb`` before
+``past_key_values.update``). Every forward step writes the new tokens' K/V into the
+request's blocks and then gathers K/V for positions ``[0, pos]`` back from the blocks, so
+decode continues from whatever the pool holds, e.g. KV another engine wrote.
+
+``TRTEngine`` is one TensorRT-LLM rank (TP 1): ``KVBridgeConnectorScheduler`` and
+``KVBridgeConnectorWorker`` over that pool, TensorRT-LLM's request bookkeeping from
+tests/trtllm_driver.py (``FakeRequest``, ``FakeKVCacheManager``, ``FakeConnectorManager``),
+and ``load`` / ``serve_prefill`` which follow ``PyExecutor``'s iteration order
+(see the driver's docstring) for a decode-half and a prefill-half request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from trtllm_driver import FakeConnectorManager, FakeKVCacheManager, FakeRequest
+
+
+# -- the model runner -------------------------------------------------------------------
+class TinyLlamaRunner:
+    """Greedy float32 Llama over a TensorRT-LLM-geometry pool (one request at a time)."""
+
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        cfg = model.config
+        self.cfg = cfg
+        self.layers = cfg.num_hidden_layers
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        rp = getattr(cfg, "rope_parameters", None) or {}
+        theta = rp.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0
+        if rp.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_type {rp.get('rope_type')}")
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.w = sd
+        del model
+
+    # -- pools --------------------------------------------------------------------------
+    def allocate_pool(self, *, tokens_per_block: int, num_blocks: int, seed: int | None = 7):
+        """A pool of TensorRT-LLM's geometry for this model (float32), filled with seeded
+        garbage so that reading anything the request does not own shows up."""
+        from kvbridge.layout import allocate_pool
+
+        return allocate_pool("trtllm", layers=self.layers, total_heads=self.kv_heads, head_dim=self.head_dim,
+                             dtype="float32", tokens_per_block=tokens_per_block, num_blocks=num_blocks, seed=seed)
+
+    def _blocks6(self, pool: torch.Tensor, tpb: int) -> torch.Tensor:
+        nb, layers, kvf, bs = pool.shape
+        assert kvf == 2 and bs == self.kv_heads * tpb * self.head_dim, pool.shape
+        return pool.view(nb, layers, 2, self.kv_heads, tpb, self.head_dim)  # HND inside a block
+
+    @staticmethod
+    def _where(blocks: Sequence[int], positions: torch.Tensor, tpb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = torch.as_tensor(list(blocks), dtype=torch.long)
+        return b[positions // tpb], positions % tpb
+
+    def write_kv(self, pool, tpb, blocks, layer, positions, k, v) -> None:
+        """k, v: [T, kv_heads, head_dim] for ``positions`` -> the request's blocks."""
+        p6 = self._blocks6(pool, tpb)
+        blk, slot = self._where(blocks, positions, tpb)
+        p6[blk, layer, 0, :, slot, :] = k
+        p6[blk, layer, 1, :, slot, :] = v
+
+    def read_kv(self, pool, tpb, blocks, layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n, kv_heads, head_dim] of positions [0, n) from the request's blocks."""
+        p6 = self._blocks6(pool, tpb)
+        blk, slot = self._where(blocks, torch.arange(n), tpb)
+        return p6[blk, layer, 0, :, slot, :], p6[blk, layer, 1, :, slot, :]
+
+    # -- the forward ----------------------------------------------------------------------
+    def _rms(self, x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+    def _rope(self, x, positions):  # x [T, H, D]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    @torch.no_grad()
+    def forward(self, token_ids: Sequence[int], start: int, pool: torch.Tensor, tpb: int,
+                blocks: Sequence[int]) -> torch.Tensor:
+        """Compute tokens at positions [start, start + T): write their K/V into the pool,
+        attend over K/V of [0, start + T) read from the pool. Returns logits [T, vocab]."""
+        w, T, D = self.w, len(token_ids), self.head_dim
+        pos = torch.arange(start, start + T)
+        n = start + T
+        x = w["model.embed_tokens.weight"][torch.as_tensor(list(token_ids), dtype=torch.long)]
+        causal = pos[:, None] >= torch.arange(n)[None, :]  # [T, n]
+        group = self.heads // self.kv_heads
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            h = self._rms(x, w[p + "input_layernorm.weight"])
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, self.heads, D)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(T, self.kv_heads, D)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, self.kv_heads, D)
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            self.write_kv(pool, tpb, blocks, i, pos, k, v)
+            K, V = self.read_kv(pool, tpb, blocks, i, n)  # [n, kvh, D]: only from the pool
+            K = K.repeat_interleave(group, dim=1)
+            V = V.repeat_interleave(group, dim=1)
+            scores = torch.einsum("thd,nhd->htn", q, K) / math.sqrt(D)
+            scores = scores.masked_fill(~causal[None], float("-inf"))
+            attn = torch.einsum("htn,nhd->thd", scores.softmax(-1), V).reshape(T, self.heads * D)
+            x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+            h = self._rms(x, w[p + "post_attention_layernorm.weight"])
+            gate = h @ w[p + "mlp.gate_proj.weight"].T
+            up = h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        x = self._rms(x, w["model.norm.weight"])
+        return x @ w["lm_head.weight"].T
+
+    def prefill(self, prompt: Sequence[int], pool, tpb, blocks) -> tuple[int, torch.Tensor]:
+        """The prompt through the model, every layer's K/V into ``blocks``; (first token, its logits)."""
+        logits = self.forward(prompt, 0, pool, tpb, blocks)[-1]
+        return int(logits.argmax()), logits
+
+    def decode(self, token: int, pos: int, n: int, pool, tpb, blocks) -> tuple[list[int], torch.Tensor]:
+        """Paged greedy decode: feed ``token`` at position ``pos`` (K/V of [0, pos) must be in
+        the pool), then each new token; ``n`` tokens out, and the logits of the first step."""
+        out, first = [], None
+        for _ in range(n):
+            logits = self.forward([token], pos, pool, tpb, blocks)[-1]
+            if first is None:
+                first = logits
+            token = int(logits.argmax())
+            out.append(token)
+            pos += 1
+        return out, first
+
+
+# -- one TensorRT-LLM rank driving the connector ----------------------------------------
+class TRTEngine:
+    """One TensorRT-LLM rank (TP 1) with the kvbridge connector over the runner's pool."""
+
+    def __init__(self, runner: TinyLlamaRunner, model_dir, *, tokens_per_block=32, num_blocks=64, **cfg):
+        from kvbridge.adapters.trtllm import BridgeConfig, KVBridgeConnectorScheduler, KVBridgeConnectorWorker
+
+        self.runner, self.tpb = runner, tokens_per_block
+        self.layout = runner.allocate_pool(tokens_per_block=tokens_per_block, num_blocks=num_blocks)
+        self.pool = self.layout.tensors[0]
+        llm_args = SimpleNamespace(
+            model=str(model_dir),  # KV heads and head_dim from its config, as the connector reads them
+            kv_cache_config=SimpleNamespace(tokens_per_block=tokens_per_block, dtype="auto"),
+            parallel_config=SimpleNamespace(tp_size=1, world_size=1),
+        )
+        conf = BridgeConfig(**{"host": "127.0.0.1", "protocol": "tcp", "scheduler_endpoint": "local",
+                               "on_failure": "fail", **cfg})
+        self.scheduler = KVBridgeConnectorScheduler(llm_args, config=conf)
+        self.worker = KVBridgeConnectorWorker(llm_args, config=conf)
+        self.kv_cache_manager = FakeKVCacheManager(num_blocks, tokens_per_block, seed=12345)
+        self.kv_connector_manager = FakeConnectorManager(self.worker, self.scheduler)
+        self.active_requests: list = []
+        self.cancelled: list[int] = []
+        self._maybe_init_kv_connector_manager()
+
+    def _maybe_init_kv_connector_manager(self):  # PyExecutor: the worker finds this executor
+        self.worker.register_kv_caches(self.pool)
+
+    def cancel_request(self, rid):
+        self.cancelled.append(rid)
+
+    def close(self):
+        self.worker.close()
+        self.scheduler.close()
+
+    def _new(self, rid, prompt, max_new, handle: bytes):
+        req = FakeRequest(rid, len(prompt), max_new, handle)
+        req._tokens = [int(t) for t in prompt]
+        self.active_requests.append(req)
+        return req
+
+    def _start_batch(self):  # _kv_connector_start_batch + the forward's layer hooks
+        meta = self.scheduler.build_connector_meta(None)
+        self.worker.bind_connector_meta(meta)
+        self.worker.start_load_kv(None)
+        for layer in range(self.runner.layers):
+            self.worker.wait_for_layer_load(layer, None)
+            self.worker.save_kv_layer(layer, None)
+
+    def _terminate(self, finished_gen, started_loading):  # get_finished (one rank: no allgather)
+        return self.worker.get_finished(list(finished_gen), list(started_loading))
+
+    # -- decode half ------------------------------------------------------------------
+    def load(self, rid: int, prompt: Sequence[int], max_new: int, handle: bytes, timeout_s: float = 60.0):
+        """A decode-half request: admitted, its KV loaded asynchronously by the connector;
+        returns (request, how the load ended: the worker's ``finished_loads`` entry)."""
+        kvm, sched = self.kv_cache_manager, self.scheduler
+        req = self._new(rid, prompt, max_new, handle)
+        prepop = kvm.add_sequence(req)
+        n, load_async = sched.get_num_new_matched_tokens(req, prepop)
+        assert load_async and n == len(prompt) - 1 - prepop, (n, load_async)
+        req.context_current_position = prepop + n  # setPrepopulatedPromptLen
+        sched.update_state_after_alloc(req, kvm.get_cache_indices(req))
+        req.state = "DISAGG_GENERATION_TRANS_IN_PROGRESS"
+        started, end = [rid], time.monotonic() + timeout_s
+        while True:  # nothing schedulable: only get_finished runs each iteration
+            _, loaded = self._terminate([], started)
+            started = []
+            if rid in loaded:
+                req.state = "CONTEXT_INIT"
+                return req, self.worker.finished_loads[rid]
+            if time.monotonic() > end:
+                raise TimeoutError(f"request {rid} not loaded after {timeout_s} s")
+            time.sleep(0.01)
+
+    def decode_loaded(self, req, n: int) -> tuple[list[int], torch.Tensor]:
+        """The engine's forward for a loaded request: the context step computes the prompt
+        from ``context_current_position`` (the last prompt token, over the loaded KV) and
+        yields the first token; then ``n - 1`` generation steps. Tokens read K/V only from
+        the pool."""
+        self._start_batch()
+        blocks = self.kv_cache_manager.get_cache_indices(req)
+        pos = req.context_current_position
+        if pos != req.prompt_len - 1:
+            raise AssertionError(f"request {req.request_id} resumes at {pos}, not at the last prompt token")
+        self.worker.wait_for_save(None)
+        toks, first = self.runner.decode(req.get_tokens(0)[pos], pos, n, self.pool, self.tpb, blocks)
+        req._tokens.extend(toks)
+        assert not self.scheduler.request_finished(req, blocks)  # a decode half keeps nothing
+        self.kv_cache_manager.free_resources(req)
+        self.active_requests.remove(req)
+        return toks, first
+
+    # -- prefill half -----------------------------------------------------------------
+    def serve_prefill(self, rid: int, prompt: Sequence[int], handle: bytes, timeout_s: float = 60.0):
+        """A prefill-half request (max_tokens 1): computed by the runner into the pool, its
+        blocks held and served by the connector until a decode side pulled them. Returns
+        (first token, its logits, block ids)."""
+        kvm, sched = self.kv_cache_manager, self.scheduler
+        mgr = self.kv_connector_manager
+        req = self._new(rid, prompt, 1, handle)
+        prepop = kvm.add_sequence(req)
+        assert sched.get_num_new_matched_tokens(req, prepop) == (0, False)
+        sched.update_state_after_alloc(req, kvm.get_cache_indices(req))  # opens the room
+        req.state = "CONTEXT_INIT"
+        self._start_batch()
+        blocks = kvm.get_cache_indices(req)
+        first, logits = self.runner.prefill(prompt, self.pool, self.tpb, blocks)
+        self.worker.wait_for_save(None)
+        req.context_current_position = req.prompt_len
+        req._tokens.append(first)  # the sampler
+        req.state = "GENERATION_COMPLETE"
+        assert sched.request_finished(req, blocks), "the prefill half must hold its blocks"
+        kvm.pin(req)
+        mgr.new_saving[rid] = req
+        kvm.free_resources(req)  # _handle_responses: deferred while pinned
+        self.active_requests.remove(req)
+        gen, end = [rid], time.monotonic() + timeout_s
+        while True:
+            saved, _ = self._terminate(gen, [])
+            gen = []
+            if rid in saved:
+                kvm.unpin(rid)
+                return first, logits, blocks
+            if time.monotonic() > end:
+                raise TimeoutError(f"request {rid} not saved after {timeout_s} s")
+            time.sleep(0.01)
+
+
+def pool_kv(runner: TinyLlamaRunner, pool, tpb, blocks, n) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer (K, V) [n, kv_heads, head_dim] of the first n positions (copies)."""
+    return [tuple(t.clone().numpy() for t in runner.read_kv(pool, tpb, blocks, i, n)) for i in range(runner.layers)]

@@ -1,0 +1,55 @@
+"""Unit check of tests/mixed_trt_engine.py's runner (no server, no transfer): prefill into a
+TensorRT-LLM-geometry pool, then the paged decode loop reading K/V only from the pool,
+equals transformers' greedy ``generate()``; the pool holds exactly what transformers'
+cache holds (post-RoPE K, V)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest_sglang import tiny_llama_dir  # noqa: F401
+from mixed_trt_engine import TinyLlamaRunner, pool_kv
+from tiny_models import random_prompt, reference_generate
+
+MAX_NEW = 32
+TPB = 32
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir):
+    return TinyLlamaRunner(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("n", [5, 45])
+def test_runner_prefill_and_paged_decode_match_transformers(runner, tiny_llama_dir, n):
+    prompt = random_prompt(n, seed=1000 + n)
+    ref = reference_generate(tiny_llama_dir, prompt, MAX_NEW)
+    lay = runner.allocate_pool(tokens_per_block=TPB, num_blocks=16)
+    pool = lay.tensors[0]
+    blocks = [11, 3, 7]  # out of order, not from 0: the runner must address blocks, not slots
+    first, logits = runner.prefill(prompt, pool, TPB, blocks)
+    rest, _ = runner.decode(first, n, MAX_NEW - 1, pool, TPB, blocks)
+    got = [first] + rest
+    assert got == ref.token_ids, f"runner {got} != transformers {ref.token_ids}"
+    torch.testing.assert_close(logits, ref.first_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_pool_holds_what_transformers_cache_holds(runner, tiny_llama_dir):
+    """K after RoPE and V, per layer and KV head, as transformers' DynamicCache (and
+    SGLang's MHATokenToKVPool) store them."""
+    from tiny_models import _load
+
+    prompt = random_prompt(40, seed=5)
+    lay = runner.allocate_pool(tokens_per_block=TPB, num_blocks=8)
+    runner.prefill(prompt, lay.tensors[0], TPB, [5, 2])
+    ours = pool_kv(runner, lay.tensors[0], TPB, [5, 2], len(prompt))
+    model = _load(tiny_llama_dir)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    cache = out.past_key_values
+    for i, (k, v) in enumerate(ours):
+        hk, hv = cache.layers[i].keys[0], cache.layers[i].values[0]  # [kv_heads, T, D]
+        np.testing.assert_allclose(k, hk.transpose(0, 1).numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(v, hv.transpose(0, 1).numpy(), rtol=1e-5, atol=1e-5)

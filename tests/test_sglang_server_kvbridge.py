@@ -1,0 +1,76 @@
+"""SGLang's REAL server pair on CPU with ``--disaggregation-transfer-backend kvbridge``.
+
+The backend is picked up from kvbridge's installed ``sglang.srt.plugins`` entry point in
+every server process. Greedy float32 outputs must equal transformers' ``generate()`` on
+the same tiny model, and the outputs of the same pair on SGLang's own ``mooncake``
+backend. Servers start once per test session (``conftest_sglang``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest_sglang import sglang_pair_factory, tiny_llama_dir  # noqa: F401
+from tiny_models import random_prompt, reference_generate
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+MAX_NEW = 16
+PROMPTS = [4, 37, 300]
+
+
+@pytest.fixture
+def kvbridge_pair(sglang_pair_factory, tiny_llama_dir):
+    return sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, extra_env={"SGLANG_PLUGINS": "kvbridge"})
+
+
+def test_kvbridge_pair_matches_transformers_and_mooncake(sglang_pair_factory, tiny_llama_dir):
+    prompts = [random_prompt(n, seed=n) for n in PROMPTS]
+    refs = [reference_generate(tiny_llama_dir, p, MAX_NEW).token_ids for p in prompts]
+    mooncake = sglang_pair_factory("mooncake", model_dir=tiny_llama_dir)
+    via_mooncake = [mooncake.generate(p, MAX_NEW) for p in prompts]
+    kv = sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, extra_env={"SGLANG_PLUGINS": "kvbridge"})
+    for p, ref, mc in zip(prompts, refs, via_mooncake):
+        t0 = time.monotonic()
+        got = kv.generate(p, MAX_NEW)
+        dt = time.monotonic() - t0
+        assert got == ref, f"{len(p)}-token prompt: kvbridge pair {got} != transformers {ref}"
+        assert got == mc, f"{len(p)}-token prompt: kvbridge pair {got} != mooncake pair {mc}"
+        print(f"[kvbridge pair] {len(p)}-token prompt, {MAX_NEW} new tokens: {dt:.2f}s")
+
+
+def test_kvbridge_pair_concurrent_requests(kvbridge_pair, tiny_llama_dir):
+    prompts = [random_prompt(n, seed=200 + n) for n in (5, 23, 64, 150)]
+    refs = [reference_generate(tiny_llama_dir, p, MAX_NEW).token_ids for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda p: kvbridge_pair.generate(p, MAX_NEW), prompts))
+    for p, got, ref in zip(prompts, outs, refs):
+        assert got == ref, f"{len(p)}-token prompt (concurrent): kvbridge pair {got} != transformers {ref}"
+
+
+def test_decode_fails_cleanly_when_prefill_is_gone_and_stays_healthy(kvbridge_pair, tiny_llama_dir):
+    """Kill the prefill server: a request to the decode server fails with a clear error
+    well within the configured timeouts (30 s + 30 s here), and the decode server keeps
+    answering /health. (The fixture restarts the pair for later tests.)"""
+    import requests
+
+    from sglang_servers import _post
+
+    prompt = random_prompt(20, seed=99)
+    kvbridge_pair.generate(prompt, 2)  # warm: the decode has met this prefill
+    kvbridge_pair.kill_prefill()
+    body = kvbridge_pair.request_body(prompt, 4)
+    t0 = time.monotonic()
+    res = _post(kvbridge_pair.decode.url + "/generate", body, 90)
+    dt = time.monotonic() - t0
+    assert not isinstance(res, BaseException), res
+    text = res.text
+    failed = res.status_code != 200 or '"abort"' in text
+    assert failed, f"decode answered {res.status_code} {text[:500]} with no prefill alive"
+    assert dt < 60 + 1, f"the failure took {dt:.1f}s"
+    assert any(w in text.lower() for w in ("prefill", "bootstrap", "unreachable", "timeout", "failed")), text[:1000]
+    assert requests.get(kvbridge_pair.decode.url + "/health", timeout=10).status_code == 200
+    print(f"[kvbridge pair] dead prefill: decode failed the request in {dt:.1f}s: {text[:300]}")
