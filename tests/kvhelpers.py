@@ -69,3 +69,17 @@ def execute_segments(seg: Segments) -> None:
     """Copy each segment with memmove (test-only stand-in for a transport in one process)."""
     for s, d, n in zip(seg.src.tolist(), seg.dst.tolist(), seg.length.tolist()):
         ctypes.memmove(d, s, n)
+
+
+def stop_process(conn, proc, grace_s: float = 5.0) -> None:
+    """Ask a peer process driven over ``conn`` to stop, then kill it if it does not."""
+    if proc.is_alive():
+        try:
+            conn.send(("stop",))
+            conn.poll(grace_s)
+        except (BrokenPipeError, OSError):
+            pass
+    proc.join(grace_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(grace_s)

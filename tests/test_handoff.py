@@ -14,6 +14,7 @@ import time
 import pytest
 
 import handoff_peers
+from kvhelpers import stop_process
 
 CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20)
 
@@ -43,16 +44,7 @@ class Peer:
         return msg
 
     def stop(self):
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("stop",))
-                self.conn.poll(5)
-            except (BrokenPipeError, OSError):
-                pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        stop_process(self.conn, self.proc)
 
 
 def spec(engine, *, layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=16, blocks=64, seed=1, mla=False):

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from kvhelpers import stop_process
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
@@ -622,13 +623,4 @@ class TransceiverRank:
         return Server._recv(self.conn, timeout)[1]
 
     def stop(self):
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("stop",))
-                self.conn.poll(5)
-            except (BrokenPipeError, OSError):
-                pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        stop_process(self.conn, self.proc)
