@@ -486,7 +486,7 @@ class KVSender(_Side):
         end = time.monotonic() + deadline_s
         try:
             # small first chunks get bytes on the wire early; never more than the ring slot
-            size = min(self.config.chunk_bytes, max(1 << 20, plan.nbytes // 4))
+            size = min(self.config.chunk_bytes, max(1 << 20, plan.nbytes // 2))
             for i, part in enumerate(plan.chunks(size)):
                 if r.state in TERMINAL:
                     raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
