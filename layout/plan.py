@@ -26,7 +26,7 @@ from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
 from .heads import HeadMap
 from .repack import Gather, Scatter
-from .segments import Segments, compile_segments, count_segments, side_runs
+from .segments import Segments, compile_segments, count_or_compile, side_runs
 
 __all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "plan_transfer", "plan_kind_estimates"]
 
@@ -194,19 +194,28 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKind, KindEstimate]:
-    """Wire segments and estimated seconds of each allowed kind (direct's segment count is
-    exact for small plans, an upper bound for large ones; see ``count_segments``)."""
+def _estimates(spec: CopySpec, costs: PlanCosts, kinds) -> tuple[dict[PlanKind, KindEstimate], dict[PlanKind, Segments]]:
+    """The estimates of ``plan_kind_estimates``, and the wire segments built on the way."""
     out: dict[PlanKind, KindEstimate] = {}
+    wires: dict[PlanKind, Segments] = {}
     n = spec.nbytes
     for kind in kinds:
         if kind is PlanKind.DIRECT:
-            segs = count_segments(spec)
+            segs, wire = count_or_compile(spec)
+            if wire is not None:
+                wires[kind] = wire
             out[kind] = KindEstimate(kind, segs, costs.wire_s(n, segs), 0)
         else:
-            segs = side_runs(spec, "dst" if kind is PlanKind.STAGED_SEND else "src")[0].size
+            wires[kind] = _wire(kind, spec)
+            segs = wires[kind].count
             out[kind] = KindEstimate(kind, segs, costs.staged_s(n, segs), n)
-    return out
+    return out, wires
+
+
+def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKind, KindEstimate]:
+    """Wire segments and estimated seconds of each allowed kind (direct's segment count is
+    exact for small plans, an upper bound for large ones; see ``count_segments``)."""
+    return _estimates(spec, costs, kinds)[0]
 
 
 def plan_transfer(
@@ -240,11 +249,11 @@ def plan_transfer(
     if force is not None:
         force = PlanKind(force)
         allowed = tuple(dict.fromkeys(allowed + (force,)))
-    est = plan_kind_estimates(spec, costs, allowed)
+    est, wires = _estimates(spec, costs, allowed)
     ranked = sorted(est.values(), key=lambda e: (e.seconds, e.kind is not PlanKind.DIRECT))
     chosen = est[force] if force is not None else ranked[0]
 
-    wire = _wire(chosen.kind, spec)
+    wire = wires[chosen.kind] if chosen.kind in wires else _wire(chosen.kind, spec)
     reason = _reason(spec, chosen, est, costs, forced=force is not None)
     return TransferPlan(chosen.kind, spec, wire, est, reason, costs)
 

@@ -125,12 +125,19 @@ def count_segments(spec: CopySpec, exact_limit: int = 1 << 15) -> int:
     """Segments ``compile_segments(spec)`` yields: exact while the unmerged count is at
     most ``exact_limit``, else that count (an upper bound that ignores merges across
     boxes), computed without materializing anything."""
+    return count_or_compile(spec, exact_limit)[0]
+
+
+def count_or_compile(spec: CopySpec, exact_limit: int = 1 << 15) -> tuple[int, Segments | None]:
+    """``count_segments``, plus the compiled segments when counting needed them (small
+    plans), so a caller that then wants them does not compile twice."""
     total = 0
     for sel, _, dims in _classes(spec):
         total += sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))
     if total <= exact_limit:
-        return compile_segments(spec).count
-    return total
+        seg = compile_segments(spec)
+        return seg.count, seg
+    return total, None
 
 
 def compile_segments(spec: CopySpec) -> Segments:
