@@ -34,6 +34,7 @@ import torch
 
 from kvbridge.layout import (
     CopySpec,
+    HeadMap,
     KVLayout,
     LayoutError,
     LayoutMismatchError,
@@ -437,15 +438,15 @@ class KVSender(_Side):
         if stop <= start:
             return
         cfg = self.config
-        kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or req.staging_bytes - t.staged_bytes > 0)
+        # receiver staging is an option only while this chunk's payload still fits in it
+        lay = self.layout
+        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, t.remote).count * lay.head_bytes
+        fits = payload <= req.staging_bytes - t.staged_bytes
+        kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
         t_plan = time.perf_counter()
-        plan = plan_transfer(self.layout, c.blocks, t.remote, req.block_ids, (start, stop),
+        plan = plan_transfer(lay, c.blocks, t.remote, req.block_ids, (start, stop),
                              src_first_token=c.first_token, dst_first_token=req.first_token,
                              kinds=kinds, costs=cfg.costs)
-        if plan.kind is PlanKind.STAGED_RECV and plan.nbytes > req.staging_bytes - t.staged_bytes:
-            plan = plan_transfer(self.layout, c.blocks, t.remote, req.block_ids, (start, stop),
-                                 src_first_token=c.first_token, dst_first_token=req.first_token,
-                                 kinds=tuple(k for k in kinds if k is not PlanKind.STAGED_RECV), costs=cfg.costs)
         rec = r.record
         rec.plan_s += time.perf_counter() - t_plan
         rec.plan, rec.plan_reason = plan.kind.value, plan.explain()
