@@ -142,7 +142,33 @@ def _rows_of(lay: KVLayout, addrs: np.ndarray, row_bytes: int) -> tuple[_RowSpac
     return space, index
 
 
-class Gather:
+class _PoolRows:
+    """The rows of ``spec`` on its ``pool`` side ('src' or 'dst'), listed in increasing
+    address order of side ``order``, as indices into a row view of that pool's memory;
+    a staging buffer of ``nbytes`` holds them back to back in that order."""
+
+    def __init__(self, spec: CopySpec, pool: str, order: str, addr: np.ndarray | None = None):
+        lay = spec.src if pool == "src" else spec.dst
+        if addr is None:
+            addr = row_addresses(spec, order, want=pool)
+        self.spec = spec
+        self.row_bytes = lay.head_bytes
+        self._space, self.index = _rows_of(lay, addr, self.row_bytes)
+        self.rows = int(addr.size)
+        self.nbytes = self.rows * self.row_bytes
+
+    def _gather_into(self, staging: torch.Tensor) -> int:
+        out = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
+        torch.index_select(self._space.rows, 0, self.index, out=out)
+        return self.nbytes
+
+    def _scatter_from(self, staging: torch.Tensor) -> int:
+        src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
+        self._space.rows.index_copy_(0, self.index, src)
+        return self.nbytes
+
+
+class Gather(_PoolRows):
     """Sender-side repack: ``spec``'s rows from the source pool into a dense staging buffer
     in the destination's address order. Prepared once; ``run`` may be called repeatedly.
 
@@ -151,22 +177,14 @@ class Gather:
     """
 
     def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None):
-        self.spec = spec
-        self.row_bytes = spec.src.head_bytes
-        if src_addr is None:
-            src_addr = row_addresses(spec, "dst", want="src")
-        self._space, self.index = _rows_of(spec.src, src_addr, self.row_bytes)
-        self.rows = int(src_addr.size)
-        self.nbytes = self.rows * self.row_bytes
+        super().__init__(spec, "src", "dst", src_addr)
 
     def run(self, staging: torch.Tensor) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns bytes."""
-        out = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
-        torch.index_select(self._space.rows, 0, self.index, out=out)
-        return self.nbytes
+        return self._gather_into(staging)
 
 
-class Scatter:
+class Scatter(_PoolRows):
     """Receiver-side repack: a dense staging buffer in the source's address order into the
     destination pool. Prepared once; ``run`` may be called repeatedly.
 
@@ -175,19 +193,11 @@ class Scatter:
     """
 
     def __init__(self, spec: CopySpec, dst_addr: np.ndarray | None = None):
-        self.spec = spec
-        self.row_bytes = spec.dst.head_bytes
-        if dst_addr is None:
-            dst_addr = row_addresses(spec, "src", want="dst")
-        self._space, self.index = _rows_of(spec.dst, dst_addr, self.row_bytes)
-        self.rows = int(dst_addr.size)
-        self.nbytes = self.rows * self.row_bytes
+        super().__init__(spec, "dst", "src", dst_addr)
 
     def run(self, staging: torch.Tensor) -> int:
         """Write ``staging``'s rows into the destination pool; returns bytes."""
-        src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
-        self._space.rows.index_copy_(0, self.index, src)
-        return self.nbytes
+        return self._scatter_from(staging)
 
 
 def _staging_rows(staging: torch.Tensor, nbytes: int, row_bytes: int, unit: int) -> torch.Tensor:
@@ -208,6 +218,4 @@ def repack(spec: CopySpec) -> int:
     gather = Gather(spec, src_addr)
     tmp = torch.empty(gather.nbytes, dtype=torch.uint8, device=spec.src.device)
     gather.run(tmp)
-    space, index = _rows_of(spec.dst, dst_addr, gather.row_bytes)
-    space.rows.index_copy_(0, index, _staging_rows(tmp, gather.nbytes, gather.row_bytes, space.unit))
-    return gather.nbytes
+    return _PoolRows(spec, "dst", "dst", dst_addr)._scatter_from(tmp)

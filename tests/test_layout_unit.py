@@ -222,3 +222,21 @@ def test_wheel_contains_every_subpackage(tmp_path):
     for mod in ("kvbridge/__init__.py", "kvbridge/cli.py", "kvbridge/layout/plan.py", "kvbridge/layout/repack.py",
                 "kvbridge/common/__init__.py", "kvbridge/adapters/sglang/__init__.py", "kvbridge/adapters/trtllm/__init__.py"):
         assert mod in names, mod
+
+
+def test_local_repack_between_pools_is_exact():
+    """repack(): a pool-to-pool copy in one process (gather, then scatter) moves exactly the request."""
+    from kvbridge.layout import CopySpec, allocate_pool, repack
+    from kvhelpers import read_units, snapshot, unit_offsets, written_mask
+
+    src = allocate_pool("sglang", layers=2, total_heads=4, head_dim=8, dtype="bf16", tokens_per_block=16, num_blocks=12, seed=1)
+    dst = allocate_pool("trtllm", layers=2, total_heads=4, head_dim=8, dtype="bf16", tokens_per_block=32, num_blocks=8, seed=2)
+    sb, db = [5, 2, 9, 7, 11, 3], [6, 1, 4]
+    before = snapshot(dst)
+    spec = CopySpec.build(src, sb, dst, db, (10, 90))
+    assert repack(spec) == spec.nbytes
+    so = unit_offsets(src, sb, 0, 10, 90, range(4))
+    do = unit_offsets(dst, db, 0, 10, 90, range(4))
+    assert np.array_equal(read_units(src, so), read_units(dst, do))
+    mask = written_mask(dst, do)
+    assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
