@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -249,8 +249,3 @@ def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 
         else:
             lo = mid
     return hi
-
-
-def with_measured(link: LinkProfile, **figures: float) -> LinkProfile:
-    """A copy of ``link`` with measured figures replacing the preset ones."""
-    return replace(link, source="measured", **figures)

@@ -17,6 +17,8 @@ import os
 import time
 import traceback
 
+from kvbridge.adapters.sglang.bench import SinglePPGroup, failure_reason, poll_until
+
 ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",
     "MC_FORCE_TCP": "1",
@@ -25,13 +27,6 @@ ENV = {
     "NO_PROXY": "127.0.0.1,localhost",
     "SGLANG_PLUGINS": "kvbridge",
 }
-
-
-class _PPGroup:
-    rank_in_group = 0
-    world_size = 1
-    is_first_rank = True
-    is_last_rank = True
 
 
 def _checks() -> dict:
@@ -92,7 +87,7 @@ class Rank:
                         page_size=ps)
         rc.reset_context()
         rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank))
-        rc.get_parallel().override_permanently(pp_group=_PPGroup())
+        rc.get_parallel().override_permanently(pp_group=SinglePPGroup())
         self.server_args = sa
         backend = TransferBackend(sa.disaggregation_transfer_backend)
         self.backend = backend
@@ -187,14 +182,7 @@ def _wait_http(url: str, timeout: float = 10.0) -> None:
 
 
 def _poll_until(obj, want, timeout: float):
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    end = time.monotonic() + timeout
-    st = obj.poll()
-    while st not in want and st != KVPoll.Failed and time.monotonic() < end:
-        time.sleep(0.002)
-        st = obj.poll()
-    return st
+    return poll_until(obj, want, timeout, sleep=0.002)
 
 
 def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, first_token: int, timeout: float):
@@ -207,7 +195,7 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
                           req_has_disagg_prefill_dp_rank=False)  # create_sender, prefill.py 400-406
     st = _poll_until(sender, (KVPoll.WaitingForInput,), timeout)  # bootstrap queue poll
     if st != KVPoll.WaitingForInput:
-        return {"state": int(st), "phase": "bootstrap", "reason": _reason(sender)}
+        return {"state": int(st), "phase": "bootstrap", "reason": failure_reason(sender)}
     prefix = sender.pop_decode_prefix_len()  # finalize_bootstrap, prefill.py 437
     ps = r.page_size
     num_pages = -(-(num_tokens - prefix) // ps)  # _num_pages_to_send, prefill.py 446-450
@@ -226,18 +214,10 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
         if sender.should_send_kv_chunk(len(chunk), last):  # prefill.py 1765
             sender.send(chunk, None, num_kv_tokens=len(chunk) * ps)  # prefill.py 1775-1779
     st = _poll_until(sender, (KVPoll.Success,), timeout)  # inflight queue poll
-    out = {"state": int(st), "prefix": prefix, "seconds": time.perf_counter() - t0, "reason": _reason(sender) if st != KVPoll.Success else ""}
+    out = {"state": int(st), "prefix": prefix, "seconds": time.perf_counter() - t0, "reason": failure_reason(sender) if st != KVPoll.Success else ""}
     out["metric_bytes"] = sender.get_transfer_metric().transfer_total_bytes
     sender.clear()
     return out
-
-
-def _reason(obj) -> str:
-    try:
-        obj.failure_exception()
-    except Exception as e:
-        return str(e)
-    return ""
 
 
 def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort_after: float | None = None):
@@ -286,7 +266,7 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
         out["untouched"] = not diff
         out["changed_slots"] = sorted(diff)[:8]
     else:
-        out["reason"] = _reason(recv)
+        out["reason"] = failure_reason(recv)
     recv.clear()
     return out
 

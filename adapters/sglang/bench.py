@@ -61,7 +61,7 @@ ENV = {
 _AUX = {"kvbridge": 1, "sglang_mooncake": 2}
 
 
-class _PPGroup:
+class SinglePPGroup:
     """Stand-in for ``get_parallel().pp_group`` (only set by torch.distributed init); pp 1."""
 
     rank_in_group = 0
@@ -208,7 +208,7 @@ class _Rank:
                             tp_size=tp, page_size=ps)
             rc.reset_context()
             rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank))
-            rc.get_parallel().override_permanently(pp_group=_PPGroup())
+            rc.get_parallel().override_permanently(pp_group=SinglePPGroup())
             return sa
 
         self.servers: list = []
@@ -281,7 +281,8 @@ class _Rank:
         return keep
 
 
-def _poll_until(obj, want, timeout: float, sleep: float = 0.0005):
+def poll_until(obj, want, timeout: float, sleep: float = 0.0005):
+    """Poll an SGLang KV sender/receiver until a state in ``want`` or Failed, or ``timeout``."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     end = time.monotonic() + timeout
@@ -292,7 +293,8 @@ def _poll_until(obj, want, timeout: float, sleep: float = 0.0005):
     return st
 
 
-def _reason(obj) -> str:
+def failure_reason(obj) -> str:
+    """What ``obj.failure_exception()`` raises, as text ('' if nothing)."""
     try:
         obj.failure_exception()
     except Exception as e:
@@ -308,9 +310,9 @@ def _serve(r: _Rank, backend: str, room: int, pages: list, num_tokens: int, firs
     mgr = r.mgr[backend]
     addr = f"127.0.0.1:{r.case['ports'][backend]}"
     sender = r.cls[backend][0](mgr, addr, room, False)  # create_sender
-    st = _poll_until(sender, (KVPoll.WaitingForInput,), timeout)
+    st = poll_until(sender, (KVPoll.WaitingForInput,), timeout)
     if st != KVPoll.WaitingForInput:
-        return {"ok": False, "reason": f"bootstrap: state {int(st)} {_reason(sender)}"}
+        return {"ok": False, "reason": f"bootstrap: state {int(st)} {failure_reason(sender)}"}
     prefix = sender.pop_decode_prefix_len() if hasattr(sender, "pop_decode_prefix_len") else 0
     num_pages = -(-(num_tokens - prefix) // r.page_size)
     aux = _AUX[backend]
@@ -321,10 +323,10 @@ def _serve(r: _Rank, backend: str, room: int, pages: list, num_tokens: int, firs
     _COUNTER.reset()
     t0 = time.perf_counter()
     sender.send(np.asarray(pages[: num_pages], dtype=np.int32), None, num_kv_tokens=num_pages * r.page_size)
-    st = _poll_until(sender, (KVPoll.Success,), timeout)
+    st = poll_until(sender, (KVPoll.Success,), timeout)
     dt = time.perf_counter() - t0
     out = {"ok": st == KVPoll.Success, "send_to_success_s": dt, "pieces": _COUNTER.snapshot(t0),
-           "reason": "" if st == KVPoll.Success else _reason(sender)}
+           "reason": "" if st == KVPoll.Success else failure_reason(sender)}
     sender.clear()
     return out
 
@@ -347,7 +349,7 @@ def _pull(r: _Rank, backend: str, room: int, pages: list, num_tokens: int, timeo
     r.meta.clear_slot(aux)
     t0 = time.perf_counter()
     recv.send_metadata(np.asarray(pages, dtype=np.int32), aux, None, decode_prefix_len=0)
-    st = _poll_until(recv, (KVPoll.Success,), timeout)
+    st = poll_until(recv, (KVPoll.Success,), timeout)
     dt = time.perf_counter() - t0
     out = {"ok": st == KVPoll.Success, "seconds": dt}
     if st == KVPoll.Success:
@@ -357,7 +359,7 @@ def _pull(r: _Rank, backend: str, room: int, pages: list, num_tokens: int, timeo
             out["record"] = {"plan": rec.plan, "segments": rec.segments, "bytes": rec.bytes, "chunks": rec.chunks,
                              "repack_s": rec.repack_s} if rec else None
     else:
-        out["reason"] = _reason(recv)
+        out["reason"] = failure_reason(recv)
     recv.clear()
     return out
 
