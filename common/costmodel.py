@@ -93,6 +93,14 @@ class ModelGeometry:
         """Geometry from a Hugging Face ``config.json`` (Llama/Qwen-style GQA or DeepSeek MLA)."""
         p = Path(path)
         cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        return cls.from_hf_dict(cfg, dtype_bytes, name=cfg.get("model_type", p.stem), source=f"config: {p}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, dtype_bytes: int = 2, *, name: str = "", source: str = "config") -> "ModelGeometry":
+        """Geometry from the fields of a Hugging Face config (a ``config.json`` as a dict)."""
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"model config lacks {missing}: not a decoder LLM config")
         layers = int(cfg["num_hidden_layers"])
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -111,8 +119,8 @@ class ModelGeometry:
             moe_inter = int(cfg.get("moe_intermediate_size", inter))
             active = int(cfg.get("num_experts_per_tok", 8)) + int(cfg.get("n_shared_experts", 0) or 0)
             params = layers * (attn + 3 * hidden * moe_inter * active) + vocab * hidden
-        return cls(cfg.get("model_type", p.stem), layers, kv_heads, head_dim, kv_factor, dtype_bytes, float(params),
-                   hidden, heads, source=f"config: {p}")
+        return cls(name or cfg.get("model_type", "model"), layers, kv_heads, head_dim, kv_factor, dtype_bytes,
+                   float(params), hidden, heads, source=source)
 
 
 MODEL_PRESETS: dict[str, ModelGeometry] = {
@@ -206,20 +214,27 @@ def decide(
     gpu_tflops: float = 989.0,
     mfu: float = 0.45,
     tp: int = 1,
+    held_tokens: int = 0,
 ) -> Decision:
     """Move the KV (prefill worker computes, then hands off) or compute the prefill on the
     decode worker? ``prefill_tps`` / ``decode_prefill_tps``: prefill tokens/s on each
     worker (default: from FLOPs at ``gpu_tflops`` x ``mfu`` x ``tp``; the decode worker
     shares its GPU with running decodes, so by default it prefills at half that rate).
     ``queue_s``: time the request waits for the prefill worker. ``segments`` defaults to
-    one per 16 MiB (a staged plan into contiguous blocks)."""
+    one per 16 MiB (a staged plan into contiguous blocks). ``held_tokens``: prompt tokens
+    whose KV the decode worker already holds (prefix cache): only the rest is moved, or
+    recomputed (attending to the held ones); the prefill worker computes the whole prompt."""
     if prompt_len <= 0:
         raise ValueError(f"prompt_len must be positive, got {prompt_len}")
-    nbytes = model.kv_bytes(prompt_len)
+    if not 0 <= held_tokens < prompt_len:
+        raise ValueError(f"held_tokens must be in [0, prompt_len={prompt_len}), got {held_tokens}")
+    nbytes = model.kv_bytes(prompt_len - held_tokens)
     segs = segments if segments is not None else max(1, math.ceil(nbytes / (16 << 20)))
     flops_s = gpu_tflops * 1e12 * mfu * tp
     prefill_s = prompt_len / prefill_tps if prefill_tps else model.prefill_flops(prompt_len) / flops_s
-    recompute_s = prompt_len / decode_prefill_tps if decode_prefill_tps else 2.0 * model.prefill_flops(prompt_len) / flops_s
+    new_flops = model.prefill_flops(prompt_len) - model.prefill_flops(held_tokens)
+    recompute_s = ((prompt_len - held_tokens) / decode_prefill_tps if decode_prefill_tps
+                   else 2.0 * new_flops / flops_s)
     h = predict_handoff_s(nbytes, segs, link, staged=staged)
     disagg = queue_s + prefill_s + h.total_s
     local = recompute_s
@@ -232,7 +247,8 @@ def decide(
     )
     verdict = ("MOVE the KV: " if move else "RECOMPUTE locally: ") + why
     return Decision(move, verdict, h, recompute_s, queue_s, prefill_s, disagg, local, model.name, link.describe(),
-                    prompt_len, output_len, {"bytes_per_token": model.kv_bytes(1), "segments": segs})
+                    prompt_len, output_len, {"bytes_per_token": model.kv_bytes(1), "segments": segs,
+                                                 "held_tokens": held_tokens})
 
 
 def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 16, hi: int = 1 << 20, **kw) -> int | None:

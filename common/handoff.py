@@ -69,6 +69,7 @@ class RoomState(enum.IntEnum):
 
 
 TERMINAL = (RoomState.FAILED, RoomState.SUCCESS)
+MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class HandoffConfig:
     peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
     quiesce_s: float = 1.0  # how long a failing receiver waits for its sender to stop writing
     chunk_bytes: int = 16 << 20  # staging chunk: gather of chunk i+1 overlaps the write of chunk i
+    ring_slots: int = 2  # staging slots per sender worker (chunks gathered ahead of the wire)
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
@@ -204,6 +206,7 @@ class KVSender(_Side):
                  config: HandoffConfig | None = None, metrics: KVBridgeMetrics | None = None, workers: int = 2):
         self._rooms: dict[int, _SendRoom] = {}
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
+        self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
         super().__init__(layout, transport, config, metrics, bind_host=host)
         cfg = self.config
         for t in layout.tensors or ():
@@ -211,7 +214,8 @@ class KVSender(_Side):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
         for _ in range(workers):
-            ring = [torch.empty(cfg.chunk_bytes, dtype=torch.uint8, device=layout.device or "cpu") for _ in range(2)]
+            ring = [torch.empty(cfg.chunk_bytes, dtype=torch.uint8, device=layout.device or "cpu")
+                    for _ in range(max(2, cfg.ring_slots))]
             for t in ring:
                 transport.register_tensor(t)
             self._rings.append(ring)
@@ -235,6 +239,12 @@ class KVSender(_Side):
             self._rooms[room] = r
             self.metrics.inflight.labels(self.role).inc()
             early = self._early.pop(room, {})
+            declined = self._declined.pop(room, None)
+        if declined is not None:  # the decode side decided to compute this prompt itself (or gave it up)
+            self._fail(room, f"declined by decode: {declined[0]}", code="declined", notify=False)
+            for peer in early:
+                self._refuse(peer, room, f"room {room} was declined by a decode rank", "room_failed")
+            return
         for peer, (req, _) in early.items():  # every decode rank that asked before the room existed
             self._accept(peer, req)
 
@@ -303,13 +313,34 @@ class KVSender(_Side):
         elif isinstance(msg, P.Heartbeat):
             self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint))
         elif isinstance(msg, P.Abort):
-            r = self._rooms.get(msg.room)
-            if r is not None and peer in r.targets:
-                self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
-            elif r is None:
-                self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown", code="unknown_room"))
+            self._on_abort(peer, msg)
         else:
-            log.warning("sender: unexpected %s from %s", type(msg).__name__, peer)
+            self._refuse(peer, msg.room, f"unexpected {type(msg).__name__} from a decode peer: a sender takes "
+                         "transfer_request, heartbeat and abort", "bad_message")
+
+    def _on_abort(self, peer: str, msg: P.Abort) -> None:
+        """An Abort from a decode rank: from one pulling the room, it ends the room; from
+        one that has not asked (or whose request waits for the room to exist), it declines
+        the room: the decode side computes the prompt itself, so the room ends now (or as
+        soon as the prefill engine adds it) and its blocks are released."""
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            target = r is not None and peer in r.targets
+            asked = self._early.get(msg.room, {}).pop(peer, None) is not None
+            if msg.room in self._early and not self._early[msg.room]:
+                del self._early[msg.room]
+        if target:
+            self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
+            return
+        if self.config.secret and not asked and not P.verify(msg, self.config.secret):
+            log.warning("sender: ignored an unauthenticated abort of room %s from %s", msg.room, peer)
+            return
+        if r is None:
+            with self._lock:
+                self._declined[msg.room] = (msg.reason, time.monotonic())
+            self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown", code="unknown_room"))
+            return
+        self._fail(msg.room, f"declined by decode: {msg.reason}", code="declined", notify=True)
 
     def _refuse(self, peer: str, room: int, reason: str, code: str) -> None:
         log.warning("sender: refused room %s from %s: %s", room, peer, reason)
@@ -327,6 +358,10 @@ class KVSender(_Side):
         with self._lock:
             r = self._rooms.get(req.room)
             if r is None:
+                if req.room not in self._early and len(self._early) >= MAX_EARLY_ROOMS:
+                    self._refuse(peer, req.room, f"unknown room {req.room}: already {len(self._early)} requests wait "
+                                 "for rooms this prefill has not registered", "unknown_room")
+                    return
                 self._early.setdefault(req.room, {})[peer] = (req, time.monotonic())
                 return
             if r.state is RoomState.FAILED:
@@ -345,7 +380,7 @@ class KVSender(_Side):
                 raise LayoutError("receiver block ids outside its own pool")
             if not 0 <= req.token_start < req.token_stop:
                 raise LayoutError(f"empty token range [{req.token_start}, {req.token_stop})")
-        except (LayoutMismatchError, LayoutError) as e:
+        except (LayoutError, ValueError, TypeError, OverflowError) as e:  # whatever a hostile layout triggers
             reason = f"incompatible layouts: {e}"
             self._refuse(peer, req.room, reason, "incompatible")
             self._fail(req.room, reason, code="incompatible", notify=True)
@@ -367,6 +402,9 @@ class KVSender(_Side):
                     self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s", "unknown_room")
             if not waiting:
                 self._early.pop(room, None)
+        for room, (_, t) in list(self._declined.items()):
+            if now - t > cfg.deadline_s:  # the prefill never added the room: nothing to release
+                self._declined.pop(room, None)
         for r in list(self._rooms.values()):
             if r.state in TERMINAL:
                 continue
@@ -481,7 +519,7 @@ class KVSender(_Side):
         t.segments += plan.num_segments
 
     def _pipeline(self, r: _SendRoom, session: str, plan, ring: list[torch.Tensor], deadline_s: float) -> None:
-        """Gather chunk i into ring slot i % 2 while chunk i-1 is on the wire."""
+        """Gather chunk i into ring slot i % len(ring) while earlier chunks are on the wire."""
         rec = r.record
         inflight: deque = deque()
         end = time.monotonic() + deadline_s
@@ -491,8 +529,8 @@ class KVSender(_Side):
             for i, part in enumerate(plan.chunks(size)):
                 if r.state in TERMINAL:
                     raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
-                slot = ring[i % 2]
-                if len(inflight) == 2:  # the slot we are about to overwrite must be sent
+                slot = ring[i % len(ring)]
+                if len(inflight) == len(ring):  # the slot we are about to overwrite must be sent
                     t0 = time.perf_counter()
                     inflight.popleft().wait(end - time.monotonic())
                     rec.transfer_s += time.perf_counter() - t0
@@ -537,7 +575,7 @@ class KVSender(_Side):
                 return
             r.state, r.reason = RoomState.FAILED, reason
             r.record.finished, r.record.result, r.record.reason = time.monotonic(), (
-                "aborted" if code == "aborted" else "failed"), reason
+                code if code in ("aborted", "declined") else "failed"), reason
             busy = r.busy
         log.warning("sender: room %s failed: %s", room, reason)
         self.metrics.inflight.labels(self.role).dec()
@@ -620,6 +658,7 @@ class KVReceiver(_Side):
     def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, config: HandoffConfig | None = None,
                  metrics: KVBridgeMetrics | None = None):
         self._rooms: dict[int, _RecvRoom] = {}
+        self._declined: deque = deque(maxlen=4096)  # rooms declined lately (their acks are expected)
         self._last_ping = 0.0
         super().__init__(layout, transport, config, metrics, bind_host=None)
         for t in layout.tensors or ():
@@ -721,6 +760,33 @@ class KVReceiver(_Side):
         """Decode engine: give the room up; the prefill side is told."""
         self._begin_fail(room, reason, code="aborted", notify=True)
 
+    def decline(self, room: int, endpoints: str | Sequence[str], reason: str, *,
+                label: str = "below_break_even") -> HandoffRecord:
+        """Decode engine, instead of ``request``: this room's KV will not be pulled (the
+        decode side computes the prompt itself). Every prefill rank at ``endpoints`` is told
+        (an ``Abort``, signed when a secret is set), so it ends the room and releases its
+        blocks now, or when its engine adds the room. No block of ours is involved. Counts
+        ``kvbridge_fallbacks_total{role="receiver", reason=label}``; returns the record."""
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not eps:
+            raise ValueError("at least one prefill endpoint is needed")
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.state not in TERMINAL:
+                raise ValueError(f"room {room} is being pulled on this receiver; abort it instead")
+            self._declined.append(room)
+        msg = P.Abort(room=room, reason=reason[:4000])
+        if self.config.secret:
+            msg = P.sign(msg, self.config.secret)
+        for ep in eps:
+            self._send(ep, msg)
+        rec = HandoffRecord(room=room, role=self.role, result="declined", reason=reason)
+        rec.finished = rec.started
+        self.metrics.observe(rec)
+        self.metrics.fallbacks.labels(self.role, label).inc()
+        log.info("receiver: room %s declined (%s): %s", room, label, reason)
+        return rec
+
     def forget(self, room: int) -> None:
         """Drop a finished room's bookkeeping."""
         with self._lock:
@@ -742,6 +808,8 @@ class KVReceiver(_Side):
             return
         r = self._rooms.get(getattr(msg, "room", -1))
         if r is None or peer not in r.peers:
+            if r is None and getattr(msg, "room", -1) in self._declined:
+                return  # a prefill acknowledging a declined room
             if not isinstance(msg, P.Heartbeat):
                 log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
             return
@@ -793,7 +861,9 @@ class KVReceiver(_Side):
                     raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
                 Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])
             r.record.repack_s += time.perf_counter() - t0
-        except (LayoutError, ValueError) as e:
+        except Exception as e:  # a sender's Done is input: whatever it triggers fails the room, with the reason
+            if not isinstance(e, (LayoutError, ValueError)):
+                log.exception("receiver: room %s: scatter of what %s staged crashed", r.room, peer)
             r.peers[peer] = "failed"
             self._begin_fail(r.room, f"cannot scatter what prefill {peer} staged: {e}", code="staging", notify=True)
             if self._quiet(r):

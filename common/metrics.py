@@ -8,6 +8,10 @@ Prometheus names (all prefixed ``kvbridge_``):
 - ``handoff_transfer_gbps{role, plan}``: histogram of payload GB/s
 - ``handoffs_inflight{role}``: gauge
 - ``blocks_held{role}``: gauge of blocks leased to handoffs and not yet released
+- ``fallbacks_total{role, reason}``: requests whose KV was not moved (``reason``:
+  ``below_break_even``: the cost gate judged recomputing on the decode side cheaper;
+  ``handoff_failed``: a failed handoff was recomputed). ``role="receiver"`` counts the
+  decode side's decisions, ``role="sender"`` rooms a decode side declined
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class HandoffRecord:
     chunks: int = 0
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
-    result: str = "pending"  # pending, success, failed, aborted
+    result: str = "pending"  # pending, success, failed, aborted, declined (decode recomputes instead)
     reason: str = ""
     plan_s: float = 0.0
     repack_s: float = 0.0
@@ -79,6 +83,8 @@ class KVBridgeMetrics:
         )
         self.inflight = Gauge("kvbridge_handoffs_inflight", "Handoffs in progress", ["role"], registry=r)
         self.blocks_held = Gauge("kvbridge_blocks_held", "Blocks leased to handoffs", ["role"], registry=r)
+        self.fallbacks = Counter("kvbridge_fallbacks", "Requests whose KV was not moved (decode side computes it)",
+                                 ["role", "reason"], registry=r)
 
     def observe(self, rec: HandoffRecord) -> None:
         """Account one finished handoff."""

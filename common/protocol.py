@@ -154,9 +154,12 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
 
 
 class Abort(_Msg, tag="abort", kw_only=True):
-    """Either way: stop room ``room``'s transfer and release its blocks."""
+    """Either way: stop room ``room``'s transfer and release its blocks. From a decode
+    rank that never asked for the room (it declined it: it computes the prompt itself),
+    ``auth`` carries the tag of ``sign`` when a secret is configured."""
 
     reason: Reason
+    auth: Annotated[str, Meta(max_length=128)] = ""
 
 
 Message = Union[TransferRequest, TransferDone, TransferFailed, Heartbeat, Abort]
@@ -228,10 +231,15 @@ def _key(secret: str | bytes) -> bytes:
     return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 
-def auth_tag(req: TransferRequest, secret: str | bytes) -> str:
+def auth_tag(req: TransferRequest | Abort, secret: str | bytes) -> str:
     """Hex HMAC-SHA256 over everything in ``req`` that decides where bytes are
     written: version, room, session, block ids, token range, receivers, staging
-    buffer and layout (not ``auth`` itself, ``model`` or ``sent_at``)."""
+    buffer and layout (not ``auth`` itself, ``model`` or ``sent_at``); for an ``Abort``,
+    its version, room and reason."""
+    if isinstance(req, Abort):
+        covered = ["abort", req.version, req.room, req.reason]
+        body = msgspec.msgpack.encode(covered)
+        return hmac.new(_key(secret), b"kvbridge-auth-v1\x00" + body, hashlib.sha256).hexdigest()
     covered = [
         req.version,
         req.room,
@@ -253,14 +261,15 @@ def auth_tag(req: TransferRequest, secret: str | bytes) -> str:
     return hmac.new(_key(secret), b"kvbridge-auth-v1\x00" + body, hashlib.sha256).hexdigest()
 
 
-def sign(req: TransferRequest, secret: str | bytes) -> TransferRequest:
-    """``req`` with its ``auth`` tag set for ``secret`` (unchanged if the secret is empty)."""
+def sign(req, secret: str | bytes):
+    """``req`` (a TransferRequest or an Abort) with its ``auth`` tag set for ``secret``
+    (unchanged if the secret is empty)."""
     if not secret:
         return req
     return msgspec.structs.replace(req, auth=auth_tag(req, secret))
 
 
-def verify(req: TransferRequest, secret: str | bytes) -> bool:
+def verify(req, secret: str | bytes) -> bool:
     """True when ``req`` carries the right tag for ``secret`` (constant-time
     compare); an empty secret accepts every request."""
     if not secret:

@@ -203,6 +203,13 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
         if op == "abort":
             recv.abort(args[0])
             return ("aborted",)
+        if op == "decline":  # the decode side computes the prompt itself: no block allocated
+            room, endpoints, reason = args
+            from prometheus_client import REGISTRY
+
+            rec = recv.decline(room, endpoints, reason)
+            return ("declined", rec.as_dict(), alloc.free_count,
+                    REGISTRY.get_sample_value("kvbridge_fallbacks_total", {"role": "receiver", "reason": "below_break_even"}))
         if op == "free":
             return ("free", alloc.free_count, alloc.double_frees)
         raise ValueError(op)

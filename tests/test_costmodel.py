@@ -92,3 +92,55 @@ def test_plan_cli_json():
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["move"] is True and d["handoff"]["bytes"] == 4 << 30 and "nvlink" in d["link"]
+
+
+# -- the per-request gate (kvbridge.common.gate) ------------------------------------------
+from kvbridge.common.gate import RECOMPUTE_PREFIX, CostGate, model_geometry  # noqa: E402
+
+TINY = {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "intermediate_size": 64, "vocab_size": 100}
+
+
+def test_gate_is_off_without_a_link_and_names_bad_settings(tmp_path):
+    assert CostGate.from_settings("", "llama3-8b") is None
+    with pytest.raises(ValueError, match="no model geometry"):
+        CostGate.from_settings("tcp", "")
+    with pytest.raises(ValueError, match="not a preset"):
+        CostGate.from_settings("tcp", str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="decode_prefill_tps must be >= 0"):
+        CostGate.from_settings("tcp", "llama3-8b", decode_prefill_tps=-1)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert model_geometry(str(tmp_path)).kv_bytes(1) == 3 * 2 * 4 * 8 * 2
+    assert CostGate.from_settings("tcp", default_model=str(tmp_path)).model.layers == 3
+
+
+def test_gate_verdicts_on_fixed_inputs():
+    """tps fixed: recompute costs n / 1000 s; disaggregated 50 ms queue + n / 1e6 s + the
+    handoff (1 ms setup + bytes / 1 GB/s + 10 us per 16 MiB segment + first chunk repack)."""
+    gate = CostGate(ModelGeometry.from_hf_dict(TINY), LINK, prefill_tps=1e6, decode_prefill_tps=1000, queue_s=0.05)
+    per_tok = 3 * 2 * 4 * 8 * 2
+    # break-even: n / 1000 > 0.05 + n / 1e6 + 1e-3 + 1e-5 + n * per_tok * (1e-9 + 1 / 4e9)
+    want = next(n for n in range(2, 200) if n / 1000 > 0.05 + n / 1e6 + 1e-3 + 1e-5 + n * per_tok * (1e-9 + 0.25e-9))
+    assert gate.break_even == want == 52
+    short, long_ = gate.check(32), gate.check(200)
+    assert not short.move and short.label == "below_break_even"
+    assert short.reason.startswith(RECOMPUTE_PREFIX) and "break-even 52 tokens" in short.reason
+    assert short.decision.local_ttft_s == pytest.approx(0.032)
+    assert long_.move and long_.label == "" and long_.decision.handoff.bytes == 200 * per_tok
+    # the tokens the decode holds are neither moved nor recomputed: 200 with 180 held recomputes 20 (20 ms < 50 ms queue)
+    held = gate.check(200, held_tokens=180)
+    assert not held.move and held.decision.handoff.bytes == 20 * per_tok
+    assert held.decision.recompute_s == pytest.approx(0.020)
+    assert gate.check(64, held_tokens=64).move  # nothing left to move or compute
+    with pytest.raises(ValueError, match="prompt_len must be positive"):
+        gate.check(0)
+
+
+def test_gate_from_flops_recomputes_only_the_new_tokens():
+    m = MODEL_PRESETS["llama3-8b"]
+    full, part = decide(m, LINK_PRESETS["nvlink"], 8192), decide(m, LINK_PRESETS["nvlink"], 8192, held_tokens=4096)
+    assert part.recompute_s == pytest.approx(full.recompute_s * (m.prefill_flops(8192) - m.prefill_flops(4096))
+                                             / m.prefill_flops(8192))
+    assert part.handoff.bytes == full.handoff.bytes // 2 and part.prefill_s == full.prefill_s
+    with pytest.raises(ValueError, match="held_tokens"):
+        decide(m, LINK, 10, held_tokens=10)

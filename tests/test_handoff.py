@@ -222,6 +222,28 @@ def test_abort_from_decode_reaches_prefill(peers):
     assert d[4] == dec.free0 and w[4] == pre.free0 and d[5] == w[5] == 0
 
 
+def test_decline_ends_the_prefill_room_before_and_after_it_exists(peers):
+    """A decode rank that computes the prompt itself declines the room (a signed Abort
+    without ever asking): a room the prefill already holds ends at once, and one it adds
+    later ends as it is added; the prefill's blocks come back, the decode allocates none."""
+    cfg = {"secret": "s3cret"}
+    pre = peers("prefill", spec("sglang", seed=34), cfg)
+    dec = peers("decode", spec("trtllm", tpb=32, seed=35), cfg)
+    pre.call_raw("register", 9, 64)
+    _, rec, free, count = dec.call_raw("decline", 9, [pre.endpoint_or_session], "recompute: below break-even (test)")
+    assert rec["result"] == "declined" and free == dec.free0 and count == 1.0
+    w = pre.call_raw("wait", 9, 5)
+    assert w[1] == "FAILED" and "declined by decode: recompute: below break-even" in w[2], w[2]
+    assert w[3]["result"] == "declined" and w[4] == pre.free0 and w[5] == 0
+    # declined before the prefill engine adds the room
+    _, _, _, count = dec.call_raw("decline", 10, [pre.endpoint_or_session], "recompute: below break-even (early)")
+    assert count == 2.0
+    time.sleep(0.3)  # the Abort has reached the prefill
+    pre.call_raw("register", 10, 64)
+    w = pre.call_raw("wait", 10, 2)
+    assert w[1] == "FAILED" and "(early)" in w[2] and w[4] == pre.free0 and w[5] == 0, w
+
+
 def test_receiver_staging_cuts_segments_for_split_rows(peers):
     """Prefill TP 2 -> SGLang decode TP 1: each prefill rank holds half of every NHD row the
     decode writes, so direct writes are one segment per token and layer; with receiver

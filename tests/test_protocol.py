@@ -339,3 +339,12 @@ def test_unsigned_fields_and_auth_off():
 @given(requests(), st.binary(min_size=1, max_size=32))
 def test_sign_verify_round_trip(req, secret):
     assert verify(decode(encode(sign(req, secret))), secret)
+
+
+def test_abort_auth_covers_room_and_reason():
+    a = sign(Abort(room=5, reason="recompute: below break-even"), "k")
+    assert a.auth and verify(decode(encode(a)), "k")
+    assert not verify(msgspec.structs.replace(a, room=6), "k")
+    assert not verify(msgspec.structs.replace(a, reason="other"), "k")
+    assert not verify(a, "wrong") and not verify(Abort(room=5, reason="x"), "k")
+    assert verify(Abort(room=5, reason="x"), "")  # auth off

@@ -1,0 +1,116 @@
+"""Per-request cost-model gate: move this request's KV, or compute its prompt on the decode side?
+
+Both engine plugins consult a ``CostGate`` on the decode side when one is configured
+(off by default). Settings, the same names in both plugins (environment
+``KVBRIDGE_<NAME>``; in TensorRT-LLM also the plugin's config file):
+
+| setting | meaning |
+|---|---|
+| ``cost_link`` | link preset (``nvlink``, ``pcie5``, ``ib400``, ``tcp``) or a ``kvbridge bench link --out`` file; empty: gate off |
+| ``cost_model`` | model geometry: a preset (``llama3-8b``...), a Hugging Face ``config.json`` or its directory; default: the served model's config |
+| ``cost_prefill_tps`` | prefill tokens/s of the prefill worker (0: from FLOPs) |
+| ``cost_decode_prefill_tps`` | prefill tokens/s of the decode worker, which shares its GPU with running decodes (0: from FLOPs, half rate) |
+| ``cost_queue_s`` | expected wait for the prefill worker (seconds) |
+
+The verdict for a request comes from its prompt length and the prompt tokens the decode
+worker already holds (``kvbridge.common.costmodel.decide``): "move" when the prefill
+worker's first token plus the handoff comes before the decode worker's own prefill.
+No engine is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .costmodel import MODEL_PRESETS, Decision, LinkProfile, ModelGeometry, break_even_prompt_len, decide, load_link
+
+__all__ = ["CostGate", "GateVerdict", "FALLBACK_BELOW_BREAK_EVEN", "RECOMPUTE_PREFIX"]
+
+log = logging.getLogger(__name__)
+
+FALLBACK_BELOW_BREAK_EVEN = "below_break_even"  # the Prometheus ``reason`` label of a gate fallback
+RECOMPUTE_PREFIX = "recompute: below break-even"  # how every gate fallback's reason starts
+
+
+def model_geometry(spec: str | Mapping[str, Any] | ModelGeometry, dtype_bytes: int = 2) -> ModelGeometry:
+    """A ``ModelGeometry`` from a preset name, the path of a Hugging Face ``config.json``
+    (or its directory), or a config as a dict."""
+    if isinstance(spec, ModelGeometry):
+        return spec
+    if isinstance(spec, Mapping):
+        return ModelGeometry.from_hf_dict(dict(spec), dtype_bytes)
+    if spec in MODEL_PRESETS:
+        return MODEL_PRESETS[spec]
+    p = Path(spec)
+    if (p / "config.json").is_file() or p.is_file():
+        return ModelGeometry.from_hf_config(p, dtype_bytes)
+    raise ValueError(f"cost model {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor a config.json or its directory")
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    """One request's verdict: ``move`` its KV, or recompute it on the decode side (``reason``
+    starts with ``RECOMPUTE_PREFIX`` then)."""
+
+    move: bool
+    reason: str
+    prompt_len: int
+    held_tokens: int
+    decision: Decision | None
+
+    @property
+    def label(self) -> str:
+        """The Prometheus ``reason`` label of a fallback ('' when moving)."""
+        return "" if self.move else FALLBACK_BELOW_BREAK_EVEN
+
+
+class CostGate:
+    """The cost model applied per request on a decode worker (see the module doc)."""
+
+    def __init__(self, model: ModelGeometry, link: LinkProfile, *, prefill_tps: float = 0.0,
+                 decode_prefill_tps: float = 0.0, queue_s: float = 0.0):
+        for name, v in (("prefill_tps", prefill_tps), ("decode_prefill_tps", decode_prefill_tps), ("queue_s", queue_s)):
+            if v < 0:
+                raise ValueError(f"cost gate: {name} must be >= 0, got {v}")
+        self.model, self.link = model, link
+        self._kw = dict(prefill_tps=prefill_tps or None, decode_prefill_tps=decode_prefill_tps or None, queue_s=queue_s)
+        self.break_even = break_even_prompt_len(model, link, lo=2, **self._kw)
+
+    @classmethod
+    def from_settings(cls, link: str = "", model: str | Mapping[str, Any] | ModelGeometry = "", *,
+                      prefill_tps: float = 0.0, decode_prefill_tps: float = 0.0, queue_s: float = 0.0,
+                      default_model: str | Mapping[str, Any] | None = None) -> "CostGate | None":
+        """The gate for these settings, or None when ``link`` is empty (gate off).
+        ``default_model`` is used when ``model`` is empty (the served model's config)."""
+        if not link:
+            return None
+        spec = model or default_model
+        if not spec:
+            raise ValueError("cost gate: cost_link is set but no model geometry: set cost_model to a preset or a "
+                             "config.json (the served model's config could not be found)")
+        gate = cls(model_geometry(spec), load_link(link), prefill_tps=float(prefill_tps),
+                   decode_prefill_tps=float(decode_prefill_tps), queue_s=float(queue_s))
+        log.info("kvbridge cost gate on: %s, %s; moves prompts from %s tokens", gate.model.name, gate.link.describe(),
+                 gate.break_even if gate.break_even is not None else "never")
+        return gate
+
+    def check(self, prompt_len: int, held_tokens: int = 0) -> GateVerdict:
+        """Verdict for a prompt of ``prompt_len`` tokens of which the decode worker holds
+        the first ``held_tokens`` (nothing left to move: moving trivially wins)."""
+        if prompt_len <= 0:
+            raise ValueError(f"prompt_len must be positive, got {prompt_len}")
+        held = max(0, int(held_tokens))
+        if held >= prompt_len:
+            return GateVerdict(True, "nothing to move", prompt_len, held, None)
+        d = decide(self.model, self.link, prompt_len, held_tokens=held, **self._kw)
+        be = f"{self.break_even} tokens" if self.break_even is not None else "never"
+        if d.move:
+            reason = f"move: first token after {d.disaggregated_ttft_s * 1e3:.2f} ms vs {d.local_ttft_s * 1e3:.2f} ms recomputing"
+        else:
+            reason = (f"{RECOMPUTE_PREFIX} ({prompt_len} prompt tokens, {held} held; break-even {be}): first token after "
+                      f"{d.local_ttft_s * 1e3:.2f} ms recomputing on the decode worker vs {d.disaggregated_ttft_s * 1e3:.2f} ms "
+                      f"through the prefill worker and a {d.handoff.bytes} B handoff over {self.link.name}")
+        return GateVerdict(d.move, reason, prompt_len, held, d)
