@@ -126,3 +126,43 @@ def test_mla_fp8_tp1_to_tp2_early_decode_and_unclaimed_room(servers):
     assert min(ld["record"]["bytes"] for ld in loads) == 2 * 130 * 96
     _check_clean(pre)
     print(f"\n[trtllm mla fp8 tp1->tp2] {iters} iterations, total {time.monotonic() - t0:.1f} s")
+
+
+def test_cost_gate_computes_short_prompts_on_decode_and_moves_long_ones(servers, tmp_path):
+    """Decode with the cost gate on (tcp preset, the model's HF config, fixed throughputs:
+    break-even 52 tokens): a 30-token prompt and a 150-token one of which the decode holds
+    128 are computed by the decode itself (0 external tokens), their prefill rooms declined
+    and released (one found through the prefill's bus, one by explicit endpoints); a
+    150-token prompt moves."""
+    import json
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 256, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    gate = dict(cost_link="tcp", cost_model=str(tmp_path), cost_prefill_tps=1e6, cost_decode_prefill_tps=1000,
+                cost_queue_s=0.05)
+    pspec = pool_spec(blocks=40, seed=50)
+    pre = servers([pspec])
+    dec = servers([pool_spec(tpb=16, blocks=48, seed=51)], gate, decode=True)
+    pre.step([_req(1, 30, 1, Handle("send", 301)), _req(2, 150, 1, Handle("send", 302)),
+              _req(3, 150, 1, Handle("send", 303))])
+    src = {r: {"specs": [pspec], "blocks": pre.ask("blocks", r)} for r in (1, 2, 3)}
+    eps = tuple(pre.sender_endpoints)
+    dec.step([_req(31, 30, 2, Handle("recv", 301, prefill=pre.bus), source=src[1]),
+              _req(32, 150, 2, Handle("recv", 302, endpoints=eps), source=src[2]),
+              _req(33, 150, 2, Handle("recv", 303, endpoints=eps), prefix=128, source=src[3])])
+    run_until([pre, dec], lambda: _done(dec, [31, 32, 33]) and _drained(dec) and _drained(pre), 30)
+    res = dec.last[0]["results"]
+    # below break-even: the decode computed every token past what it held; the KV is right either way
+    assert res[31] == {"tokens": 2, "cancelled": False, "computed": 30, "kv_ok": True}, res[31]
+    assert res[33] == {"tokens": 2, "cancelled": False, "computed": 22, "kv_ok": True}, res[33]
+    # above: moved, only the last prompt token computed
+    assert res[32] == {"tokens": 2, "cancelled": False, "computed": 1, "kv_ok": True}, res[32]
+    d = _check_clean(dec)[0]
+    assert sorted(d["fallbacks"]) == [31, 33] and 32 in d["finished_loads"] and 31 not in d["finished_loads"]
+    assert d["fallbacks"][31]["reason"].startswith("recompute: below break-even") and d["fallbacks"][33]["held"] == 128
+    assert d["declined"][31]["result"] == "declined" and d["declined"][33]["room"] == 303
+    assert d["metrics"]["fallbacks_below_break_even"] == 2.0
+    assert d["finished_loads"][32]["record"]["bytes"] == 2 * 2 * 150 * 4 * 32 * 2
+    p = _check_clean(pre)[0]  # the declined rooms' blocks came back, nothing leaked
+    assert p["metrics"]["sender_declined"] == 2.0

@@ -365,7 +365,20 @@ class FakeExecutor:
                 "pinned": len(kvm.pinned), "untouched_ok": bool(np.array_equal(now[~mask], self.snapshot[~mask])),
                 "finished_loads": dict(self.kv_connector_manager.worker.finished_loads),
                 "sender_rooms": len(self.kv_connector_manager.worker.sender._rooms),
-                "receiver_rooms": len(self.kv_connector_manager.worker.receiver._rooms)}
+                "receiver_rooms": len(self.kv_connector_manager.worker.receiver._rooms),
+                "declined": dict(self.kv_connector_manager.worker.declined),
+                "fallbacks": dict(self.kv_connector_manager.scheduler.fallbacks) if self.kv_connector_manager.scheduler else {},
+                "metrics": _metric_samples()}
+
+
+def _metric_samples() -> dict:
+    """This process's kvbridge Prometheus samples the tests look at."""
+    from prometheus_client import REGISTRY
+
+    get = REGISTRY.get_sample_value
+    return {"fallbacks_below_break_even": get("kvbridge_fallbacks_total", {"role": "receiver", "reason": "below_break_even"}),
+            "fallbacks_handoff_failed": get("kvbridge_fallbacks_total", {"role": "receiver", "reason": "handoff_failed"}),
+            "sender_declined": get("kvbridge_handoffs_total", {"role": "sender", "result": "declined", "plan": "none"})}
 
 
 # -- the rank process -------------------------------------------------------------------

@@ -42,6 +42,15 @@ class BridgeConfig:
     auth: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
     ``chunk_bytes``, ``secret``, ``model``.
 
+    Cost gate (decode servers; off unless ``cost_link`` is set): per request, the cost
+    model (``kvbridge.common.gate``) decides whether moving the KV beats computing the
+    prompt on this server; below break-even the request is computed here and the prefill's
+    room released. ``cost_link``: a link preset (``nvlink``, ``pcie5``, ``ib400``,
+    ``tcp``) or a ``kvbridge bench link --out`` file; ``cost_model``: a model preset or a
+    Hugging Face ``config.json`` (default: the served model's, from the LLM args);
+    ``cost_prefill_tps`` / ``cost_decode_prefill_tps``: prefill tokens/s of the prefill
+    and of this server (0: from FLOPs); ``cost_queue_s``: expected prefill queue wait.
+
     Geometry overrides (normally read from the pool and the LLM args): ``tokens_per_block``,
     ``num_kv_heads`` (the model's KV heads), ``head_dim``, ``dtype`` (logical KV dtype
     when the pool stores bytes, e.g. ``"fp8"``), ``tp_size`` / ``tp_rank``,
@@ -69,6 +78,11 @@ class BridgeConfig:
     tp_size: int = 0
     tp_rank: int = -1
     world_size: int = 0
+    cost_link: str = ""
+    cost_model: str = ""
+    cost_prefill_tps: float = 0.0
+    cost_decode_prefill_tps: float = 0.0
+    cost_queue_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("recompute", "fail"):
@@ -78,6 +92,9 @@ class BridgeConfig:
         for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "BridgeConfig":
@@ -108,6 +125,22 @@ class BridgeConfig:
     def with_(self, **changes: Any) -> "BridgeConfig":
         """A copy with ``changes``."""
         return replace(self, **changes)
+
+    def cost_gate(self, served_model: Any = None):
+        """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when
+        ``cost_link`` is empty. ``served_model``: the LLM args' model (a directory with a
+        ``config.json``), used when ``cost_model`` is empty."""
+        from kvbridge.common.gate import CostGate
+
+        default = None
+        if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
+            default = os.fspath(served_model)
+        try:
+            return CostGate.from_settings(self.cost_link, self.cost_model, prefill_tps=self.cost_prefill_tps,
+                                          decode_prefill_tps=self.cost_decode_prefill_tps, queue_s=self.cost_queue_s,
+                                          default_model=default)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def handoff(self) -> HandoffConfig:
         """The handoff state machines' settings."""

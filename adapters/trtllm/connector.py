@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from kvbridge.common.control import ControlChannel
-from kvbridge.common.handoff import KVReceiver, KVSender
+from kvbridge.common.handoff import KVReceiver, KVSender, default_metrics
 
 from ._compat import KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput
 from .config import BridgeConfig, ConfigError
@@ -147,6 +147,9 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._discovered: dict[str, list[str]] = {}  # prefill bus -> its ranks' endpoints
         self._discovering: dict[str, float] = {}  # prefill bus -> when we asked
         self._parked: dict[str, list[int]] = {}  # prefill bus -> request ids waiting for discovery
+        self._parked_declines: dict[str, list[dict]] = {}  # prefill bus -> decline orders waiting for discovery
+        self.gate = self.cfg.cost_gate(_get(llm_args, "model", None))
+        self.fallbacks: OrderedDict[int, dict] = OrderedDict()  # request id -> why it is computed here
         self.bus = ControlChannel(self._on_bus, self._on_tick, bind_host=self.cfg.host, port=self.cfg.bus_port,
                                   name="kvbridge-trtllm-scheduler")
         _LOCAL_SCHEDULERS.append(self)
@@ -178,9 +181,42 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         n = prompt_len - 1 - int(num_computed_tokens)
         if n <= 0:
             return 0, False
+        if self.gate is not None:
+            with self._lock:
+                if request.request_id in self.fallbacks:
+                    return 0, False
+            verdict = self.gate.check(prompt_len, int(num_computed_tokens))
+            if not verdict.move:
+                self._fall_back(request, h, verdict)
+                return 0, False
         with self._lock:
             self._matched[request.request_id] = (h, int(num_computed_tokens), prompt_len)
         return n, True
+
+    def _fall_back(self, request: Any, h: Handle, verdict: Any) -> None:
+        """Below break-even: the executor computes the prompt here (no external tokens);
+        the prefill's room is declined so its blocks come back at once."""
+        req = int(request.request_id)
+        log.info("kvbridge: request %s (room %s) computed on this server: %s", req, h.room, verdict.reason)
+        order = {"op": "decline", "req": req, "room": h.room, "endpoints": list(h.endpoints), "reason": verdict.reason,
+                 "label": verdict.label}
+        with self._lock:
+            self.fallbacks[req] = {"room": h.room, "reason": verdict.reason, "label": verdict.label,
+                                   "prompt_len": verdict.prompt_len, "held": verdict.held_tokens}
+            while len(self.fallbacks) > _LOG_KEEP:
+                self.fallbacks.popitem(last=False)
+            if order["endpoints"]:
+                self._issue(order)
+                return
+            eps = self._discovered.get(h.prefill)
+            if eps:
+                self._issue(dict(order, endpoints=eps))
+                return
+            self._parked_declines.setdefault(h.prefill, []).append(order)
+            first = h.prefill not in self._discovering
+            self._discovering.setdefault(h.prefill, time.monotonic())
+        if first:
+            self.bus.send(h.prefill, _enc.encode({"t": "who"}))
 
     def update_state_after_alloc(self, request: Any, block_ids: List[int]):
         """Decode half: order every worker to pull the request's room into ``block_ids``
@@ -296,6 +332,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self._fail_parked(prefill, "prefill server reported no ranks")
             return
         self._discovered[prefill] = eps
+        for order in self._parked_declines.pop(prefill, []):
+            self._issue(dict(order, endpoints=eps))
         for req in self._parked.pop(prefill, []):
             load = self._loads.get(req)
             if load is not None:
@@ -303,6 +341,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                 self._issue(load.order)
 
     def _fail_parked(self, prefill: str, reason: str) -> None:
+        for order in self._parked_declines.pop(prefill, []):  # its room ends at the prefill's deadline
+            log.warning("kvbridge: room %s: cannot tell prefill %s it was declined: %s", order["room"], prefill, reason)
         for req in self._parked.pop(prefill, []):
             load = self._loads.get(req)
             if load is not None:
@@ -321,6 +361,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
 
     def _decide(self, req: int, load: _Load, ok: bool) -> None:
         load.verdict = "ok" if ok else load.order["on_failure"]
+        if load.verdict == "recompute":
+            default_metrics().fallbacks.labels("receiver", "handoff_failed").inc()
         self._issue({"op": "verdict", "req": req, "action": load.verdict, "start": load.order["start"]})
 
     def _on_tick(self) -> None:
@@ -403,6 +445,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._announced_saving: set[int] = set()
         self._forget_sent: set[int] = set()
         self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
+        self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
 
     # -- KvCacheConnectorWorker -----------------------------------------------------------
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor):
@@ -553,6 +596,17 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         req = int(o["req"])
         ld = self._loads.setdefault(req, _LoadRoom(req, -1, int(o["start"])))
         ld.verdict = str(o["action"])
+
+    def _order_decline(self, o: dict) -> None:
+        """Below break-even (rank 0 speaks for every rank): tell each prefill rank that this
+        room will not be pulled, so it releases the room's blocks."""
+        if self.rank != 0:
+            return
+        rec = self.receiver.decline(int(o["room"]), list(o["endpoints"]), str(o["reason"]),
+                                    label=str(o.get("label") or "below_break_even"))
+        self.declined[int(o["req"])] = rec.as_dict()
+        while len(self.declined) > _LOG_KEEP:
+            self.declined.popitem(last=False)
 
     def _order_open(self, o: dict) -> None:
         req, room = int(o["req"]), int(o["room"])
