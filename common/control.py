@@ -2,7 +2,10 @@
 
 The prefill side binds a ROUTER (its endpoint is what discovery hands out, e.g. through
 SGLang's bootstrap server); each decode side connects a DEALER per prefill endpoint.
-Messages are kvbridge protocol frames (``protocol.encode``). Any thread may ``send``;
+Messages are kvbridge protocol frames (``protocol.encode``), one frame each: a peer that
+sends more frames (which could name another peer's routing id) or a frame larger than
+``max_message_bytes`` (ZMQ drops its connection before buffering it) is refused, so a
+hostile peer can neither speak for another one nor make us buffer gigabytes. Any thread may ``send``;
 only the I/O thread touches sockets (others wake it through an inproc pair). Received
 messages go to ``on_message(peer, payload)`` on the I/O thread, and ``on_tick()`` runs
 there at least every ``tick_s`` for deadlines and heartbeats.
@@ -36,6 +39,7 @@ class ControlChannel:
         port: int = 0,
         tick_s: float = 0.05,
         name: str = "kvbridge-control",
+        max_message_bytes: int = 16 << 20,
     ):
         self._ctx = zmq.Context.instance()
         self._on_message = on_message
@@ -50,9 +54,13 @@ class ControlChannel:
         self._wake_lock = threading.Lock()
         self._router = None
         self.endpoint = ""
+        # a frame this large (plus msgpack slack) makes ZMQ drop the sending peer's connection
+        self._max_frame = int(max_message_bytes) + 4096
+        self.refused_frames = 0  # messages dropped for having the wrong frame count
         if bind_host is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             if port:
                 self._router.bind(f"tcp://{bind_host}:{port}")
@@ -92,6 +100,7 @@ class ControlChannel:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IMMEDIATE, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             s.connect(endpoint)
             self._dealers[endpoint] = s
             self._poller.register(s, zmq.POLLIN)
@@ -129,20 +138,27 @@ class ControlChannel:
                 if self._router is not None and self._router in events:
                     while True:
                         try:
-                            ident, payload = self._router.recv_multipart(zmq.NOBLOCK)[-2:]
+                            frames = self._router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        except ValueError:
+                        if len(frames) != 2:  # [routing id, payload]; more frames could name another peer's id
+                            self.refused_frames += 1
+                            log.warning("control message from %s refused: %d frames, expected 1",
+                                        frames[0].hex(), len(frames) - 1)
                             continue
-                        self._dispatch(ident.hex(), payload)
+                        self._dispatch(frames[0].hex(), frames[1])
                 for ep, s in list(self._dealers.items()):
                     if s in events:
                         while True:
                             try:
-                                payload = s.recv(zmq.NOBLOCK)
+                                frames = s.recv_multipart(zmq.NOBLOCK)
                             except zmq.Again:
                                 break
-                            self._dispatch(ep, payload)
+                            if len(frames) != 1:
+                                self.refused_frames += 1
+                                log.warning("control message from %s refused: %d frames, expected 1", ep, len(frames))
+                                continue
+                            self._dispatch(ep, frames[0])
                 try:
                     self._on_tick()
                 except Exception:

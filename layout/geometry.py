@@ -254,17 +254,49 @@ class KVLayout:
 
     @classmethod
     def from_description(cls, d: dict[str, Any]) -> "KVLayout":
-        """Rebuild a peer's layout from ``describe()`` output; raises LayoutError if malformed."""
+        """Rebuild a peer's layout from ``describe()`` output; raises LayoutError if malformed.
+
+        A description comes off the network: it must have exactly ``describe()``'s fields,
+        integers where integers belong (no floats, bools or values past 2**62), and the
+        address arrays must be integer arrays of the right nesting."""
+        if not isinstance(d, dict):
+            raise LayoutError(f"malformed layout description: expected a map, got {type(d).__name__}")
+        unknown, missing = set(d) - _DESC_FIELDS, _DESC_FIELDS - set(d) - {"layer_offset"}
+        if unknown or missing:
+            raise LayoutError(f"malformed layout description: unknown fields {sorted(map(str, unknown))[:8]}, "
+                              f"missing fields {sorted(missing)}")
+        for name in _DESC_INTS:
+            v = d.get(name, 0)
+            if type(v) is not int or not 0 <= v < 2**62:
+                raise LayoutError(f"malformed layout description: {name} must be an integer in 0..2**62, got {v!r:.40}")
+        for name in ("engine", "dtype"):
+            if not isinstance(d[name], str):
+                raise LayoutError(f"malformed layout description: {name} must be a string, got {d[name]!r:.40}")
         try:
             fields = dict(d)
-            fields["base"] = np.asarray(fields["base"], dtype=np.int64)
-            fields["region_of"] = np.asarray(fields["region_of"], dtype=np.int64)
+            for name, ndim in (("base", 2), ("region_of", 2), ("regions", 2)):
+                arr = np.asarray(fields[name])
+                if name == "regions" and arr.size == 0:
+                    arr = np.zeros((0, 2), dtype=np.int64)  # a layout without registered regions
+                if arr.ndim != ndim or (arr.size and arr.dtype.kind not in "iu"):
+                    raise LayoutError(f"malformed layout description: {name} must be a {ndim}-d array of integers "
+                                      f"(int64), got {arr.dtype} of shape {arr.shape}")
+                fields[name] = arr.astype(np.int64, copy=False)
+            if fields["regions"].size and fields["regions"].shape[1] != 2:
+                raise LayoutError("malformed layout description: regions must be [addr, nbytes] pairs")
+            if (fields["regions"] < 0).any() or (fields["base"] < 0).any():
+                raise LayoutError("malformed layout description: negative address or size")
             fields["regions"] = tuple(Region(int(a), int(n)) for a, n in fields["regions"])
             return cls(**fields)
         except LayoutError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise LayoutError(f"malformed layout description: {e}") from e
+
+
+_DESC_INTS = ("num_layers", "kv_factor", "num_heads", "head_offset", "total_heads", "head_dim", "tokens_per_block",
+              "num_blocks", "first_block", "block_stride", "token_stride", "head_stride", "layer_offset")
+_DESC_FIELDS = frozenset(_DESC_INTS + ("engine", "dtype", "base", "region_of", "regions"))
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
