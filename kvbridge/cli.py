@@ -147,7 +147,51 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     return 0 if all(res["verified"].values()) else 1
 
 
-BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link, "sglang": _bench_sglang}
+def _bench_load(args: argparse.Namespace) -> int:
+    from kvbridge.common.bench_load import bench_load
+    from kvbridge.common.report import _stamp, render_load, write_section
+
+    kw = dict(count=args.count, inflight=args.inflight, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+              seed=args.seed)
+    if args.json:
+        res = bench_load(**kw)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("kvbridge bench load"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
+                      TimeElapsedColumn(), console=_console()) as bar:
+            task = bar.add_task("load", total=args.count, detail="starting peers")
+            res = bench_load(**kw, progress=lambda done, total, out: bar.update(task, completed=done,
+                                                                                 detail=f"{out} in flight"))
+    res["when"] = _stamp()
+    if args.markdown:
+        write_section(args.markdown, "load", "Load: concurrent handoffs", render_load(res), res)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        _print_table(f"load: {args.count} handoffs, {args.inflight} in flight, {args.min_tokens}..{args.max_tokens} tokens, "
+                     "Mooncake TCP loopback", res,
+                     ["handoffs", "succeeded", "lost", "corrupted", "failed", "max_inflight", "mean_inflight", "p50_ms",
+                      "p99_ms", "max_ms", "throughput_handoffs_s", "throughput_gbps", "peak_rss_mb_prefill",
+                      "peak_rss_mb_decode", "blocks_leaked", "failure_reasons"])
+        if args.markdown:
+            print(f"section 'load' written to {args.markdown}")
+    ok = res["lost"] == 0 and res["corrupted"] == 0 and not any(res["blocks_leaked"].values())
+    return 0 if ok else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvbridge.common.report import generate
+
+    opts = dict(count=args.count, inflight=args.inflight, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                seed=args.seed)
+    names = generate(args.out, only=args.only.split(",") if args.only else None, options=opts)
+    print(f"{args.out}: wrote sections {', '.join(names)}")
+    return 0
+
+
+BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link, "sglang": _bench_sglang,
+           "load": _bench_load}
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -238,6 +282,14 @@ def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
     return path
 
 
+def _load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--count", type=int, default=500, help="load: handoffs")
+    p.add_argument("--inflight", type=int, default=32, help="load: handoffs outstanding at once")
+    p.add_argument("--min-tokens", type=int, default=16, help="load: shortest prompt")
+    p.add_argument("--max-tokens", type=int, default=8192, help="load: longest prompt (pools are sized for inflight of these)")
+    p.add_argument("--seed", type=int, default=0, help="load: seed of the prompt lengths and the KV bytes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for ``kvbridge``."""
     p = argparse.ArgumentParser(prog="kvbridge", description="Move KV caches between LLM serving engines.")
@@ -262,7 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--layers", type=int, default=8, help="sglang: layers of the KV pools")
         b.add_argument("--mc-tcp-max-queued", type=int, default=None,
                        help="sglang: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER for the worker processes (default: Mooncake's)")
+        _load_args(b)
+        b.add_argument("--markdown", metavar="FILE", help="load: also write its section of the reliability report into FILE")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
+
+    rep = sub.add_parser("report", help="regenerate the reliability report (load figures, fault matrix) in one go")
+    rep.add_argument("--out", default="docs/reliability.md", help="markdown file (sections replaced between markers)")
+    rep.add_argument("--only", help="comma-separated section names (default: all registered)")
+    _load_args(rep)
+    rep.set_defaults(func=_report)
 
     from kvbridge.common.costmodel import LINK_PRESETS, MODEL_PRESETS
 

@@ -19,3 +19,57 @@ def test_bench_transfer_reports_its_keys():
     assert res["bytes"] == 256 * 32 * 2 * 8 * 128 * 2 and res["plan"] == "staged_send"
     assert [p["tokens"] for p in res["model_check"]] == [128, 256]
     assert res["link"]["bandwidth_bytes_per_s"] > 0
+
+
+def test_bench_load_smoke_and_its_report_section(tmp_path):
+    """20 handoffs, 4 in flight, two processes: none lost, none corrupted, no block leaked;
+    its section lands in the report file between its markers, twice written once present."""
+    md = tmp_path / "reliability.md"
+    md.write_text("# kept\n\n<!-- kvbridge:faults:begin -->\n## Fault matrix\n\nrows\n<!-- kvbridge:faults:end -->\n")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "load", "--json", "--count", "20",
+                              "--inflight", "4", "--max-tokens", "1024", "--markdown", str(md)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    for key in ("handoffs", "lost", "corrupted", "peak_rss_mb", "p99_ms", "p50_ms", "throughput_gbps", "blocks_leaked"):
+        assert key in res, key
+    assert res["handoffs"] == res["succeeded"] == 20, res
+    assert res["lost"] == 0 and res["corrupted"] == 0 and res["failed"] == 0, res
+    assert res["blocks_leaked"] == {"prefill": 0, "decode": 0} and res["double_frees"] == {"prefill": 0, "decode": 0}
+    assert res["max_inflight"] == 4 and res["bytes"] > 0
+    text = md.read_text()
+    assert text.startswith("# kept") and text.count("<!-- kvbridge:load:begin -->") == 1 and "rows" in text
+    assert "| **lost** | 0 |" in text
+    assert set(json.loads((tmp_path / "reliability.json").read_text())) == {"load"}
+
+
+def test_bench_load_checksum_sees_one_changed_byte():
+    """The load bench's write/read pair: what the prefill writes into SGLang-format blocks,
+    moved by a real plan into TensorRT-LLM-format blocks, reads back equal; one flipped byte
+    or a swapped block does not."""
+    import numpy as np
+    import torch
+
+    from kvbridge.common.bench_load import GEOM, _digest, read_room, token_bytes, write_room
+    from kvbridge.layout import allocate_pool, plan_transfer
+    from kvhelpers import execute_segments
+
+    src = allocate_pool("sglang", tokens_per_block=64, num_blocks=8, seed=1, **GEOM)
+    dst = allocate_pool("trtllm", tokens_per_block=32, num_blocks=16, seed=2, **GEOM)
+    n = 200
+    data = torch.randint(0, 256, (n * token_bytes(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    sb, db = np.array([5, 2, 7, 1]), np.array([9, 3, 12, 0, 6, 14, 4])
+    write_room(src, sb, data)
+    plan = plan_transfer(src, sb, dst, db, n)
+    for part in plan.chunks(1 << 30):
+        if plan.kind.value == "direct":
+            execute_segments(part.wire)
+        else:
+            stage = torch.empty(part.nbytes, dtype=torch.uint8)
+            part.gather().run(stage)
+            execute_segments(part.wire.shifted(src_by=stage.data_ptr()))
+    assert _digest(read_room(dst, db, n)) == _digest(data)
+    assert _digest(read_room(dst, db[[1, 0, 2, 3, 4, 5, 6]], n)) != _digest(data)
+    dst.tensors[0].view(torch.uint8).reshape(16, -1)[12, 77] ^= 1
+    assert _digest(read_room(dst, db, n)) != _digest(data)
