@@ -443,6 +443,8 @@ class KVSender(_Side):
                 target, chunk = work
                 self._send_one(r, target, chunk, ring)
                 with self._lock:
+                    if r.state in TERMINAL:  # aborted or failed while writing: no TransferDone for it
+                        break
                     target.sent += 1
                     if chunk.last:
                         self._send(target.peer, P.TransferDone(
@@ -504,7 +506,7 @@ class KVSender(_Side):
             t0 = time.perf_counter()
             h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline)
             try:
-                h.wait()
+                self._await(r, h)
             finally:
                 self._settle_write(h)
             rec.transfer_s += time.perf_counter() - t0
@@ -547,6 +549,20 @@ class KVSender(_Side):
         finally:
             for h in inflight:  # on failure: no piece of ours may still be in the engine
                 self._settle_write(h)
+
+    def _await(self, r: _SendRoom, h, timeout_s: float | None = None) -> None:
+        """Wait for write ``h``, giving it up as soon as the room ends (an abort from either
+        side, a peer gone): nothing more of it may land in the peer's blocks after that."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        sleep = 50e-6
+        while not h.poll():
+            if r.state in TERMINAL:
+                raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
+            if end is not None and time.monotonic() > end:
+                h.wait(1e-6)  # raises TransportTimeout unless it just completed
+                return
+            time.sleep(sleep)
+            sleep = min(2 * sleep, 1e-3)
 
     def _settle_write(self, h) -> None:
         """After a write ended (or to end it): make sure the engine holds none of its pieces,

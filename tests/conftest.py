@@ -20,8 +20,12 @@ def sglang_pools():
 def pytest_terminal_summary(terminalreporter):
     """Print the cross-engine compatibility matrix when its tests ran."""
     mod = sys.modules.get("test_compat_matrix")
-    if mod is None or not mod.MATRIX:
-        return
-    terminalreporter.section("cross-engine compatibility matrix (every cell byte-exact)")
-    for line in mod.format_matrix():
-        terminalreporter.write_line(line)
+    if mod is not None and mod.MATRIX:
+        terminalreporter.section("cross-engine compatibility matrix (every cell byte-exact)")
+        for line in mod.format_matrix():
+            terminalreporter.write_line(line)
+    faults = sys.modules.get("test_faults")
+    if faults is not None and faults.RESULTS:
+        terminalreporter.section("fault matrix (surviving sides: seconds from fault to terminal / bound)")
+        for line in faults.format_matrix():
+            terminalreporter.write_line(line)

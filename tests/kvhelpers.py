@@ -83,3 +83,120 @@ def stop_process(conn, proc, grace_s: float = 5.0) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join(grace_s)
+
+
+# -- fault-injection hooks for peer processes ---------------------------------------------
+# A peer process calls ``install_test_hooks(opts)`` first thing (its driver passes ``opts``
+# through): ``netns`` moves the process into a network namespace (as ``ip netns exec``
+# would), ``dir`` makes every Mooncake transport created afterwards write through a
+# throttle the parent switches on and off with a file, and records the process's kvbridge
+# warnings (room failures with their reasons, refused second releases) with their
+# monotonic times, which are system-wide, so the parent can time them against its own.
+_HOOKS: dict = {}
+
+
+def enter_netns(name: str) -> None:
+    """Move this process (its only thread, before it starts others) into ``ip netns`` namespace ``name``."""
+    import os as _os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = _os.open(f"/var/run/netns/{name}", _os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
+    finally:
+        _os.close(fd)
+
+
+class _ThrottledEngine:
+    """A Mooncake engine whose piece submissions sleep ``delay_s`` each while the file
+    ``<dir>/slow`` exists (the bytes still go through the real engine); after the second
+    throttled piece it creates ``<dir>/started``: the transfer is under way and far from done."""
+
+    def __init__(self, engine, folder: str, delay_s: float):
+        self._engine, self._dir, self._delay, self._n, self._epoch = engine, folder, delay_s, 0, None
+
+    def batch_transfer_async_write(self, *args):
+        import os as _os
+        import time as _time
+
+        try:
+            epoch = _os.stat(_os.path.join(self._dir, "slow")).st_mtime_ns
+        except FileNotFoundError:
+            epoch = None
+        if epoch is not None:
+            self._n = self._n + 1 if epoch == self._epoch else 1  # counted afresh each time it is switched on
+            self._epoch = epoch
+            if self._n == 2:
+                open(_os.path.join(self._dir, "started"), "w").close()
+            _time.sleep(self._delay)
+        return self._engine.batch_transfer_async_write(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+class _EventLog:
+    """A logging handler appending kvbridge warnings as JSON lines ``{"t", "msg"}``."""
+
+    def __init__(self, path: str):
+        import logging
+
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = self._emit
+        self.path = path
+
+    def _emit(self, record) -> None:
+        import json
+        import time as _time
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"t": _time.monotonic(), "msg": record.getMessage()}) + "\n")
+
+
+def install_test_hooks(opts: dict | None) -> None:
+    """Apply fault-injection hooks ``opts`` (``netns``, ``dir``, ``delay_s``, ``piece_bytes``)
+    to this process; later calls change the folder and throttle of transports made after."""
+    import logging
+    import os as _os
+
+    if not opts:
+        return
+    if opts.get("netns") and not _HOOKS.get("netns"):
+        enter_netns(opts["netns"])
+        _HOOKS["netns"] = opts["netns"]
+    if not opts.get("dir"):
+        return
+    _HOOKS.update(dir=opts["dir"], delay_s=float(opts.get("delay_s", 0.05)), piece_bytes=int(opts.get("piece_bytes", 16 << 10)))
+    ev = _HOOKS.get("events")
+    if ev is None:
+        ev = _HOOKS["events"] = _EventLog("")
+        logging.getLogger("kvbridge").addHandler(ev.handler)
+    ev.path = _os.path.join(opts["dir"], f"events-{_os.getpid()}.jsonl")
+    if _HOOKS.get("patched"):
+        return
+    from kvbridge.common.transport import MooncakeTransport
+
+    init = MooncakeTransport.__init__
+
+    def throttled_init(self, *a, **kw):
+        init(self, *a, **kw)
+        self._engine = _ThrottledEngine(self._engine, _HOOKS["dir"], _HOOKS["delay_s"])
+        self.max_piece_bytes = _HOOKS["piece_bytes"]  # many small pieces, one at a time: a transfer takes a while
+        self.max_inflight_per_peer = 1
+
+    MooncakeTransport.__init__ = throttled_init
+    _HOOKS["patched"] = True
+
+
+def read_events(folder: str) -> list[dict]:
+    """Every peer process's recorded kvbridge warnings in ``folder``, oldest first."""
+    import glob
+    import json
+    import os as _os
+
+    out = []
+    for p in glob.glob(_os.path.join(folder, "events-*.jsonl")):
+        with open(p) as f:
+            out += [dict(json.loads(line), pid=int(p.rsplit("-", 1)[1].split(".")[0])) for line in f if line.strip()]
+    return sorted(out, key=lambda e: e["t"])

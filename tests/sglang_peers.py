@@ -79,6 +79,10 @@ class Rank:
         from sglang.srt.server_args import ServerArgs
 
         self.role, self.case, self.rank = role, case, rank
+        from kvhelpers import install_test_hooks
+
+        os.environ.update(case.get("env", {}))  # e.g. shorter SGLang/kvbridge timeouts for fault tests
+        install_test_hooks(case.get("hooks"))
         tp = case["p_tp"] if role == "prefill" else case["d_tp"]
         ps = case["page_size"]
         self.page_size = ps
@@ -185,8 +189,10 @@ def _poll_until(obj, want, timeout: float):
     return poll_until(obj, want, timeout, sleep=0.002)
 
 
-def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, first_token: int, timeout: float):
-    """Prefill side of one request, in prefill.py's order."""
+def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, first_token: int, timeout: float,
+          abort_on: str | None = None):
+    """Prefill side of one request, in prefill.py's order; ``abort_on``: a file whose
+    appearance makes the prefill abort the request (AbortReq) mid-transfer."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -195,7 +201,7 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
                           req_has_disagg_prefill_dp_rank=False)  # create_sender, prefill.py 400-406
     st = _poll_until(sender, (KVPoll.WaitingForInput,), timeout)  # bootstrap queue poll
     if st != KVPoll.WaitingForInput:
-        return {"state": int(st), "phase": "bootstrap", "reason": failure_reason(sender)}
+        return {"state": int(st), "phase": "bootstrap", "reason": failure_reason(sender), "t_end": time.monotonic()}
     prefix = sender.pop_decode_prefix_len()  # finalize_bootstrap, prefill.py 437
     ps = r.page_size
     num_pages = -(-(num_tokens - prefix) // ps)  # _num_pages_to_send, prefill.py 446-450
@@ -213,15 +219,35 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
         chunk = np.asarray(todo[i:i + chunk_pages], dtype=np.int32)
         if sender.should_send_kv_chunk(len(chunk), last):  # prefill.py 1765
             sender.send(chunk, None, num_kv_tokens=len(chunk) * ps)  # prefill.py 1775-1779
+    t_abort = _abort_on(sender, abort_on, timeout)
     st = _poll_until(sender, (KVPoll.Success,), timeout)  # inflight queue poll
-    out = {"state": int(st), "prefix": prefix, "seconds": time.perf_counter() - t0, "reason": failure_reason(sender) if st != KVPoll.Success else ""}
+    out = {"state": int(st), "prefix": prefix, "seconds": time.perf_counter() - t0, "reason": failure_reason(sender) if st != KVPoll.Success else "",
+           "t_end": time.monotonic(), "t_abort": t_abort}
     out["metric_bytes"] = sender.get_transfer_metric().transfer_total_bytes
     sender.clear()
     return out
 
 
-def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort_after: float | None = None):
-    """Decode side of one request, in decode.py's order; returns what landed."""
+def _abort_on(obj, when, timeout: float) -> float | None:
+    """Abort ``obj`` after ``when`` seconds, or once the file ``when`` names exists; returns
+    when it aborted (monotonic), or None."""
+    if when is None:
+        return None
+    if isinstance(when, str):
+        end = time.monotonic() + timeout
+        while not os.path.exists(when) and time.monotonic() < end:
+            time.sleep(0.002)
+    else:
+        time.sleep(when)
+    obj.abort()
+    return time.monotonic()
+
+
+def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort_after: float | str | None = None,
+         settle_s: float = 0.0):
+    """Decode side of one request, in decode.py's order; returns what landed. ``abort_after``:
+    seconds, or a file whose appearance makes the decode abort; after a failure the request's
+    pages are watched for ``settle_s`` more (nothing may write into them once it failed)."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -241,11 +267,9 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
     r.meta.clear_slot(aux_idx)
     recv.send_metadata(np.asarray(pages, dtype=np.int32), aux_idx, None,
                        decode_prefix_len=prefix)  # _send_kv_metadata, decode.py 1863-1868
-    if abort_after is not None:
-        time.sleep(abort_after)
-        recv.abort()
+    t_abort = _abort_on(recv, abort_after, timeout)
     st = _poll_until(recv, (KVPoll.Success,), timeout)
-    out = {"state": int(st), "pages": pages}
+    out = {"state": int(st), "pages": pages, "t_end": time.monotonic(), "t_abort": t_abort}
     if st == KVPoll.Success:
         row = r.meta.get_buf(aux_idx)  # decode.py 2624-2627 reads these after Success
         out["output_id"] = int(row[0][0])
@@ -267,8 +291,34 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
         out["changed_slots"] = sorted(diff)[:8]
     else:
         out["reason"] = failure_reason(recv)
+        if settle_s:
+            at_fail = r.pages_content(pages)
+            time.sleep(settle_s)
+            out["stable_after_fail"] = all(np.array_equal(a, b) for a, b in zip(at_fail, r.pages_content(pages)))
     recv.clear()
     return out
+
+
+def health(r: Rank) -> dict:
+    """kvbridge's own accounting on this rank: blocks leased to rooms, rooms still open."""
+    from kvbridge.common.handoff import TERMINAL, default_metrics
+
+    m = default_metrics()
+    side = r.mgr.kv_sender if r.role == "prefill" else r.mgr.kv_receiver
+    rooms = getattr(side, "_rooms", {}) if side is not None else {}
+    return {"blocks_held": {k: m.blocks_held.labels(k)._value.get() for k in ("sender", "receiver")},
+            "open_rooms": sum(1 for x in rooms.values() if x.state not in TERMINAL)}
+
+
+def _metrics() -> dict:
+    """This process's kvbridge Prometheus samples the tests look at."""
+    from prometheus_client import REGISTRY
+
+    get = REGISTRY.get_sample_value
+    return {"fallbacks": get("kvbridge_fallbacks_total", {"role": "receiver", "reason": "below_break_even"}) or 0.0,
+            "declined": {role: get("kvbridge_handoffs_total", {"role": role, "result": "declined", "plan": "none"}) or 0.0
+                         for role in ("sender", "receiver")},
+            "blocks_held": {role: get("kvbridge_blocks_held", {"role": role}) or 0.0 for role in ("sender", "receiver")}}
 
 
 def main(conn) -> None:
@@ -302,10 +352,21 @@ def main(conn) -> None:
                 conn.send(("ok", ranks[0].mgr.kvbridge_record() if role == "prefill" else None))
             elif op == "content":
                 conn.send(("ok", ranks[0].pages_content(args[0])))
+            elif op == "env":  # settings read when the next case's manager is built (KVBRIDGE_COST_*...)
+                os.environ.update(args[0])
+                conn.send(("ok", None))
+            elif op == "metrics":
+                conn.send(("ok", _metrics()))
             elif op == "serve":
                 conn.send(("ok", serve(ranks[0], *args)))
             elif op == "pull":
                 conn.send(("ok", pull(ranks[0], *args)))
+            elif op == "health":
+                conn.send(("ok", health(ranks[0])))
+            elif op == "bootstrap_down":  # the prefill instance's bootstrap server stops
+                ranks[0].bootstrap.close()
+                ranks[0].bootstrap = None
+                conn.send(("ok", None))
             elif op == "teardown":
                 for r in ranks.values():
                     r.close()

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from kvhelpers import stop_process
+from kvhelpers import install_test_hooks, stop_process
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
@@ -383,6 +383,7 @@ def _metric_samples() -> dict:
 
 # -- the rank process -------------------------------------------------------------------
 def rank_main(conn, spec: dict, cfg: dict, is_decode: bool) -> None:
+    install_test_hooks(cfg.pop("hooks", None))  # fault tests: network namespace, throttled writes
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     for k, v in cfg.items():
         os.environ["KVBRIDGE_" + k.upper()] = str(v)
@@ -550,6 +551,7 @@ class OneRankDist:
 
 def transceiver_main(conn, spec: dict, cfg: dict) -> None:
     """One rank running ``KVBridgeCacheTransceiver`` in py_executor.py's call order."""
+    install_test_hooks(cfg.pop("hooks", None))
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from kvbridge.adapters.trtllm import BridgeConfig, KVBridgeCacheTransceiver
 
@@ -604,6 +606,8 @@ def transceiver_main(conn, spec: dict, cfg: dict) -> None:
             return out
         if op == "blocks":
             return mgr.blocks.get(args[0])
+        if op == "cancel":  # PyExecutor._handle_canceled_requests -> cancel_request, retried until True
+            return tx.cancel_request(reqs[args[0]])
         raise ValueError(op)
 
     try:

@@ -1,0 +1,578 @@
+"""Fault injection: prefill and decode in separate OS processes, each fault for both plugins.
+
+Faults: decode killed mid-transfer (SIGKILL), prefill killed mid-transfer, prefill stopped
+(SIGSTOP: it hangs) then continued, abort from the prefill side and from the decode side
+mid-transfer, a room that never gets its peer, a bootstrap server (SGLang) / discovery bus
+(TensorRT-LLM) that is down; the link cut between two hosts is in test_cross_host.py.
+
+"Mid-transfer" is made deterministic by a throttle in the peer processes
+(``kvhelpers.install_test_hooks``): while the parent holds the file ``slow``, each piece a
+Mooncake transport submits waits 20-40 ms (the bytes still go through the real engine
+over TCP), and the second piece creates ``started``; the parent injects the fault then,
+with dozens of pieces still to go. Timeouts are short (peer timeout 1.5 s, deadlines of a
+few seconds), so each case takes seconds.
+
+Asserted in every case: each surviving side ends Failed with a reason naming the fault,
+within its bound plus one second (measured: fault -> terminal state); kvbridge released
+every block it leased exactly once (lease gauges back to zero, no refused second release
+in the peers' logs, the engine's free counts back to where they were, no double free);
+pages a failed decode request held do not change after it reported Failed; the next
+request between the surviving peers (or a restarted one) is byte-exact. The TensorRT-LLM
+decode falls back to recomputing the prompt (``on_failure="recompute"``) and its KV must
+then equal the prefill's. Results are printed as a matrix at the end of the run and
+written to ``build/reliability/faults.json`` (``scripts/reliability_report.py`` turns them
+into docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake")
+
+from kvbridge.adapters.trtllm import Handle  # noqa: E402
+from kvhelpers import read_events  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+
+FAULTS = ["abort_decode", "abort_prefill", "sigstop_prefill", "never_peer", "bootstrap_down", "kill_decode",
+          "kill_prefill"]
+RESULTS: list[dict] = []  # one row per (plugin, fault): the matrix printed by conftest
+PEER_TIMEOUT_S = 1.5
+OUT = os.environ.get("KVBRIDGE_RELIABILITY_DIR", os.path.join(os.path.dirname(__file__), "..", "build", "reliability"))
+
+
+def _wait_file(path: str, timeout: float = 30.0) -> float:
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} did not appear: the transfer never got under way")
+        time.sleep(0.002)
+    return time.monotonic()
+
+
+class Throttle:
+    """The parent's switch for the peers' write throttle, and their recorded warnings."""
+
+    def __init__(self, delay_s: float):
+        self.dir = tempfile.mkdtemp(prefix="kvb-faults-")
+        self.hooks = {"dir": self.dir, "delay_s": delay_s, "piece_bytes": 16 << 10}
+
+    def on(self) -> None:
+        for f in ("started",):
+            if os.path.exists(os.path.join(self.dir, f)):
+                os.unlink(os.path.join(self.dir, f))
+        open(os.path.join(self.dir, "slow"), "w").close()
+
+    def off(self) -> None:
+        for f in ("slow", "started"):
+            if os.path.exists(os.path.join(self.dir, f)):
+                os.unlink(os.path.join(self.dir, f))
+
+    @property
+    def started(self) -> str:
+        return os.path.join(self.dir, "started")
+
+    def events(self, since: float, pid: int | None = None) -> list[dict]:
+        return [e for e in read_events(self.dir) if e["t"] >= since and (pid is None or e["pid"] == pid)]
+
+    def double_releases(self, since: float) -> list[str]:
+        return [e["msg"] for e in self.events(since) if "already released" in e["msg"]]
+
+    def failed_at(self, since: float, pid: int, room: int) -> tuple[float, str] | None:
+        """When (monotonic) and why the sender in ``pid`` failed ``room``, from its log."""
+        tag = f"sender: room {room} failed: "
+        for e in self.events(since, pid):
+            if e["msg"].startswith(tag):
+                return e["t"], e["msg"][len(tag):]
+        return None
+
+
+def _record(row: dict) -> None:
+    RESULTS[:] = [r for r in RESULTS if (r["plugin"], r["fault"]) != (row["plugin"], row["fault"])] + [row]
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "faults.json"), "w") as f:
+        json.dump({"peer_timeout_s": PEER_TIMEOUT_S, "rows": RESULTS}, f, indent=1)
+
+
+def _side(name: str, state: str, reason: str, elapsed: float, bound: float, must: tuple[str, ...]) -> dict:
+    """One surviving side's outcome, checked: Failed, a reason naming the fault, in time."""
+    assert state == "FAILED", f"{name}: ended {state}, not Failed ({reason})"
+    assert any(m in reason for m in must), f"{name}: reason {reason!r} names none of {must}"
+    assert elapsed <= bound + 1.0, f"{name}: terminal {elapsed:.2f} s after the fault, bound {bound:.1f} s + 1 s"
+    return {"side": name, "state": state, "reason": reason[:160], "seconds": round(elapsed, 3), "bound_s": bound}
+
+
+def format_matrix() -> list[str]:
+    """The fault matrix as text lines (printed at the end of the run)."""
+    plugins = sorted({r["plugin"] for r in RESULTS})
+    by = {(r["plugin"], r["fault"]): r for r in RESULTS}
+    lines = [f"{'fault':<18}" + "".join(f"{p:<44}" for p in plugins)]
+    for fault in FAULTS + ["link_cut"]:
+        cells = []
+        for p in plugins:
+            r = by.get((p, fault))
+            if r is None:
+                cells.append("-")
+            elif r.get("skipped"):
+                cells.append("skipped: " + r["skipped"][:34])
+            else:
+                worst = max((s["seconds"] - s["bound_s"] for s in r["sides"]), default=0.0)
+                sides = ", ".join(f"{s['side']} {s['seconds']:.1f}/{s['bound_s']:.1f}s" for s in r["sides"])
+                cells.append(("ok " if r["ok"] else "FAIL ") + sides + ("" if worst <= 1 else " LATE"))
+        lines.append(f"{fault:<18}" + "".join(f"{c:<44}" for c in cells))
+    lines.append("cells: surviving side, fault -> terminal s / bound s; every block released once; next request byte-exact")
+    return lines
+
+
+# -- SGLang plugin ----------------------------------------------------------------------
+SGL_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3",
+           "KVBRIDGE_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+SGL_DEADLINE_S = 6.0  # the kvbridge room deadline the plugin derives: bootstrap + waiting timeouts
+SGL_HEARTBEAT_S = 1.0  # kvbridge's default (the SGLang plugin keeps it)
+SGL_QUIESCE_S = 1.0
+
+
+class SGLangFarm:
+    """SGLang processes (each imports SGLang once, ~10 s): the prefill, the decode and a
+    spare started ahead, so a killed peer is replaced without waiting for an import."""
+
+    def __init__(self):
+        from test_sglang_backend import Peer
+
+        self._peer = Peer
+        self.ctx = mp.get_context("spawn")
+        self.throttle = Throttle(0.02)
+        self.port = 19300 + random.randint(0, 300) * 3
+        self.spares = [Peer(self.ctx) for _ in range(3)]
+        self.pre = self.take()
+        self.dec = self.take()
+        self.case = None
+        self.room = 100
+        self.setup()
+
+    def take(self):
+        p = self.spares.pop(0)
+        p.recv(timeout=240)
+        self.spares.append(self._peer(self.ctx))
+        return p
+
+    def new_case(self) -> dict:
+        self.port += 1
+        return dict(mla=False, dtype="bfloat16", layers=3, heads=4, head_dim=8, lora=16, rope=8, slots=2048,
+                    page_size=16, p_tp=1, d_tp=1, seed=7, port=self.port, env=SGL_ENV, hooks=self.throttle.hooks)
+
+    def setup(self, prefill=True, decode=True):
+        if prefill or self.case is None:
+            self.case = self.new_case()
+        if prefill:
+            self.pre.call("setup", "prefill", self.case, 0)
+        if decode:
+            self.dec.call("setup", "decode", self.case, 0)
+
+    def next_room(self) -> int:
+        self.room += 1
+        return self.room
+
+    def start(self, room: int, ntok: int = 200, serve_opts=(), pull_opts=(), pre=True, dec=True) -> list:
+        pages = [int(x) for x in np.random.default_rng(room).permutation(np.arange(1, 129))[: -(-ntok // 16)]]
+        if pre:
+            self.pre.conn.send(("serve", room, pages, ntok, 3, room % 1000 + 7, 20.0, *serve_opts))
+        if dec:
+            self.dec.conn.send(("pull", room, ntok, 0, 20.0, *pull_opts))
+        return pages
+
+    def request_ok(self) -> bool:
+        """One request between the current peers, every byte compared."""
+        self.throttle.off()
+        room = self.next_room()
+        pages = self.start(room)
+        s, d = self.pre.recv()[1], self.dec.recv()[1]
+        assert s["state"] == 4 and d["state"] == 4, (s, d)
+        want = self.pre.call("content", pages)
+        assert d["output_id"] == room % 1000 + 7 and d["untouched"]
+        for b, got in enumerate(d["content"]):
+            assert np.array_equal(got, want[b]), f"next request: buffer {b} differs"
+        return True
+
+    def health_ok(self, *peers) -> bool:
+        for p in peers:
+            h = p.call("health")
+            assert h["open_rooms"] == 0 and all(v == 0 for v in h["blocks_held"].values()), h
+        return True
+
+    def kill(self, p, sig=signal.SIGKILL) -> float:
+        t = time.monotonic()
+        os.kill(p.proc.pid, sig)
+        return t
+
+    def close(self):
+        for p in [self.pre, self.dec] + self.spares:
+            p.stop()
+
+
+def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
+    th = farm.throttle
+    t_case = time.monotonic()
+    sides: list[dict] = []
+    settle = 0.5
+    if fault in ("abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"):
+        th.on()
+        room = farm.next_room()
+        farm.start(room, serve_opts=(th.started,) if fault == "abort_prefill" else (),
+                   pull_opts=(th.started if fault == "abort_decode" else None, settle))
+        t_fault = _wait_file(th.started)
+        if fault == "abort_decode":
+            d, s = farm.dec.recv()[1], farm.pre.recv()[1]
+            sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                               d["t_end"] - d["t_abort"], SGL_QUIESCE_S, ("aborted",)))
+            sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+                               s["t_end"] - d["t_abort"], SGL_HEARTBEAT_S, ("aborted by decode",)))
+            assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
+        elif fault == "abort_prefill":
+            s, d = farm.pre.recv()[1], farm.dec.recv()[1]
+            sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+                               s["t_end"] - s["t_abort"], SGL_QUIESCE_S, ("aborted",)))
+            sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                               d["t_end"] - s["t_abort"], SGL_HEARTBEAT_S, ("aborted by prefill",)))
+            assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
+        elif fault == "sigstop_prefill":
+            farm.kill(farm.pre, signal.SIGSTOP)
+            try:
+                d = farm.dec.recv(timeout=30)[1]
+                sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                                   d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable",)))
+            finally:
+                t_cont = farm.kill(farm.pre, signal.SIGCONT)
+            s = farm.pre.recv()[1]
+            sides.append(_side("prefill (continued)", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+                               s["t_end"] - t_cont, SGL_HEARTBEAT_S, ("aborted by decode", "unreachable", "silent")))
+            assert d["stable_after_fail"], "the stopped prefill wrote into the decode's pages after the decode failed"
+        elif fault == "kill_decode":
+            farm.kill(farm.dec)
+            s = farm.pre.recv()[1]
+            sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+                               s["t_end"] - t_fault, PEER_TIMEOUT_S, ("write", "piece", "silent", "transfer", "peer")))
+            farm.health_ok(farm.pre)
+            farm.dec.stop()
+            farm.dec = farm.take()  # a restarted decode instance
+            farm.setup(prefill=False)
+        else:  # kill_prefill
+            farm.kill(farm.pre)
+            d = farm.dec.recv()[1]
+            sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                               d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable", "failed the room")))
+            assert d["stable_after_fail"]
+            farm.health_ok(farm.dec)
+            farm.pre.stop()
+            farm.pre = farm.take()  # a restarted prefill instance, same bootstrap address
+            farm.pre.call("setup", "prefill", farm.case, 0)
+    elif fault == "never_peer":
+        # a prefill room no decode asks for, and a decode pulling a room no prefill serves
+        th.off()
+        r1, r2 = farm.next_room(), farm.next_room()
+        t0 = time.monotonic()
+        farm.start(r1, dec=False)
+        farm.start(r2, pre=False, pull_opts=(None, settle))
+        s, d = farm.pre.recv()[1], farm.dec.recv()[1]
+        sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"], s["t_end"] - t0,
+                           SGL_DEADLINE_S, ("timed out", "timeout", "deadline", "bootstrap")))
+        sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                           d["t_end"] - t0, SGL_DEADLINE_S, ("unknown room", "deadline", "timed out")))
+    elif fault == "bootstrap_down":
+        # the prefill instance's bootstrap server stops: a decode that knows the prefill
+        # already keeps working with it; a decode that must look it up fails cleanly
+        th.off()
+        farm.pre.call("bootstrap_down")
+        farm.request_ok()
+        fresh = farm.spares[0]
+        fresh.recv(timeout=240)
+        farm.spares[0] = farm._peer(farm.ctx)
+        try:
+            fresh.call("setup", "decode", farm.case, 0)
+            t0 = time.monotonic()
+            d = fresh.call("pull", farm.next_room(), 200, 0, SGL_DEADLINE_S, timeout=60)
+            reason = d.get("reason", "")
+            sides.append(_side("decode (new)", "FAILED" if d["state"] == 0 else str(d["state"]), reason,
+                               time.monotonic() - t0, SGL_DEADLINE_S, ("parallel info", "bootstrap")))
+            farm.health_ok(fresh)
+        finally:
+            fresh.stop()
+        farm.setup()  # the prefill instance restarts its bootstrap server (a fresh case: new port)
+    t_check = time.monotonic()
+    farm.health_ok(*(p for p in (farm.pre, farm.dec)))
+    dbl = th.double_releases(t_case)
+    assert not dbl, dbl
+    next_ok = farm.request_ok()
+    return {"plugin": "sglang", "fault": fault, "ok": True, "sides": sides, "double_releases": len(dbl),
+            "blocks_ok": True, "next_ok": next_ok, "case_s": round(time.monotonic() - t_case, 2),
+            "check_s": round(time.monotonic() - t_check, 2)}
+
+
+@pytest.fixture(scope="module")
+def sgl_farm():
+    pytest.importorskip("sglang")
+    farm = SGLangFarm()
+    yield farm
+    farm.close()
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("fault", FAULTS)
+def test_sglang_fault(sgl_farm, fault):
+    row = _sgl_case(sgl_farm, fault)
+    _record(row)
+
+
+# -- TensorRT-LLM plugin ----------------------------------------------------------------
+TRT_CFG = dict(host="127.0.0.1", deadline_s=5.0, heartbeat_s=0.2, peer_timeout_s=PEER_TIMEOUT_S, quiesce_s=0.5,
+               chunk_bytes=1 << 20)
+PROMPT = 512  # 16 blocks of 32 tokens, 32 KiB each: 32 throttled pieces, about 1.3 s on the wire
+
+
+class TRTFarm:
+    """A one-rank TensorRT-LLM prefill server and decode server (trtllm_driver), replaced
+    when a fault kills one."""
+
+    def __init__(self):
+        from trtllm_driver import pool_spec
+
+        self.throttle = Throttle(0.04)
+        self.cfg = dict(TRT_CFG, hooks=self.throttle.hooks)
+        self.pspec = pool_spec(tpb=32, blocks=48, seed=61)
+        self.dspec = pool_spec(tpb=32, blocks=48, seed=62)
+        self.servers = []
+        self.pre = self.new(False)
+        self.dec = self.new(True)
+        self.rid = 0
+        self.tx = None  # transceiver ranks (prefill, decode), made on first use
+
+    def new(self, decode: bool):
+        from trtllm_driver import Server
+
+        s = Server([self.dspec if decode else self.pspec], self.cfg, decode)
+        self.servers.append(s)
+        return s
+
+    def ids(self) -> tuple[int, int, int]:
+        self.rid += 1
+        return self.rid, 1000 + self.rid, 5000 + self.rid  # prefill request, decode request, room
+
+    def start(self, send=True, recv=True, endpoints=None, prefill_bus=None):
+        from test_trtllm_connector import _req
+
+        prid, drid, room = self.ids()
+        src = None
+        if send:
+            self.pre.step([_req(prid, PROMPT, 1, Handle("send", room))])
+            src = {"specs": [self.pspec], "blocks": self.pre.ask("blocks", prid)}
+        if recv:
+            h = Handle("recv", room, prefill=prefill_bus) if prefill_bus else \
+                Handle("recv", room, endpoints=tuple(endpoints or self.pre.sender_endpoints))
+            self.dec.step([_req(drid, PROMPT, 2, h, source=src or {"specs": [self.pspec], "blocks": list(range(17))})])
+        return prid, drid, room
+
+    def until(self, servers, cond, timeout=30.0) -> float:
+        """Step ``servers`` until ``cond()``; returns when it held (monotonic)."""
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                raise TimeoutError(f"not reached within {timeout} s: {[s.last for s in servers]}")
+            for s in servers:
+                s.step()
+            time.sleep(0.005)
+        return time.monotonic()
+
+    def clean(self, *servers) -> bool:
+        from test_trtllm_connector import _check_clean
+
+        for s in servers:
+            _check_clean(s)
+        return True
+
+    def load(self, drid: int) -> tuple[dict, dict]:
+        return self.dec.last[0]["results"][drid], self.dec.check()[0]["finished_loads"][drid]
+
+    def request_ok(self) -> bool:
+        from test_trtllm_connector import _done, _drained
+
+        self.throttle.off()
+        _, drid, _ = self.start()
+        self.until([self.pre, self.dec], lambda: _done(self.dec, [drid]) and _drained(self.dec) and _drained(self.pre))
+        res, ld = self.load(drid)
+        assert res == {"tokens": 2, "cancelled": False, "computed": 1, "kv_ok": True}, (res, ld)
+        assert ld["verdict"] == "ok"
+        return True
+
+    def pid(self, s) -> int:
+        return s.ranks[0][1].pid
+
+    def close(self):
+        self.throttle.off()
+        for s in self.servers + list(self.tx or ()):
+            s.stop()
+
+
+def _recompute_ok(res: dict) -> bool:
+    """The decode computed the whole prompt itself and its KV equals the prefill's."""
+    assert res["kv_ok"] and res["computed"] == PROMPT and res["tokens"] == 2 and not res["cancelled"], res
+    return True
+
+
+def _trt_case(farm: TRTFarm, fault: str) -> dict:
+    from test_trtllm_connector import _done, _drained
+
+    th = farm.throttle
+    t_case = time.monotonic()
+    sides: list[dict] = []
+    recompute = None
+    cfg = TRT_CFG
+    if fault in ("abort_prefill", "abort_decode"):
+        return _trt_abort(farm, fault)
+    if fault in ("sigstop_prefill", "kill_decode", "kill_prefill"):
+        th.on()
+        pre_pid = farm.pid(farm.pre)
+        _, drid, room = farm.start()
+        t_fault = _wait_file(th.started)
+        if fault == "sigstop_prefill":
+            os.kill(pre_pid, signal.SIGSTOP)
+            try:
+                t_end = farm.until([farm.dec], lambda: _done(farm.dec, [drid]) and _drained(farm.dec))
+            finally:
+                t_cont = time.monotonic()
+                os.kill(pre_pid, signal.SIGCONT)
+            res, ld = farm.load(drid)
+            sides.append(_side("decode", "FAILED", ld["reason"], t_end - t_fault, cfg["peer_timeout_s"], ("unreachable",)))
+            recompute = _recompute_ok(res)
+            farm.until([farm.pre], lambda: _drained(farm.pre))
+            failed = th.failed_at(t_case, pre_pid, room)
+            assert failed, "the continued prefill never failed the room"
+            sides.append(_side("prefill (continued)", "FAILED", failed[1], max(0.0, failed[0] - t_cont),
+                               cfg["heartbeat_s"] + cfg["quiesce_s"], ("aborted by decode", "silent", "write", "transfer")))
+        elif fault == "kill_decode":
+            os.kill(farm.pid(farm.dec), signal.SIGKILL)
+            farm.until([farm.pre], lambda: _drained(farm.pre))
+            failed = th.failed_at(t_case, pre_pid, room)
+            assert failed, "the prefill never failed the room"
+            sides.append(_side("prefill", "FAILED", failed[1], failed[0] - t_fault, cfg["peer_timeout_s"],
+                               ("write", "piece", "silent", "transfer", "peer")))
+            farm.clean(farm.pre)
+            farm.dec.stop()
+            farm.dec = farm.new(True)  # a restarted decode server
+        else:  # kill_prefill
+            os.kill(pre_pid, signal.SIGKILL)
+            t_end = farm.until([farm.dec], lambda: _done(farm.dec, [drid]) and _drained(farm.dec))
+            res, ld = farm.load(drid)
+            sides.append(_side("decode", "FAILED", ld["reason"], t_end - t_fault, cfg["peer_timeout_s"],
+                               ("unreachable", "failed the room")))
+            recompute = _recompute_ok(res)
+            farm.clean(farm.dec)
+            farm.pre.stop()
+            farm.pre = farm.new(False)  # a restarted prefill server
+    elif fault == "never_peer":
+        th.off()
+        pre_pid = farm.pid(farm.pre)
+        t0 = time.monotonic()
+        _, _, room1 = farm.start(recv=False)  # a prefill room no decode asks for
+        _, drid, _ = farm.start(send=False)  # a decode pulling a room no prefill serves
+        t_end = farm.until([farm.pre, farm.dec], lambda: _drained(farm.pre) and _done(farm.dec, [drid]) and _drained(farm.dec))
+        failed = th.failed_at(t_case, pre_pid, room1)
+        assert failed, "the unclaimed prefill room never failed"
+        sides.append(_side("prefill", "FAILED", failed[1], failed[0] - t0, cfg["deadline_s"], ("deadline",)))
+        res, ld = farm.load(drid)
+        sides.append(_side("decode", "FAILED", ld["reason"], t_end - t0, cfg["deadline_s"], ("unknown room", "deadline")))
+        recompute = _recompute_ok(res)
+    elif fault == "bootstrap_down":
+        # the prefill server's discovery bus is down (its scheduler gone): the decode cannot
+        # find the prefill ranks, fails the load and recomputes
+        th.off()
+        with socket.socket() as sk:  # a port nothing listens on any more: the bus of a server that is gone
+            sk.bind(("127.0.0.1", 0))
+            bus = f"tcp://127.0.0.1:{sk.getsockname()[1]}"
+        t0 = time.monotonic()
+        _, drid, _ = farm.start(send=False, prefill_bus=bus)
+        t_end = farm.until([farm.dec], lambda: _done(farm.dec, [drid]) and _drained(farm.dec))
+        res, ld = farm.load(drid)
+        sides.append(_side("decode", "FAILED", ld["reason"], t_end - t0, cfg["peer_timeout_s"], ("no answer",)))
+        recompute = _recompute_ok(res)
+    farm.clean(farm.pre, farm.dec)
+    dbl = th.double_releases(t_case)
+    assert not dbl, dbl
+    next_ok = farm.request_ok()
+    farm.clean(farm.pre, farm.dec)
+    return {"plugin": "trtllm", "fault": fault, "ok": True, "sides": sides, "double_releases": len(dbl), "blocks_ok": True,
+            "next_ok": next_ok, "recompute_ok": recompute, "case_s": round(time.monotonic() - t_case, 2)}
+
+
+def _trt_abort(farm: TRTFarm, fault: str) -> dict:
+    """Abort from either side mid-transfer: TensorRT-LLM cancels a request in transmission
+    through its cache transceiver (``cancel_request``, retried until True), so these cases
+    drive kvbridge's transceiver (trtllm_driver.TransceiverRank) in py_executor.py's order."""
+    from trtllm_driver import TransceiverRank
+
+    th = farm.throttle
+    t_case = time.monotonic()
+    if farm.tx is None:
+        farm.tx = (TransceiverRank(farm.pspec, farm.cfg), TransceiverRank(farm.dspec, farm.cfg))
+    pre, dec = farm.tx
+    prid, drid, _ = farm.ids()
+    th.on()
+    ctx = pre.call("context", prid, PROMPT)
+    source = {"specs": [farm.pspec], "blocks": pre.call("blocks", prid)}
+    dec.call("gen", drid, PROMPT, ctx, source)
+    _wait_file(th.started)
+    side, rid = (pre, prid) if fault == "abort_prefill" else (dec, drid)
+    t_abort = time.monotonic()
+    assert side.call("cancel", rid) is False  # the abort is under way; blocks still held
+    g = dec.call("poll_gen", drid, source, timeout=30)
+    t_dec = time.monotonic()
+    c = pre.call("poll_ctx", 1, timeout=30)
+    t_pre = time.monotonic()
+    assert side.call("cancel", rid) is True  # nothing can touch its blocks any more
+    assert g["state"] == "DISAGG_TRANS_ERROR" and g["free"] == dec.free0, g
+    assert c["failed"] == [prid] and c["free"] == pre.free0, c
+    reasons = {e["pid"]: e["msg"] for e in th.events(t_case) if "room" in e["msg"] and ("fail" in e["msg"])}
+    pre_reason = reasons.get(pre.proc.pid, "")
+    dec_reason = reasons.get(dec.proc.pid, "")
+    sides = [_side("prefill", "FAILED", pre_reason, t_pre - t_abort, farm.cfg["quiesce_s"] + farm.cfg["heartbeat_s"],
+                   ("cancelled by the engine", "aborted by decode")),
+             _side("decode", "FAILED", dec_reason, t_dec - t_abort, farm.cfg["quiesce_s"] + farm.cfg["heartbeat_s"],
+                   ("cancelled by the engine", "aborted by prefill"))]
+    dbl = th.double_releases(t_case)
+    assert not dbl, dbl
+    th.off()  # the next request between the same two ranks, byte-exact
+    prid, drid, _ = farm.ids()
+    ctx = pre.call("context", prid, PROMPT)
+    source = {"specs": [farm.pspec], "blocks": pre.call("blocks", prid)}
+    dec.call("gen", drid, PROMPT, ctx, source)
+    g = dec.call("poll_gen", drid, source, timeout=30)
+    c = pre.call("poll_ctx", 1, timeout=30)
+    assert g["state"] == "DISAGG_GENERATION_TRANS_COMPLETE" and g["kv_ok"] and g["tokens"] == ctx["first_gen_tokens"], g
+    assert c["done"] == [prid] and c["free"] == pre.free0 and g["free"] == dec.free0
+    return {"plugin": "trtllm", "fault": fault, "ok": True, "sides": sides, "double_releases": 0, "blocks_ok": True,
+            "next_ok": True, "via": "cache transceiver", "case_s": round(time.monotonic() - t_case, 2)}
+
+
+@pytest.fixture(scope="module")
+def trt_farm():
+    farm = TRTFarm()
+    yield farm
+    farm.close()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_trtllm_fault(trt_farm, fault):
+    row = _trt_case(trt_farm, fault)
+    _record(row)
+    if row.get("skipped"):
+        pytest.skip(row["skipped"])
