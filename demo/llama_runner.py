@@ -1,7 +1,5 @@
-"""The "TensorRT-LLM side" of the mixed-engine tests: our own tiny model runner over a KV
-pool of TensorRT-LLM's exact geometry, and a one-rank executor that drives the kvbridge
-TensorRT-LLM connector in the executor's order (as tests/trtllm_driver.py does, in this
-process) with that runner as its forward pass.
+"""The model of the demo's "TensorRT-LLM side": a tiny Llama forward over a KV pool of
+TensorRT-LLM's exact geometry (``kvbridge.demo.trt_engine`` drives the connector with it).
 
 ``TinyLlamaRunner`` implements the Llama forward (RMSNorm, GQA attention with
 non-interleaved "rotate half" RoPE, SiLU MLP) over the weights transformers loads from
@@ -14,26 +12,16 @@ as projected (SGLang: ``LlamaAttention.forward`` applies ``rotary_emb`` before
 ``past_key_values.update``). Every forward step writes the new tokens' K/V into the
 request's blocks and then gathers K/V for positions ``[0, pos]`` back from the blocks, so
 decode continues from whatever the pool holds, e.g. KV another engine wrote.
-
-``TRTEngine`` is one TensorRT-LLM rank (TP 1): ``KVBridgeConnectorScheduler`` and
-``KVBridgeConnectorWorker`` over that pool, TensorRT-LLM's request bookkeeping from
-tests/trtllm_driver.py (``FakeRequest``, ``FakeKVCacheManager``, ``FakeConnectorManager``),
-and ``load`` / ``serve_prefill`` which follow ``PyExecutor``'s iteration order
-(see the driver's docstring) for a decode-half and a prefill-half request.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
 import torch
-
-from trtllm_driver import FakeConnectorManager, FakeKVCacheManager, FakeRequest
 
 
 # -- the model runner -------------------------------------------------------------------
@@ -154,135 +142,6 @@ class TinyLlamaRunner:
             out.append(token)
             pos += 1
         return out, first
-
-
-# -- one TensorRT-LLM rank driving the connector ----------------------------------------
-class TRTEngine:
-    """One TensorRT-LLM rank (TP 1) with the kvbridge connector over the runner's pool."""
-
-    def __init__(self, runner: TinyLlamaRunner, model_dir, *, tokens_per_block=32, num_blocks=64, **cfg):
-        from kvbridge.adapters.trtllm import BridgeConfig, KVBridgeConnectorScheduler, KVBridgeConnectorWorker
-
-        self.runner, self.tpb = runner, tokens_per_block
-        self.layout = runner.allocate_pool(tokens_per_block=tokens_per_block, num_blocks=num_blocks)
-        self.pool = self.layout.tensors[0]
-        llm_args = SimpleNamespace(
-            model=str(model_dir),  # KV heads and head_dim from its config, as the connector reads them
-            kv_cache_config=SimpleNamespace(tokens_per_block=tokens_per_block, dtype="auto"),
-            parallel_config=SimpleNamespace(tp_size=1, world_size=1),
-        )
-        conf = BridgeConfig(**{"host": "127.0.0.1", "protocol": "tcp", "scheduler_endpoint": "local",
-                               "on_failure": "fail", **cfg})
-        self.scheduler = KVBridgeConnectorScheduler(llm_args, config=conf)
-        self.worker = KVBridgeConnectorWorker(llm_args, config=conf)
-        self.kv_cache_manager = FakeKVCacheManager(num_blocks, tokens_per_block, seed=12345)
-        self.kv_connector_manager = FakeConnectorManager(self.worker, self.scheduler)
-        self.active_requests: list = []
-        self.cancelled: list[int] = []
-        self._maybe_init_kv_connector_manager()
-
-    def _maybe_init_kv_connector_manager(self):  # PyExecutor: the worker finds this executor
-        self.worker.register_kv_caches(self.pool)
-
-    def cancel_request(self, rid):
-        self.cancelled.append(rid)
-
-    def close(self):
-        self.worker.close()
-        self.scheduler.close()
-
-    def _new(self, rid, prompt, max_new, handle: bytes):
-        req = FakeRequest(rid, len(prompt), max_new, handle)
-        req._tokens = [int(t) for t in prompt]
-        self.active_requests.append(req)
-        return req
-
-    def _start_batch(self):  # _kv_connector_start_batch + the forward's layer hooks
-        meta = self.scheduler.build_connector_meta(None)
-        self.worker.bind_connector_meta(meta)
-        self.worker.start_load_kv(None)
-        for layer in range(self.runner.layers):
-            self.worker.wait_for_layer_load(layer, None)
-            self.worker.save_kv_layer(layer, None)
-
-    def _terminate(self, finished_gen, started_loading):  # get_finished (one rank: no allgather)
-        return self.worker.get_finished(list(finished_gen), list(started_loading))
-
-    # -- decode half ------------------------------------------------------------------
-    def load(self, rid: int, prompt: Sequence[int], max_new: int, handle: bytes, timeout_s: float = 60.0):
-        """A decode-half request: admitted, its KV loaded asynchronously by the connector;
-        returns (request, how the load ended: the worker's ``finished_loads`` entry)."""
-        kvm, sched = self.kv_cache_manager, self.scheduler
-        req = self._new(rid, prompt, max_new, handle)
-        prepop = kvm.add_sequence(req)
-        n, load_async = sched.get_num_new_matched_tokens(req, prepop)
-        assert load_async and n == len(prompt) - 1 - prepop, (n, load_async)
-        req.context_current_position = prepop + n  # setPrepopulatedPromptLen
-        sched.update_state_after_alloc(req, kvm.get_cache_indices(req))
-        req.state = "DISAGG_GENERATION_TRANS_IN_PROGRESS"
-        started, end = [rid], time.monotonic() + timeout_s
-        while True:  # nothing schedulable: only get_finished runs each iteration
-            _, loaded = self._terminate([], started)
-            started = []
-            if rid in loaded:
-                req.state = "CONTEXT_INIT"
-                return req, self.worker.finished_loads[rid]
-            if time.monotonic() > end:
-                raise TimeoutError(f"request {rid} not loaded after {timeout_s} s")
-            time.sleep(0.01)
-
-    def decode_loaded(self, req, n: int) -> tuple[list[int], torch.Tensor]:
-        """The engine's forward for a loaded request: the context step computes the prompt
-        from ``context_current_position`` (the last prompt token, over the loaded KV) and
-        yields the first token; then ``n - 1`` generation steps. Tokens read K/V only from
-        the pool."""
-        self._start_batch()
-        blocks = self.kv_cache_manager.get_cache_indices(req)
-        pos = req.context_current_position
-        if pos != req.prompt_len - 1:
-            raise AssertionError(f"request {req.request_id} resumes at {pos}, not at the last prompt token")
-        self.worker.wait_for_save(None)
-        toks, first = self.runner.decode(req.get_tokens(0)[pos], pos, n, self.pool, self.tpb, blocks)
-        req._tokens.extend(toks)
-        assert not self.scheduler.request_finished(req, blocks)  # a decode half keeps nothing
-        self.kv_cache_manager.free_resources(req)
-        self.active_requests.remove(req)
-        return toks, first
-
-    # -- prefill half -----------------------------------------------------------------
-    def serve_prefill(self, rid: int, prompt: Sequence[int], handle: bytes, timeout_s: float = 60.0):
-        """A prefill-half request (max_tokens 1): computed by the runner into the pool, its
-        blocks held and served by the connector until a decode side pulled them. Returns
-        (first token, its logits, block ids)."""
-        kvm, sched = self.kv_cache_manager, self.scheduler
-        mgr = self.kv_connector_manager
-        req = self._new(rid, prompt, 1, handle)
-        prepop = kvm.add_sequence(req)
-        assert sched.get_num_new_matched_tokens(req, prepop) == (0, False)
-        sched.update_state_after_alloc(req, kvm.get_cache_indices(req))  # opens the room
-        req.state = "CONTEXT_INIT"
-        self._start_batch()
-        blocks = kvm.get_cache_indices(req)
-        first, logits = self.runner.prefill(prompt, self.pool, self.tpb, blocks)
-        self.worker.wait_for_save(None)
-        req.context_current_position = req.prompt_len
-        req._tokens.append(first)  # the sampler
-        req.state = "GENERATION_COMPLETE"
-        assert sched.request_finished(req, blocks), "the prefill half must hold its blocks"
-        kvm.pin(req)
-        mgr.new_saving[rid] = req
-        kvm.free_resources(req)  # _handle_responses: deferred while pinned
-        self.active_requests.remove(req)
-        gen, end = [rid], time.monotonic() + timeout_s
-        while True:
-            saved, _ = self._terminate(gen, [])
-            gen = []
-            if rid in saved:
-                kvm.unpin(rid)
-                return first, logits, blocks
-            if time.monotonic() > end:
-                raise TimeoutError(f"request {rid} not saved after {timeout_s} s")
-            time.sleep(0.01)
 
 
 def pool_kv(runner: TinyLlamaRunner, pool, tpb, blocks, n) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,4 +1,4 @@
-"""Tiny causal LMs for engine tests, built offline from configs with seeded random weights.
+"""Tiny causal LMs for the demo and the engine tests, built offline from configs with seeded random weights.
 
 Nothing is downloaded: each builder makes a transformers config, initialises
 the model with a fixed seed, and saves model + a word-level
@@ -135,7 +135,7 @@ def build_tiny_mla(
     yarn with factor 1 (= plain RoPE) because SGLang's CPU path only builds the
     DeepSeek yarn rotary; ``moe_layer_freq`` is added because SGLang reads it.
     SGLang serves it with --attention-backend torch_native only with the test
-    plugin in tests/sgl_shim/mla_torch_native (sglang_servers adds it).
+    plugin in sgl_shim/mla_torch_native beside this module (``kvbridge.demo.sglang_server`` adds it).
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -203,7 +203,8 @@ _models: dict[str, torch.nn.Module] = {}
 _models_lock = threading.Lock()
 
 
-def _load(model_dir: str | os.PathLike):
+def load_model(model_dir: str | os.PathLike):
+    """The transformers model in ``model_dir`` (loaded once per process, eval mode)."""
     from transformers import AutoModelForCausalLM
 
     key = str(Path(model_dir).resolve())
@@ -223,7 +224,7 @@ def reference_generate(
     """
     from transformers import GenerationConfig
 
-    model = _load(model_dir)
+    model = load_model(model_dir)
     gen_cfg = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
@@ -254,7 +255,7 @@ def random_prompt(n: int, *, seed: int, vocab_size: int = 512) -> list[int]:
     return torch.randint(FIRST_WORD_ID, vocab_size, (n,), generator=g).tolist()
 
 
-if __name__ == "__main__":  # python tests/tiny_models.py OUT_DIR [llama|mla]
+if __name__ == "__main__":  # python -m kvbridge.demo.models OUT_DIR [llama|mla]
     import sys
 
     which = sys.argv[2] if len(sys.argv) > 2 else "llama"

@@ -1,28 +1,24 @@
-"""Run SGLang 0.5.23's REAL server on CPU as a prefill/decode disaggregated pair.
+"""Run SGLang 0.5.23's REAL server (``python -m sglang.launch_server``) on CPU.
 
-Backend-agnostic: ``start_pair(model_dir, backend)`` passes ``backend`` to both
-servers as ``--disaggregation-transfer-backend``; anything a backend needs
-beyond that (``SGLANG_PLUGINS=...`` for an entry-point plugin, Mooncake knobs)
-goes in ``extra_env`` / ``extra_args``.
+One server per call of ``start_server`` / ``sglang_server`` (the demo runs one; the
+tests' ``Pair`` runs two from the same pieces): argv and environment for SGLang's CPU
+path, free ports, health polling, the log tail, and a process-group kill.
 
-Each server is ``python -m sglang.launch_server`` in its own process group
-(``start_new_session``), logging to a file; ``Pair.stop()`` kills both groups
-(SIGTERM, then SIGKILL). ``tests/sgl_shim`` (a pure-Python ``sgl_kernel``) is
-put on ``PYTHONPATH`` of the servers only.
+Each server runs in its own process group (``start_new_session``) and logs to a file;
+``Server.kill()`` ends the whole group (SIGTERM, then SIGKILL), and every server still
+alive when the interpreter exits is killed too. The pure-Python ``sgl_kernel``
+stand-in shipped beside this module (``sgl_shim/``) is put on the server's
+``PYTHONPATH`` only (this process never imports it); for DeepSeek-style MLA models so
+is ``sgl_shim/mla_torch_native``, an SGLang plugin that lets ``torch_native`` serve MLA.
 
-A request goes through the pair without a router: the same JSON (with
-``bootstrap_host``/``bootstrap_port``/``bootstrap_room``) is POSTed to both
-servers' ``/generate`` at once; prefill answers with one token, decode with the
-whole output.
-
-The machine has 2 cores and 24 GiB: ``shared_pair`` keeps at most one pair
-alive (``KVBRIDGE_SGLANG_MAX_PAIRS``), starting a different one stops the old.
+A request reaches a disaggregated pair without a router: the same JSON (with
+``bootstrap_host``/``bootstrap_port``/``bootstrap_room``) goes to the prefill's and the
+decode's ``/generate`` at once; prefill answers with one token, decode with all.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import json
 import os
@@ -33,18 +29,16 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import requests
 
 HERE = Path(__file__).resolve().parent
 SHIM_DIR = HERE / "sgl_shim"
-# A test-only SGLang plugin that lets torch_native serve MLA models (see its docstring).
+# An SGLang plugin that lets torch_native serve MLA models (see its docstring).
 MLA_PLUGIN_DIR = SHIM_DIR / "mla_torch_native"
 MLA_PLUGIN_NAME = "kvbridge_tests_mla_torch_native"
 HOST = "127.0.0.1"
@@ -120,7 +114,8 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def _tail(path: Path, n: int = 60) -> str:
+def log_tail(path: Path, n: int = 60) -> str:
+    """The last ``n`` lines of a log file (from its last 64 KiB)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -148,6 +143,7 @@ class Server:
 
     @property
     def url(self) -> str:
+        """The server's HTTP address."""
         return f"http://{HOST}:{self.port}"
 
     @property
@@ -158,7 +154,7 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 60) -> str:
-        return _tail(self.log_path, n)
+        return log_tail(self.log_path, n)
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in sorted(self.env_delta.items()))
@@ -242,146 +238,6 @@ def _group_alive(pgid: int) -> bool:
 _LIVE_SERVERS: set[Server] = set()
 
 
-@dataclass
-class GenerateResult:
-    output_ids: list[int]
-    decode_json: dict
-    prefill_json: dict | None
-    seconds: float
-
-
-@dataclass(eq=False)
-class Pair:
-    """A started prefill server + decode server. Use ``start_pair`` to make one."""
-
-    model_dir: Path
-    backend: str
-    page_size: int
-    bootstrap_port: int
-    prefill: Server
-    decode: Server
-    log_dir: Path
-    start_seconds: float | None = None
-    stopped: bool = False
-    timings: list[tuple[str, float]] = field(default_factory=list)
-    _envs: dict = field(default_factory=dict, repr=False)
-
-    # ---- lifecycle -------------------------------------------------------------------
-    def alive(self) -> bool:
-        return not self.stopped and self.prefill.alive() and self.decode.alive()
-
-    def stop(self) -> None:
-        """Kill both process groups (SIGTERM, then SIGKILL). Idempotent."""
-        self.stopped = True
-        # Kill both concurrently: each may take its SIGTERM grace.
-        threads = [threading.Thread(target=s.kill) for s in (self.prefill, self.decode)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    def kill_prefill(self, *, hard: bool = True) -> None:
-        """For failure tests: kill the prefill server's process group (SIGKILL now, or SIGTERM first)."""
-        self.prefill.kill(hard=hard)
-
-    def kill_decode(self, *, hard: bool = True) -> None:
-        """For failure tests: kill the decode server's process group."""
-        self.decode.kill(hard=hard)
-
-    def __enter__(self) -> "Pair":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def log_tails(self, n: int = 40) -> str:
-        return (
-            f"--- prefill log ({self.prefill.log_path}) ---\n{self.prefill.log_tail(n)}\n"
-            f"--- decode log ({self.decode.log_path}) ---\n{self.decode.log_tail(n)}"
-        )
-
-    def describe(self) -> str:
-        return (
-            f"prefill: {self.prefill.command_line()}\n"
-            f"decode:  {self.decode.command_line()}"
-        )
-
-    # ---- requests --------------------------------------------------------------------
-    def request_body(
-        self,
-        input_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        room: int | None = None,
-        sampling_params: Mapping[str, Any] | None = None,
-    ) -> dict:
-        sp = {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True}
-        if sampling_params:
-            sp.update(sampling_params)
-        return {
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": sp,
-            "bootstrap_host": HOST,
-            "bootstrap_port": self.bootstrap_port,
-            "bootstrap_room": int(room) if room is not None else new_room(),
-        }
-
-    def generate_full(
-        self,
-        input_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        room: int | None = None,
-        sampling_params: Mapping[str, Any] | None = None,
-        timeout: float = 120.0,
-    ) -> GenerateResult:
-        """POST the same request to both servers at once; raise ServerError on any failure."""
-        if self.stopped:
-            raise ServerError("pair was stopped")
-        body = self.request_body(input_ids, max_new_tokens, room=room, sampling_params=sampling_params)
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(2, thread_name_prefix="sglang-pair") as ex:
-            fut_p = ex.submit(_post, self.prefill.url + "/generate", body, timeout)
-            fut_d = ex.submit(_post, self.decode.url + "/generate", body, timeout)
-            res_p, res_d = fut_p.result(), fut_d.result()
-        dt = time.monotonic() - t0
-        self.timings.append((f"generate len={len(body['input_ids'])} new={max_new_tokens}", dt))
-        problems = []
-        for role, res in (("prefill", res_p), ("decode", res_d)):
-            if isinstance(res, BaseException):
-                problems.append(f"{role}: {type(res).__name__}: {res}")
-            elif res.status_code != 200:
-                problems.append(f"{role}: HTTP {res.status_code}: {res.text[:2000]}")
-        if not problems:
-            dj = res_d.json()
-            fr = (dj.get("meta_info") or {}).get("finish_reason") or {}
-            if isinstance(fr, dict) and fr.get("type") == "abort":
-                problems.append(f"decode aborted: {json.dumps(fr)[:2000]}")
-            elif "output_ids" not in dj:
-                problems.append(f"decode answer has no output_ids: {json.dumps(dj)[:2000]}")
-        if problems:
-            raise ServerError(
-                f"request (room {body['bootstrap_room']}, {len(body['input_ids'])} prompt tokens) "
-                f"failed after {dt:.1f}s:\n  " + "\n  ".join(problems) + "\n" + self.log_tails()
-            )
-        pj = res_p.json() if not isinstance(res_p, BaseException) else None
-        return GenerateResult(output_ids=list(dj["output_ids"]), decode_json=dj, prefill_json=pj, seconds=dt)
-
-    def generate(
-        self,
-        input_ids: Sequence[int],
-        max_new_tokens: int,
-        *,
-        room: int | None = None,
-        sampling_params: Mapping[str, Any] | None = None,
-        timeout: float = 120.0,
-    ) -> list[int]:
-        """Greedy (temperature 0, ignore_eos) generation through the pair: the decode server's output ids."""
-        return self.generate_full(
-            input_ids, max_new_tokens, room=room, sampling_params=sampling_params, timeout=timeout
-        ).output_ids
-
-
 def new_room() -> int:
     """A random non-zero 62-bit bootstrap room (0 is SGLang's warm-up room)."""
     return secrets.randbits(62) or 1
@@ -393,7 +249,8 @@ def _session() -> requests.Session:
     return http
 
 
-def _post(url: str, body: dict, timeout: float):
+def post_json(url: str, body: dict, timeout: float):
+    """POST ``body``; the response, or the exception (returned, so concurrent halves are always collected)."""
     try:
         with _session() as http:
             return http.post(url, json=body, timeout=timeout)
@@ -401,7 +258,7 @@ def _post(url: str, body: dict, timeout: float):
         return e
 
 
-def _server_argv(
+def server_argv(
     python: str,
     model_dir: Path,
     role: str,
@@ -413,6 +270,7 @@ def _server_argv(
     max_total_tokens: int,
     extra_args: Sequence[str],
 ) -> list[str]:
+    """The ``sglang.launch_server`` command line for one disaggregated server on CPU."""
     argv = [
         python, "-m", "sglang.launch_server",
         "--model-path", str(model_dir),
@@ -450,7 +308,7 @@ def is_mla_model(model_dir: str | os.PathLike) -> bool:
     return bool(cfg.get("kv_lora_rank")) and any("Deepseek" in a for a in cfg.get("architectures") or [])
 
 
-def _server_env(
+def server_env(
     backend: str, extra_env: Mapping[str, str] | None, *, mla: bool = False
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(full environment, the part that differs from os.environ) for a server process."""
@@ -469,96 +327,6 @@ def _server_env(
     return env, delta
 
 
-def start_pair(
-    model_dir: str | os.PathLike,
-    backend: str,
-    *,
-    page_size: int = 1,
-    extra_env: Mapping[str, str] | None = None,
-    extra_args: Sequence[str] = (),
-    prefill_args: Sequence[str] = (),
-    decode_args: Sequence[str] = (),
-    prefill_env: Mapping[str, str] | None = None,
-    decode_env: Mapping[str, str] | None = None,
-    max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS,
-    log_dir: str | os.PathLike | None = None,
-    timeout: float = DEFAULT_START_TIMEOUT,
-    python: str | None = None,
-    port_retries: int = 2,
-) -> Pair:
-    """Start a prefill and a decode server for ``model_dir`` and wait until both are healthy.
-
-    ``backend`` is passed as ``--disaggregation-transfer-backend`` to both.
-    ``extra_env``/``extra_args`` go to both servers, ``prefill_*``/``decode_*`` to one.
-    Raises ServerError (with both log tails) if a server dies or is not healthy
-    within ``timeout`` seconds; nothing is left running then. A start that lost a
-    port race ("address already in use") is retried with new ports
-    (``port_retries`` times).
-    """
-    model_dir = Path(model_dir).resolve()
-    python = python or sys.executable
-    if log_dir is None:
-        log_dir = Path(tempfile.mkdtemp(prefix=f"sglang-{backend}-"))
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    for attempt in range(port_retries + 1):
-        pair = _make_pair(
-            model_dir, backend, page_size, extra_env, extra_args, prefill_args, decode_args,
-            prefill_env, decode_env, max_total_tokens, log_dir, python,
-        )  # fmt: skip
-        t0 = time.monotonic()
-        try:
-            for srv in (pair.prefill, pair.decode):
-                srv.start(pair._envs[srv.role])
-            _wait_healthy(pair, timeout)
-        except _PortInUse:
-            pair.stop()
-            if attempt == port_retries:
-                raise
-            continue
-        except BaseException:
-            pair.stop()
-            raise
-        pair.start_seconds = time.monotonic() - t0
-        return pair
-    raise AssertionError("unreachable")
-
-
-def _make_pair(
-    model_dir, backend, page_size, extra_env, extra_args, prefill_args, decode_args,
-    prefill_env, decode_env, max_total_tokens, log_dir, python,
-) -> Pair:  # fmt: skip
-    p_port, p_nccl, d_port, d_nccl, boot = free_ports(5)
-    mla = is_mla_model(model_dir)
-    servers, envs = [], {}
-    for role, port, nccl, role_args, role_env in (
-        ("prefill", p_port, p_nccl, prefill_args, prefill_env),
-        ("decode", d_port, d_nccl, decode_args, decode_env),
-    ):
-        env, delta = _server_env(backend, {**(extra_env or {}), **(role_env or {})}, mla=mla)
-        argv = _server_argv(
-            python, model_dir, role, backend, port, nccl, boot, page_size, max_total_tokens,
-            [*extra_args, *role_args],
-        )  # fmt: skip
-        servers.append(Server(role=role, port=port, argv=argv, env_delta=delta, log_path=log_dir / f"{role}.log"))
-        envs[role] = env
-    pair = Pair(
-        model_dir=model_dir,
-        backend=backend,
-        page_size=page_size,
-        bootstrap_port=boot,
-        prefill=servers[0],
-        decode=servers[1],
-        log_dir=log_dir,
-    )
-    pair._envs = envs
-    return pair
-
-
-class _PortInUse(ServerError):
-    pass
-
-
 # Lines after which a starting server never becomes healthy (uvicorn, for one, logs a
 # failed bind and then hangs in shutdown instead of exiting).
 _FATAL_LOG_MARKERS = (
@@ -568,7 +336,8 @@ _FATAL_LOG_MARKERS = (
 )
 
 
-def _fatal_line(srv: Server) -> str | None:
+def fatal_line(srv: Server) -> str | None:
+    """The first log line of this start after which the server never becomes healthy, if any."""
     try:
         with open(srv.log_path, "rb") as f:
             f.seek(srv._log_start)
@@ -581,90 +350,85 @@ def _fatal_line(srv: Server) -> str | None:
     return None
 
 
-def _wait_healthy(pair: Pair, timeout: float) -> None:
+class PortInUse(ServerError):
+    """A server lost a race for one of its ports (start again with new ports)."""
+
+
+def wait_healthy(servers: Sequence[Server], timeout: float, details: Callable[[], str] = lambda: "") -> None:
+    """Poll every server's ``/health`` until all answer 200. Raises ``PortInUse`` or
+    ``ServerError`` (with ``details()``, e.g. the log tails) when one fails while
+    starting, exits, or is not healthy within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    pending = [pair.prefill, pair.decode]
+    pending = list(servers)
     while pending:
         for srv in list(pending):
-            fatal = _fatal_line(srv)
+            fatal = fatal_line(srv)
             if fatal is not None:
                 time.sleep(1.0)  # let the traceback reach the log
-                cls = _PortInUse if "address already in use" in fatal else ServerError
-                raise cls(
-                    f"{srv.role} server failed while starting (backend {pair.backend}): {fatal}\n"
-                    f"{pair.describe()}\n{pair.log_tails()}"
-                )
+                cls = PortInUse if "address already in use" in fatal else ServerError
+                raise cls(f"{srv.role} server failed while starting: {fatal}\n{details()}")
             if not srv.alive():
                 rc = srv.proc.poll() if srv.proc else None
-                raise ServerError(
-                    f"{srv.role} server exited with code {rc} before it was healthy "
-                    f"(backend {pair.backend}).\n{pair.describe()}\n{pair.log_tails()}"
-                )
+                raise ServerError(f"{srv.role} server exited with code {rc} before it was healthy.\n{details()}")
             if srv.health(timeout=2.0):
                 srv.ready_after_s = time.monotonic() - srv.started_at
                 pending.remove(srv)
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise ServerError(
-                f"{', '.join(s.role for s in pending)} server(s) not healthy after {timeout:.0f}s "
-                f"(backend {pair.backend}).\n{pair.describe()}\n{pair.log_tails()}"
-            )
+            raise ServerError(f"{', '.join(s.role for s in pending)} server(s) not healthy after {timeout:.0f}s.\n"
+                              f"{details()}")
         time.sleep(0.5)
 
 
-# ---- one shared pair per configuration, for session-wide reuse -----------------------
-
-_SHARED: "collections.OrderedDict[tuple, Pair]" = collections.OrderedDict()
-_SHARED_LOCK = threading.Lock()
-
-
-def _key(model_dir, backend, kw) -> tuple:
-    def freeze(v):
-        if isinstance(v, Mapping):
-            return tuple(sorted((k, freeze(x)) for k, x in v.items()))
-        if isinstance(v, (list, tuple)):
-            return tuple(freeze(x) for x in v)
-        return v
-
-    return (str(Path(model_dir).resolve()), backend, freeze({k: v for k, v in kw.items() if k not in ("timeout", "log_dir")}))
-
-
-def shared_pair(model_dir: str | os.PathLike, backend: str, *, fresh: bool = False, **kw) -> Pair:
-    """The session's pair for this configuration, started on first use.
-
-    A pair that died or was killed (failure tests) is restarted; ``fresh=True``
-    forces a restart. At most ``KVBRIDGE_SGLANG_MAX_PAIRS`` (default 1) pairs
-    live at once: starting another stops the least recently used.
-    """
-    max_live = int(os.environ.get("KVBRIDGE_SGLANG_MAX_PAIRS", "1"))
-    key = _key(model_dir, backend, kw)
-    with _SHARED_LOCK:
-        pair = _SHARED.get(key)
-        if pair is not None and (fresh or not pair.alive()):
-            pair.stop()
-            del _SHARED[key]
-            pair = None
-        if pair is not None:
-            _SHARED.move_to_end(key)
-            return pair
-        while len(_SHARED) >= max_live:
-            _, old = _SHARED.popitem(last=False)
-            old.stop()
-        pair = start_pair(model_dir, backend, **kw)
-        _SHARED[key] = pair
-        return pair
+def start_server(model_dir: str | os.PathLike, role: str, *, backend: str = "kvbridge",
+                 extra_env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), page_size: int = 1,
+                 max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS, log_dir: str | os.PathLike | None = None,
+                 timeout: float = DEFAULT_START_TIMEOUT, port_retries: int = 2) -> tuple[Server, int]:
+    """Start one ``role`` ("prefill" | "decode") server for ``model_dir`` with transfer
+    backend ``backend`` and wait until it is healthy; returns (server, bootstrap port:
+    the prefill's own bootstrap server, unused by a decode). On failure nothing is left
+    running and ``ServerError`` carries the command line and the log tail; a lost port
+    race is retried with new ports (``port_retries`` times)."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    model_dir = Path(model_dir).resolve()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-sglang-{role}-"))
+    env_extra = {"SGLANG_PLUGINS": "kvbridge"} if backend == "kvbridge" else {}
+    env_extra.update(extra_env or {})
+    for attempt in range(port_retries + 1):
+        port, nccl, boot = free_ports(3)
+        env, delta = server_env(backend, env_extra, mla=is_mla_model(model_dir))
+        argv = server_argv(sys.executable, model_dir, role, backend, port, nccl, boot, page_size, max_total_tokens,
+                           list(extra_args))
+        srv = Server(role=role, port=port, argv=argv, env_delta=delta, log_path=log_dir / f"{role}.log")
+        srv.start(env)
+        try:
+            wait_healthy([srv], timeout, lambda: f"{srv.command_line()}\n--- {srv.log_path} ---\n{srv.log_tail(60)}")
+        except PortInUse:
+            srv.kill()
+            if attempt == port_retries:
+                raise
+            continue
+        except BaseException:
+            srv.kill()
+            raise
+        return srv, boot
+    raise AssertionError("unreachable")
 
 
-def stop_shared() -> None:
-    with _SHARED_LOCK:
-        while _SHARED:
-            _, pair = _SHARED.popitem()
-            pair.stop()
+@contextlib.contextmanager
+def sglang_server(model_dir, role: str, **kw) -> Iterator[tuple[Server, int]]:
+    """``start_server`` as a context manager: yields (server, bootstrap port); the
+    server's process group is killed on exit, whatever ends the block (Ctrl-C too)."""
+    srv, boot = start_server(model_dir, role, **kw)
+    try:
+        yield srv, boot
+    finally:
+        srv.kill()
 
 
 @atexit.register
-def _stop_everything() -> None:
-    stop_shared()
+def _kill_live_servers() -> None:
     for srv in list(_LIVE_SERVERS):
         srv.kill(term_grace_s=2.0)

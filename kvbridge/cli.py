@@ -201,10 +201,112 @@ def _bench_all(args: argparse.Namespace) -> int:
     return rc
 
 
+class _DemoProgress:
+    """The demo's steps as a rich progress display on stderr."""
+
+    def __init__(self, progress):
+        from kvbridge.demo.run import STEPS
+
+        self.p = progress
+        self.tasks = {s: progress.add_task(s, total=1, start=False, detail="") for s in STEPS}
+
+    def start(self, step: str, detail: str = "") -> None:
+        t = self.tasks[step]
+        self.p.reset(t, total=1, start=True, detail=detail)
+
+    def done(self, step: str, detail: str = "") -> None:
+        self.p.update(self.tasks[step], completed=1, detail=detail)
+
+
+def _demo_report(r: dict) -> None:
+    """The demo's report, for a human, on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    ok = "[bold green]MATCH[/]" if r["match"] else "[bold red]MISMATCH[/]"
+    con.rule(f"kvbridge demo: {r['prefill_engine']} prefill -> {r['decode_engine']} decode  {ok}")
+    m = r["model"]
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    cm = r["cost_model"]
+    rows = [
+        ("prefill", r["prefill_detail"]),
+        ("decode", r["decode_detail"]),
+        ("transport", r["transport"]),
+        ("model", f"{m['name']}: {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, "
+                  f"{m['dtype']} ({m['dir']})"),
+        ("prompt ids", f"{r['prompt_len']} tokens: {r['prompt_ids']}"),
+        ("generated ids", str(r["generated_ids"])),
+        ("transformers", str(r["reference_ids"])),
+        ("match", f"{ok}; first token: prefill {r['first_token']['prefill']}, received by decode "
+                  f"{r['first_token']['decode_received']}, reference {r['first_token']['reference']}"),
+        ("first-step logits", f"max |diff| vs transformers {r['first_logits_max_abs_diff']:.2e} ({r['first_logits_of']})"),
+        ("moved", f"{r['bytes']:,} B (expected {r['bytes_expected']:,}) in {r['segments']} segment(s)"),
+        ("plan", f"{r['plan']}: {r['plan_reason']} [{r['plan_reason_source']}]"),
+        ("time", f"{r['handoff_s'] * 1e3:.1f} ms, {r['gbps']:.4f} GB/s ({r['handoff_s_measures']})"
+                 + (f"; on the wire {r['wire_gbps']:.3f} GB/s" if r.get("wire_gbps") else "")),
+        ("cost model", f"{'MOVE' if cm['move'] else 'RECOMPUTE'}: predicted handoff {cm['predicted_handoff_s'] * 1e3:.2f} ms "
+                       f"(measured {cm['measured_handoff_s'] * 1e3:.1f} ms); first token after "
+                       f"{cm['disaggregated_ttft_s'] * 1e3:.2f} ms moved vs {cm['local_ttft_s'] * 1e3:.2f} ms recomputed"),
+        ("", cm["verdict"]),
+        ("", f"link {cm['link']}; {cm['assumptions']}"),
+    ]
+    for c in r.get("checks", []):
+        rows.append((f"also {c['prompt_len']} tokens", f"{'match' if c['match'] else 'MISMATCH'}, {c['bytes']:,} B, "
+                                                       f"{c['segments']} segment(s), {c['plan']}"))
+    rows.append(("server log", f"{r['server']['log']} (up in {r['server']['ready_s']:.1f}s); demo {r['seconds']:.1f}s"))
+    for k, v in rows:
+        t.add_row(k, v)
+    con.print(t)
+
+
 def _demo(args: argparse.Namespace) -> int:
-    """Until the mixed-engine demo lands, the demo is the layout benchmark."""
-    _console().print("[bold]kvbridge demo[/]: layout benchmark (the SGLang -> TensorRT-LLM demo arrives with the plugins)")
-    return _bench_layout(args)
+    """SGLang prefill -> TensorRT-LLM decode (``--reverse``: the other way) through the
+    plugins, checked against transformers; a report (``--json``: one JSON object)."""
+    import signal
+
+    from kvbridge.demo.run import DemoError
+    from kvbridge.demo.sglang_server import ServerError
+
+    def _term(signum, frame):  # so that the server's process group is killed on the way out
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, _term)
+    console = _console()
+    kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir,
+              extra_prompt_lens=tuple(int(x) for x in args.also.split(",") if x) if args.also else ())
+    try:
+        if args.json and not console.is_terminal:
+            report = _run_demo(kw, None)
+        else:
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            with Progress(SpinnerColumn(), TextColumn("[bold]{task.description:<13}"), BarColumn(bar_width=12),
+                          TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=console) as p:
+                report = _run_demo(kw, _DemoProgress(p))
+    except (DemoError, ServerError, TimeoutError, ValueError) as e:
+        console.print(f"[bold red]kvbridge demo failed:[/] {e}", markup=True, highlight=False)
+        if args.json:
+            print(json.dumps({"match": False, "error": str(e)}))
+        return 1
+    except KeyboardInterrupt:
+        console.print("kvbridge demo: interrupted (servers stopped)")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _demo_report(report)
+    return 0 if report["match"] else 1
+
+
+def _run_demo(kw: dict, progress) -> dict:
+    from kvbridge.demo import run_demo
+
+    return run_demo(progress=progress, **kw)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -343,9 +445,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
 
-    demo = sub.add_parser("demo", help="run the main demo and print its report")
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
-    demo.set_defaults(func=_demo, plan_tokens=32768, repack_tokens=4096, reps=5)
+    demo = sub.add_parser("demo", help="SGLang prefill -> TensorRT-LLM decode through the plugins, checked, with a report")
+    demo.add_argument("--json", action="store_true", help="print one JSON object (progress on stderr when it is a terminal)")
+    demo.add_argument("--reverse", action="store_true", help="TensorRT-LLM prefill -> SGLang decode instead")
+    demo.add_argument("--prompt-len", type=int, default=70, help="prompt tokens (default 70: three 32-token blocks)")
+    demo.add_argument("--max-new", type=int, default=32, help="tokens to generate")
+    demo.add_argument("--also", default="", help="more prompt lengths through the same servers, e.g. 7,300")
+    demo.add_argument("--link", default="tcp", help="the cost model's link: a preset or a `kvbridge bench link --out` file")
+    demo.add_argument("--model-dir", help="a tiny Llama folder to use (default: built into ~/.cache/kvbridge/demo)")
+    demo.set_defaults(func=_demo)
     return p
 
 

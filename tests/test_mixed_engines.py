@@ -1,125 +1,91 @@
-"""Decode continues from KV moved between engines of different kinds (issue 6).
+"""Decode continues from KV moved between engines of different kinds (issue 6), through
+the plugins: ``kvbridge demo --json`` and ``kvbridge demo --reverse --json``, run as the
+user runs them (a subprocess), each with one more prompt through the same servers.
 
 SGLang prefill -> TensorRT-LLM decode: SGLang's REAL prefill server on the kvbridge
-backend computes the prompt; the "TensorRT-LLM" decode rank in this process
-(tests/mixed_trt_engine.py: the kvbridge TensorRT-LLM connector driven in the executor's
-order over a pool of TensorRT-LLM's geometry) finds the prefill rank through SGLang's
-bootstrap server (GET /kvbridge/ranks), pulls the prompt's KV into its pool, and the
-paged decode loop continues from the pool alone. Greedy tokens must equal transformers'
-generate(), the first token must agree with what the prefill sent, and the first-step
-logits must match transformers'.
+backend computes the prompt; the "TensorRT-LLM" decode rank (``kvbridge.demo.trt_engine``:
+the kvbridge TensorRT-LLM connector driven in the executor's order over a pool of
+TensorRT-LLM's geometry) gets only the prefill's SGLang bootstrap address in its handle,
+finds the prefill rank itself (GET /kvbridge/ranks), pulls the prompt's KV into its
+pool, and the paged decode loop continues from the pool alone.
+
+TensorRT-LLM prefill -> SGLang decode: the runner's prefill writes the TensorRT-LLM pool;
+the connector serves it and, configured with ``sglang_bootstrap_port``, runs the
+SGLang-compatible bootstrap server through which SGLang's REAL decode server on the
+kvbridge backend finds it; SGLang decodes.
+
+Either way greedy tokens must equal transformers' generate() on the same weights, the
+first token must agree on both sides, the first-step logits must match transformers',
+and exactly the prompt's KV bytes must have moved, staged into few segments.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
-from concurrent.futures import ThreadPoolExecutor
+import json
+import subprocess
+import sys
 
 import pytest
-import torch
 
 from conftest_sglang import tiny_llama_dir  # noqa: F401
-from mixed_servers import kvbridge_ranks, sglang_server
-from mixed_trt_engine import TinyLlamaRunner, TRTEngine
-from sglang_servers import HOST, _post, new_room
-from tiny_models import random_prompt, reference_generate
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-MAX_NEW = 32
-PROMPTS = [7, 70]  # one block / three blocks of 32 tokens on the TensorRT-LLM side
-_ids = itertools.count(1)
+PROMPT, ALSO, MAX_NEW = 70, 7, 32  # three blocks / one block of 32 tokens on the TensorRT-LLM side
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama_dir):
-    return TinyLlamaRunner(tiny_llama_dir)
+def _kv_bytes(tokens: int) -> int:
+    return 2 * 2 * 2 * 16 * 4 * tokens  # layers x K/V x KV heads x head_dim x float32
 
 
-def _body(prompt, max_new, boot, room):
-    return {"input_ids": list(prompt), "bootstrap_host": HOST, "bootstrap_port": boot, "bootstrap_room": room,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}}
-
-
-def test_sglang_prefill_to_trtllm_decode(runner, tiny_llama_dir):
+def _demo(model_dir, *extra) -> dict:
     pytest.importorskip("sglang")
-    from kvbridge.adapters.trtllm.handle import Handle
-
-    prompts = [random_prompt(n, seed=600 + n) for n in PROMPTS]
-    refs = [reference_generate(tiny_llama_dir, p, MAX_NEW) for p in prompts]
-    t0 = time.monotonic()
-    with sglang_server(tiny_llama_dir, "prefill") as (srv, boot):
-        t_up = time.monotonic() - t0
-        info = kvbridge_ranks(boot)
-        endpoints = [r["endpoint"] for r in sorted(info["ranks"], key=lambda r: r["tp_rank"])]
-        # a short peer timeout: the decode idles between requests (this caught a stale liveness bug)
-        eng = TRTEngine(runner, tiny_llama_dir, tokens_per_block=32, num_blocks=64, peer_timeout_s=3.0)
-        try:
-            for prompt, ref in zip(prompts, refs):
-                room, rid = new_room(), next(_ids)
-                t1 = time.monotonic()
-                with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(_post, srv.url + "/generate", _body(prompt, MAX_NEW, boot, room), 120)
-                    handle = Handle("recv", room, endpoints=tuple(endpoints), on_failure="fail").to_json()
-                    req, done = eng.load(rid, prompt, MAX_NEW, handle, timeout_s=90)
-                    res = fut.result()
-                t_load = time.monotonic() - t1
-                assert not isinstance(res, BaseException) and res.status_code == 200, (res, srv.log_tail(40))
-                assert done["verdict"] == "ok" and done["ok"], done
-                prefill_first = res.json()["output_ids"][0]
-                aux_first = done["aux"]["output_ids"][0]
-                t2 = time.monotonic()
-                toks, first_logits = eng.decode_loaded(req, MAX_NEW)
-                t_dec = time.monotonic() - t2
-                assert prefill_first == aux_first == ref.token_ids[0], (prefill_first, aux_first, ref.token_ids[0])
-                assert toks == ref.token_ids, f"{len(prompt)}-token prompt: TRT decode {toks} != transformers {ref.token_ids}"
-                torch.testing.assert_close(first_logits, ref.first_logits, rtol=1e-4, atol=1e-4)
-                rec = done.get("record") or {}
-                print(f"[sglang->trtllm] {len(prompt)}-token prompt: load {t_load:.2f}s "
-                      f"({rec.get('bytes')} B), {MAX_NEW} tokens decoded from the pool in {t_dec:.2f}s")
-        finally:
-            eng.close()
-    print(f"[sglang->trtllm] prefill server up in {t_up:.1f}s, test {time.monotonic() - t0:.1f}s")
+    cmd = [sys.executable, "-m", "kvbridge.cli", "demo", "--json", "--model-dir", str(model_dir), "--prompt-len",
+           str(PROMPT), "--max-new", str(MAX_NEW), "--also", str(ALSO), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert out.stdout.strip(), f"no JSON on stdout (rc {out.returncode}):\n{out.stderr[-4000:]}"
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be one JSON object, got {len(lines)} lines:\n{out.stdout[:2000]}"
+    report = json.loads(lines[0])
+    assert out.returncode == (0 if report.get("match") else 1), (out.returncode, out.stderr[-4000:])
+    assert "error" not in report, report["error"]
+    print(f"[{report['direction']}] {report['bytes']} B, {report['segments']} segments ({report['plan']}), "
+          f"handoff {report['handoff_s'] * 1e3:.1f} ms, server up in {report['server']['ready_s']:.1f}s, "
+          f"demo {report['seconds']:.1f}s")
+    return report
 
 
-def test_trtllm_prefill_to_sglang_decode(runner, tiny_llama_dir):
-    """The runner's prefill writes the TensorRT-LLM pool; the connector's prefill direction
-    serves it (first token as aux ``output_ids``); SGLang's REAL decode server on the
-    kvbridge backend pulls it (finding the prefill through an SGLang bootstrap server this
-    test runs for it, see ``TRTPrefillBootstrap``) and decodes; its output must equal
-    transformers' generate()."""
-    pytest.importorskip("sglang")
-    from kvbridge.adapters.trtllm.handle import Handle
-    from mixed_servers import TRTPrefillBootstrap
+def _check_common(r: dict) -> None:
+    assert r["match"] is True, f"{r['generated_ids']} != transformers {r['reference_ids']}"
+    assert r["generated_ids"] == r["reference_ids"] and len(r["generated_ids"]) == MAX_NEW
+    ft = r["first_token"]
+    assert ft["prefill"] == ft["decode_received"] == ft["reference"] == r["reference_ids"][0], ft
+    assert r["first_logits_max_abs_diff"] < 1e-4
+    # exactly the prompt's KV, staged into a few segments instead of one per head and token
+    assert r["bytes"] == r["bytes_expected"] == _kv_bytes(PROMPT)
+    assert r["plan"] == "staged_send" and 1 <= r["segments"] <= 16, (r["plan"], r["segments"])
+    assert "staged_send" in r["plan_reason"] and "direct" in r["plan_reason"]
+    assert r["gbps"] > 0 and 0 < r["handoff_s"] < 60
+    assert r["record"]["result"] == "success"
+    cm = r["cost_model"]
+    assert cm["kv_bytes"] == r["bytes"] and cm["predicted_handoff_s"] > 0 and isinstance(cm["move"], bool)
+    assert cm["verdict"].startswith(("MOVE", "RECOMPUTE"))
+    (also,) = r["checks"]
+    assert also["prompt_len"] == ALSO and also["match"] is True and also["bytes"] == _kv_bytes(ALSO)
+    assert also["first_logits_max_abs_diff"] < 1e-4
 
-    prompts = [random_prompt(n, seed=700 + n) for n in PROMPTS]
-    refs = [reference_generate(tiny_llama_dir, p, MAX_NEW) for p in prompts]
-    t0 = time.monotonic()
-    with sglang_server(tiny_llama_dir, "decode") as (srv, _):
-        t_up = time.monotonic() - t0
-        eng = TRTEngine(runner, tiny_llama_dir, tokens_per_block=32, num_blocks=64)
-        boot = TRTPrefillBootstrap(eng.worker, page_size=1)
-        try:
-            for prompt, ref in zip(prompts, refs):
-                room, rid = new_room(), next(_ids)
-                t1 = time.monotonic()
-                with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(_post, srv.url + "/generate", _body(prompt, MAX_NEW, boot.port, room), 120)
-                    first, logits, _ = eng.serve_prefill(rid, prompt, Handle("send", room).to_json(), timeout_s=90)
-                    res = fut.result()
-                dt = time.monotonic() - t1
-                assert not isinstance(res, BaseException) and res.status_code == 200, (res, srv.log_tail(60))
-                out = res.json()
-                fr = (out.get("meta_info") or {}).get("finish_reason")
-                assert "output_ids" in out and not (isinstance(fr, dict) and fr.get("type") == "abort"), \
-                    (out, srv.log_tail(60))
-                assert first == ref.token_ids[0]
-                torch.testing.assert_close(logits, ref.first_logits, rtol=1e-4, atol=1e-4)
-                got = out["output_ids"]
-                assert got == ref.token_ids, f"{len(prompt)}-token prompt: SGLang decode {got} != transformers {ref.token_ids}"
-                print(f"[trtllm->sglang] {len(prompt)}-token prompt: prefill+handoff+{MAX_NEW} tokens in {dt:.2f}s")
-        finally:
-            boot.close()
-            eng.close()
-    print(f"[trtllm->sglang] decode server up in {t_up:.1f}s, test {time.monotonic() - t0:.1f}s")
+
+def test_sglang_prefill_to_trtllm_decode(tiny_llama_dir):
+    r = _demo(tiny_llama_dir)
+    assert (r["prefill_engine"], r["decode_engine"], r["direction"]) == ("sglang", "trtllm", "sglang->trtllm")
+    _check_common(r)
+    assert r["record"]["role"] == "receiver"
+    assert "same kind and segments" in r["plan_reason_source"], r["plan_reason_source"]
+
+
+def test_trtllm_prefill_to_sglang_decode(tiny_llama_dir):
+    r = _demo(tiny_llama_dir, "--reverse")
+    assert (r["prefill_engine"], r["decode_engine"], r["direction"]) == ("trtllm", "sglang", "trtllm->sglang")
+    _check_common(r)
+    assert r["record"]["role"] == "sender" and r["record"]["plan_reason"] == r["plan_reason"]
+    assert r["wire_gbps"] and r["wire_gbps"] > 0

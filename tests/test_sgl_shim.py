@@ -1,4 +1,4 @@
-"""The pure-Python sgl_kernel stand-in (tests/sgl_shim) that CPU SGLang servers import.
+"""The pure-Python sgl_kernel stand-in (demo/sgl_shim, shipped in kvbridge.demo) that CPU SGLang servers import.
 
 Loaded under another module name, so this test process never gets an
 ``sgl_kernel`` in sys.modules.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SHIM = Path(__file__).resolve().parent / "sgl_shim" / "sgl_kernel" / "__init__.py"
+SHIM = Path(__file__).resolve().parents[1] / "demo" / "sgl_shim" / "sgl_kernel" / "__init__.py"
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The MLA pool is one latent row per token and layer (kv_lora_rank +
 qk_rope_head_dim), kv_factor 1: the other geometry a transfer backend must
-handle. Needs the test-only plugin in tests/sgl_shim/mla_torch_native (added by
+handle. Needs the test-only plugin in kvbridge/demo/sgl_shim/mla_torch_native (added by
 sglang_servers for MLA models) because SGLang 0.5.23's torch_native backend
 cannot run DeepSeek's MHA prefill method.
 """

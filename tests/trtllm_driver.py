@@ -42,6 +42,12 @@ import numpy as np
 import torch
 from kvhelpers import install_test_hooks, stop_process
 
+# TensorRT-LLM's request, KV cache manager and connector-manager bookkeeping: the library's
+# executor stand-in (kvbridge.demo.trt_engine), under the names these tests gave them
+from kvbridge.demo.trt_engine import BlockManager as FakeKVCacheManager
+from kvbridge.demo.trt_engine import ConnectorManagerState as FakeConnectorManager
+from kvbridge.demo.trt_engine import ExecRequest as FakeRequest
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
 
@@ -110,96 +116,6 @@ class Reference:
             else:
                 raise AssertionError(f"no prefill rank holds head {g}")
         return out
-
-
-# -- the request and the KV cache manager -------------------------------------------------
-class FakeRequest:
-    """The fields of TensorRT-LLM's LlmRequest the connector and this executor use."""
-
-    def __init__(self, request_id, prompt_len, max_new_tokens, handle: bytes | None, prefix: int = 0):
-        self.request_id = self.py_request_id = request_id
-        self.prompt_len = prompt_len
-        self._tokens = [(request_id * 7919 + i) % 32000 for i in range(prompt_len)]
-        self.max_new_tokens = max_new_tokens
-        self.py_disaggregated_params = (SimpleNamespace(request_type="context_and_generation", opaque_state=handle)
-                                        if handle is not None else None)
-        self.is_generation_only_request = False
-        self.context_current_position = 0
-        self.state = "CONTEXT_INIT"
-        self.prefix = prefix  # tokens the KV cache manager finds on device (block reuse)
-        self.cancelled = False
-
-    def get_tokens(self, beam):
-        return list(self._tokens)
-
-    @property
-    def context_remaining_length(self):
-        return self.prompt_len - self.context_current_position
-
-    @property
-    def generated(self):
-        return len(self._tokens) - self.prompt_len
-
-
-class FakeKVCacheManager:
-    """Block ids for requests, the same sequence on every rank of a server; pinned
-    blocks (a request saving asynchronously) are freed when unpinned."""
-
-    def __init__(self, num_blocks, tpb, seed):
-        self._free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
-        self.tpb, self.total = tpb, num_blocks
-        self.blocks: dict[int, list[int]] = {}
-        self.pinned: set[int] = set()
-        self.deferred: set[int] = set()
-        self.double_frees = 0
-        self.ever: set[int] = set()
-
-    @property
-    def free_count(self):
-        return len(self._free)
-
-    def add_sequence(self, req) -> int:
-        n = -(-(req.prompt_len + req.max_new_tokens) // self.tpb)
-        if n > len(self._free):
-            raise RuntimeError(f"out of blocks: {n} > {len(self._free)}")
-        self.blocks[req.request_id], self._free = self._free[:n], self._free[n:]
-        self.ever.update(self.blocks[req.request_id])
-        return req.prefix  # prepopulatedPromptLen
-
-    def get_cache_indices(self, req):
-        return list(self.blocks[req.request_id])
-
-    def free_resources(self, req):
-        if req.request_id in self.pinned:
-            self.deferred.add(req.request_id)
-            return
-        self._release(req.request_id)
-
-    def _release(self, rid):
-        ids = self.blocks.pop(rid)
-        if set(ids) & set(self._free):
-            self.double_frees += 1
-        self._free.extend(ids)
-
-    def pin(self, req):
-        self.pinned.add(req.request_id)
-
-    def unpin(self, rid):
-        self.pinned.discard(rid)
-        if rid in self.deferred:
-            self.deferred.discard(rid)
-            self._release(rid)
-
-
-class FakeConnectorManager:
-    """The bookkeeping of TensorRT-LLM's KvCacheConnectorManager (new / pending / locally
-    finished async requests)."""
-
-    def __init__(self, worker, scheduler):
-        self.worker, self.scheduler = worker, scheduler
-        self.new_loading, self.new_saving = {}, {}
-        self.pending_loading, self.pending_saving = {}, {}
-        self.local_loading, self.local_saving = {}, {}
 
 
 # -- the executor -----------------------------------------------------------------------

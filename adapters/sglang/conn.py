@@ -49,6 +49,7 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import get_local_ip_auto
 
 from kvbridge.common import protocol as P
+from kvbridge.common.bootstrap import rank_record, ranks_payload
 from kvbridge.common.handoff import HandoffConfig, KVReceiver, KVSender, RoomState
 from kvbridge.common.transport import MooncakeTransport
 from kvbridge.layout import KVLayout, LayoutError, canonical_dtype, sglang_layout_from_buffers, tp_head_slice
@@ -228,14 +229,8 @@ class KVBridgeKVManager(CommonKVManager):
     # -- bootstrap registration (prefill) ---------------------------------------------
     def kvbridge_record(self) -> dict:
         """What this prefill rank publishes for kvbridge receivers."""
-        return {
-            "version": P.PROTOCOL_VERSION,
-            "endpoint": self.kv_sender.endpoint,
-            "session": self.transport.session_id,
-            "engine": "sglang",
-            "page_size": int(self.kv_args.page_size),
-            "layout": self.layout.describe(),
-        }
+        return rank_record(endpoint=self.kv_sender.endpoint, session=self.transport.session_id, engine="sglang",
+                           page_size=int(self.kv_args.page_size), layout=self.layout.describe())
 
     def _register_topology_row(self, url: str, payload):
         if self.kv_sender is not None:
@@ -577,11 +572,7 @@ class KVBridgeKVBootstrapServer(CommonKVBootstrapServer):
 
     async def _handle_kvbridge_ranks(self, request: web.Request):
         async with self.lock:
-            ranks = [{"dp_rank": k[0], "cp_rank": k[1], "tp_rank": k[2], "pp_rank": k[3], **v}
-                     for k, v in sorted(self.kvbridge_ranks.items())]
-        return web.json_response({
-            "ready": self._is_ready(),
-            "attn_tp_size": self.attn_tp_size, "attn_cp_size": self.attn_cp_size, "dp_size": self.dp_size,
-            "pp_size": self.pp_size, "page_size": self.page_size, "kv_cache_dtype": self.kv_cache_dtype,
-            "ranks": ranks,
-        })
+            ranks = dict(self.kvbridge_ranks)
+        return web.json_response(ranks_payload(
+            ranks, ready=self._is_ready(), attn_tp_size=self.attn_tp_size, attn_cp_size=self.attn_cp_size,
+            dp_size=self.dp_size, pp_size=self.pp_size, page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype))

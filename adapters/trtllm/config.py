@@ -37,6 +37,16 @@ class BridgeConfig:
     over MPI. ``metadata_server``, ``protocol`` and ``device_name`` go to Mooncake
     (``protocol="rdma"`` on GPU hosts).
 
+    SGLang interop: ``sglang_bootstrap_port`` >= 0 makes rank 0 run an SGLang-compatible
+    bootstrap server on that port (0: any free port; -1, the default: none) and register
+    every rank's kvbridge record there, so SGLang decode servers on the kvbridge backend
+    find this prefill server (a request names it with ``bootstrap_host`` /
+    ``bootstrap_port``). ``sglang_page_size`` is the page size that server reports: it
+    must be the SGLang decode's ``--page-size``, since SGLang's decode refuses a prefill
+    whose reported page size differs from its own (kvbridge converts block sizes itself).
+    ``discovery_timeout_s``: how long a decode request whose handle names an SGLang
+    bootstrap address (``Handle.bootstrap``) waits for that prefill's ranks.
+
     Behaviour: ``on_failure`` is what a decode server does when a handoff fails:
     ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing and
     auth: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
@@ -78,6 +88,9 @@ class BridgeConfig:
     tp_size: int = 0
     tp_rank: int = -1
     world_size: int = 0
+    sglang_bootstrap_port: int = -1
+    sglang_page_size: int = 1
+    discovery_timeout_s: float = 30.0
     cost_link: str = ""
     cost_model: str = ""
     cost_prefill_tps: float = 0.0
@@ -89,7 +102,12 @@ class BridgeConfig:
             raise ConfigError(f"on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
         if not 0 <= self.bus_port < 65536:
             raise ConfigError(f"bus_port {self.bus_port} is not a TCP port")
-        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):
+        if not -1 <= self.sglang_bootstrap_port < 65536:
+            raise ConfigError(f"sglang_bootstrap_port {self.sglang_bootstrap_port} is not a TCP port (or -1: none, 0: any)")
+        if self.sglang_page_size <= 0:
+            raise ConfigError(f"sglang_page_size must be positive (the SGLang decode's --page-size), "
+                              f"got {self.sglang_page_size}")
+        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "discovery_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s"):

@@ -56,6 +56,17 @@ rewind, and rank 0 cancels the request through the executor's ``cancel_request``
 ends with finish reason CANCELLED). A worker reaches its rank's request objects through
 the executor that called ``register_kv_caches`` (``PyExecutor.active_requests``).
 
+Finding the prefill (decode direction): a handle names the prefill's ranks directly
+(``endpoints``), its rank-0 bus (``prefill``: asked over the bus), or an SGLang bootstrap
+address (``bootstrap``: an SGLang prefill server on the kvbridge backend, or a
+TensorRT-LLM prefill with ``sglang_bootstrap_port``); the scheduler then reads the ranks
+from ``GET /kvbridge/ranks`` on a background thread (``kvbridge.common.bootstrap``),
+waiting at most ``discovery_timeout_s``, and parks the request's load order until then.
+A prefill that cannot be found fails the load with a reason naming it (then
+``on_failure`` applies). With ``sglang_bootstrap_port`` set, rank 0 runs an
+SGLang-compatible bootstrap server registering every rank, so SGLang decode servers
+find this server as a prefill.
+
 Prefill direction (``op: send``; the request should have ``max_tokens=1``): on
 ``update_state_after_alloc`` every worker opens the room on the request's blocks (so
 decode ranks that ask early are accepted); ``request_finished`` returns True, holding the
@@ -80,6 +91,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvbridge.common.bootstrap import BootstrapError, endpoints_by_tp_rank, fetch_ranks, rank_record
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import KVReceiver, KVSender, default_metrics
 
@@ -152,13 +164,31 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self.fallbacks: OrderedDict[int, dict] = OrderedDict()  # request id -> why it is computed here
         self.bus = ControlChannel(self._on_bus, self._on_tick, bind_host=self.cfg.host, port=self.cfg.bus_port,
                                   name="kvbridge-trtllm-scheduler")
+        self.bootstrap = None  # an SGLang-compatible bootstrap server (sglang_bootstrap_port)
+        if self.cfg.sglang_bootstrap_port >= 0:
+            from kvbridge.common.bootstrap import BootstrapServer
+
+            try:
+                self.bootstrap = BootstrapServer(self.cfg.host, self.cfg.sglang_bootstrap_port,
+                                                 page_size=self.cfg.sglang_page_size, tp_size=self.world_size)
+            except BaseException:
+                self.bus.close()
+                raise
+        self._closed = False
         _LOCAL_SCHEDULERS.append(self)
-        log.info("kvbridge scheduler: bus at %s for %d rank(s)", self.bus.endpoint, self.world_size)
+        log.info("kvbridge scheduler: bus at %s for %d rank(s)%s", self.bus.endpoint, self.world_size,
+                 f", SGLang bootstrap at {self.bootstrap.address}" if self.bootstrap else "")
 
     @property
     def endpoint(self) -> str:
         """This server's bus: where its workers join and decode servers discover its ranks."""
         return self.bus.endpoint
+
+    @property
+    def bootstrap_address(self) -> str:
+        """``host:port`` of this server's SGLang-compatible bootstrap server ("" when off):
+        SGLang requests name it as ``bootstrap_host`` / ``bootstrap_port``."""
+        return self.bootstrap.address if self.bootstrap is not None else ""
 
     # -- KvCacheConnectorScheduler --------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBridgeConnectorMetadata:
@@ -243,15 +273,38 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             if order["endpoints"]:
                 self._issue(order)
                 return
-            eps = self._discovered.get(h.prefill)
+            key = h.prefill or h.bootstrap  # a tcp:// bus, or an SGLang bootstrap host:port
+            eps = self._discovered.get(key)
             if eps:
                 self._issue(dict(order, endpoints=eps))
                 return
-            self._parked.setdefault(h.prefill, []).append(order["req"])
-            first = h.prefill not in self._discovering
-            self._discovering.setdefault(h.prefill, time.monotonic())
+            self._parked.setdefault(key, []).append(order["req"])
+            first = key not in self._discovering
+            self._discovering.setdefault(key, time.monotonic())
         if first:
+            self._discover(h)
+
+    def _discover(self, h: Handle) -> None:
+        """Ask for the prefill's ranks: over the bus (``prefill``), or from an SGLang
+        bootstrap server on a background thread (``bootstrap``)."""
+        if not h.bootstrap or h.prefill:
             self.bus.send(h.prefill, _enc.encode({"t": "who"}))
+            return
+        threading.Thread(target=self._discover_bootstrap, args=(h.bootstrap,), daemon=True,
+                         name="kvbridge-trtllm-discover").start()
+
+    def _discover_bootstrap(self, address: str) -> None:
+        try:
+            eps = endpoints_by_tp_rank(fetch_ranks(address, self.cfg.discovery_timeout_s), address)
+        except (BootstrapError, ValueError) as e:
+            with self._lock:
+                if not self._closed and self._discovering.pop(address, None) is not None:
+                    self._fail_parked(address, str(e))
+            return
+        with self._lock:
+            if not self._closed:
+                log.info("kvbridge scheduler: prefill at %s has %d rank(s): %s", address, len(eps), eps)
+                self._on_discovered(address, eps)
 
     def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
         """Prefill-half request: hold its blocks and order every worker to serve its room
@@ -304,6 +357,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             if t == "hello":
                 rank = int(msg["rank"])
                 self._workers[rank], self._endpoints[rank] = peer, str(msg["endpoint"])
+                if self.bootstrap is not None and isinstance(msg.get("record"), dict):
+                    self.bootstrap.register(rank, msg["record"])
                 log.info("kvbridge scheduler: rank %d joined (sender %s)", rank, msg["endpoint"])
                 if self._log:
                     self.bus.send(peer, _enc.encode({"t": "orders", "orders": list(self._log.values())}))
@@ -347,7 +402,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             load = self._loads.get(req)
             if load is not None:
                 log.warning("kvbridge: request %s: cannot reach prefill %s: %s", req, prefill, reason)
-                self._decide(req, load, ok=False)
+                self._decide(req, load, ok=False, reason=f"cannot reach prefill {prefill}: {reason}")
 
     def _on_result(self, req: int, rank: int, ok: bool, reason: str) -> None:
         load = self._loads.get(req)
@@ -359,17 +414,20 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         if len(load.results) >= self.world_size:
             self._decide(req, load, all(r[0] for r in load.results.values()))
 
-    def _decide(self, req: int, load: _Load, ok: bool) -> None:
+    def _decide(self, req: int, load: _Load, ok: bool, reason: str = "") -> None:
         load.verdict = "ok" if ok else load.order["on_failure"]
         if load.verdict == "recompute":
             default_metrics().fallbacks.labels("receiver", "handoff_failed").inc()
-        self._issue({"op": "verdict", "req": req, "action": load.verdict, "start": load.order["start"]})
+        self._issue({"op": "verdict", "req": req, "action": load.verdict, "start": load.order["start"],
+                     "reason": reason[:2000]})
 
     def _on_tick(self) -> None:
         now = time.monotonic()
         with self._lock:
             for prefill, t0 in list(self._discovering.items()):
-                if now - t0 > self.cfg.peer_timeout_s:
+                # a bus answers at once; a bootstrap server's thread has its own deadline (this is a backstop)
+                limit = self.cfg.peer_timeout_s if prefill.startswith("tcp://") else self.cfg.discovery_timeout_s + 5.0
+                if now - t0 > limit:
                     self._discovering.pop(prefill, None)
                     self._fail_parked(prefill, f"no answer within {self.cfg.peer_timeout_s:.1f} s")
 
@@ -377,6 +435,10 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         """Stop the bus."""
         if self in _LOCAL_SCHEDULERS:
             _LOCAL_SCHEDULERS.remove(self)
+        with self._lock:
+            self._closed = True
+        if self.bootstrap is not None:
+            self.bootstrap.close()
         self.bus.close()
 
 
@@ -445,6 +507,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._announced_saving: set[int] = set()
         self._forget_sent: set[int] = set()
         self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
+        self.finished_saves: OrderedDict[int, dict] = OrderedDict()  # request id -> how its send ended (+ record)
         self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
 
     # -- KvCacheConnectorWorker -----------------------------------------------------------
@@ -471,7 +534,10 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                  self.layout.num_heads, self.layout.head_dim, self.layout.dtype, self.sender.endpoint)
         self._scheduler_ep = self._find_scheduler(_world_size(self._llm_args, cfg))
         self.bus = ControlChannel(self._on_bus, None, name=f"kvbridge-trtllm-worker{self.rank}")
-        self.bus.send(self._scheduler_ep, _enc.encode({"t": "hello", "rank": self.rank, "endpoint": self.sender.endpoint}))
+        record = rank_record(endpoint=self.sender.endpoint, session=self.transport.session_id, engine="trtllm",
+                             page_size=self.layout.tokens_per_block, layout=self.layout.describe())
+        self.bus.send(self._scheduler_ep, _enc.encode({"t": "hello", "rank": self.rank, "endpoint": self.sender.endpoint,
+                                                      "record": record}))
 
     def _find_scheduler(self, world: int) -> str:
         local = _LOCAL_SCHEDULERS[-1].endpoint if _LOCAL_SCHEDULERS else ""
@@ -518,7 +584,12 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             self._announced_loading.update(int(i) for i in started_loading_req_ids)
             saved = [r for r, s in self._sends.items() if s.released.is_set() and r in self._announced_saving]
             for r in saved:
-                self._forget_sent.add(self._sends.pop(r).room)
+                s = self._sends.pop(r)
+                rec = self.sender.record(s.room) if s.opened else None
+                self.finished_saves[r] = {"room": s.room, "ok": s.ok, "record": rec.as_dict() if rec else None}
+                while len(self.finished_saves) > _LOG_KEEP:
+                    self.finished_saves.popitem(last=False)
+                self._forget_sent.add(s.room)
                 self._announced_saving.discard(r)
             for room in list(self._forget_sent):  # a room is forgettable once its last write returned
                 self.sender.forget(room)
@@ -596,6 +667,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         req = int(o["req"])
         ld = self._loads.setdefault(req, _LoadRoom(req, -1, int(o["start"])))
         ld.verdict = str(o["action"])
+        if o.get("reason") and not ld.reason:
+            ld.reason = str(o["reason"])
 
     def _order_decline(self, o: dict) -> None:
         """Below break-even (rank 0 speaks for every rank): tell each prefill rank that this

@@ -12,11 +12,16 @@ The handle is JSON::
     {"kvbridge": 1, "op": "send", "room": 42}                          prefill request
     {"kvbridge": 1, "op": "recv", "room": 42, "prefill": "tcp://p:18500"}  decode request
     {"kvbridge": 1, "op": "recv", "room": 42, "endpoints": ["tcp://...", ...]}
+    {"kvbridge": 1, "op": "recv", "room": 42, "bootstrap": "p:8998"}   decode from an SGLang prefill
 
 ``room`` is the router's id for the handoff (unique among the prefill server's open
-handoffs). A decode handle names the prefill server either by its discovery endpoint
+handoffs). A decode handle names the prefill server by its discovery endpoint
 (``prefill``: the prefill's rank-0 bus, which answers with every rank's control
-endpoint) or by the control endpoints themselves, in tensor-parallel rank order.
+endpoint), by the control endpoints themselves, in tensor-parallel rank order, or by an
+SGLang bootstrap address (``bootstrap``: ``host:port`` of an SGLang prefill server on
+the kvbridge backend, or of a TensorRT-LLM prefill with ``sglang_bootstrap_port`` set);
+the connector then asks that server for the prefill's ranks (``GET /kvbridge/ranks``).
+With an SGLang prefill the room is the request's ``bootstrap_room``.
 ``on_failure`` ("recompute" | "fail") overrides the decode server's setting for this
 request.
 """
@@ -27,6 +32,8 @@ import base64
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvbridge.common.bootstrap import parse_address
 
 __all__ = ["Handle", "HandleError", "handle_of", "prefill_params", "decode_params", "encode_handle"]
 
@@ -46,14 +53,20 @@ class Handle:
     prefill: str = ""
     endpoints: tuple[str, ...] = ()
     on_failure: str = ""
+    bootstrap: str = ""
 
     def __post_init__(self) -> None:
         if self.op not in ("send", "recv"):
             raise HandleError(f"handle op must be 'send' or 'recv', got {self.op!r}")
         if not isinstance(self.room, int) or not 0 <= self.room < 2**63:
             raise HandleError(f"handle room must be a non-negative 64-bit integer, got {self.room!r}")
-        if self.op == "recv" and not (self.prefill or self.endpoints):
-            raise HandleError(f"room {self.room}: a decode handle needs 'prefill' or 'endpoints'")
+        if self.op == "recv" and not (self.prefill or self.endpoints or self.bootstrap):
+            raise HandleError(f"room {self.room}: a decode handle needs 'prefill', 'endpoints' or 'bootstrap'")
+        if self.bootstrap:
+            try:
+                parse_address(self.bootstrap)
+            except ValueError as e:
+                raise HandleError(f"room {self.room}: {e}") from None
         for ep in ((self.prefill,) if self.prefill else ()) + self.endpoints:
             if not isinstance(ep, str) or not ep.startswith("tcp://"):
                 raise HandleError(f"room {self.room}: endpoint {ep!r} is not a tcp:// address")
@@ -69,6 +82,8 @@ class Handle:
             d["endpoints"] = list(self.endpoints)
         if self.on_failure:
             d["on_failure"] = self.on_failure
+        if self.bootstrap:
+            d["bootstrap"] = self.bootstrap
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -80,14 +95,17 @@ class Handle:
             raise HandleError(f"opaque_state is not a kvbridge handle (not JSON: {e})") from None
         if not isinstance(d, dict) or d.get("kvbridge") != _VERSION:
             raise HandleError(f"opaque_state is not a version-{_VERSION} kvbridge handle: {str(d)[:200]}")
-        extra = set(d) - {"kvbridge", "op", "room", "prefill", "endpoints", "on_failure"}
+        extra = set(d) - {"kvbridge", "op", "room", "prefill", "endpoints", "on_failure", "bootstrap"}
         if extra:
             raise HandleError(f"kvbridge handle has unknown fields {sorted(extra)}")
         eps = d.get("endpoints", ())
         if not isinstance(eps, (list, tuple)):
             raise HandleError("kvbridge handle 'endpoints' must be a list")
+        bootstrap = d.get("bootstrap", "")
+        if not isinstance(bootstrap, str):
+            raise HandleError("kvbridge handle 'bootstrap' must be a 'host:port' string")
         return cls(op=d.get("op", ""), room=d.get("room"), prefill=d.get("prefill", ""), endpoints=tuple(eps),
-                   on_failure=d.get("on_failure", ""))
+                   on_failure=d.get("on_failure", ""), bootstrap=bootstrap)
 
 
 def handle_of(request: Any) -> Handle | None:
@@ -116,7 +134,8 @@ def prefill_params(room: int) -> dict[str, Any]:
     return {"request_type": "context_and_generation", "encoded_opaque_state": encode_handle(Handle("send", room))}
 
 
-def decode_params(room: int, prefill: str = "", endpoints=(), on_failure: str = "") -> dict[str, Any]:
+def decode_params(room: int, prefill: str = "", endpoints=(), on_failure: str = "",
+                  bootstrap: str = "") -> dict[str, Any]:
     """``disaggregated_params`` (OpenAI-API form) for the decode half of room ``room``."""
-    h = Handle("recv", room, prefill=prefill, endpoints=tuple(endpoints), on_failure=on_failure)
+    h = Handle("recv", room, prefill=prefill, endpoints=tuple(endpoints), on_failure=on_failure, bootstrap=bootstrap)
     return {"request_type": "context_and_generation", "encoded_opaque_state": encode_handle(h)}

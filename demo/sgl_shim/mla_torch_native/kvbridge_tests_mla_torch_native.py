@@ -1,4 +1,4 @@
-"""Test-only SGLang general plugin: serve DeepSeek-style MLA models with --attention-backend torch_native.
+"""SGLang general plugin (for the tests and demos on CPU): serve DeepSeek-style MLA models with --attention-backend torch_native.
 
 Why: SGLang 0.5.23 picks a DeepSeek attention method per batch through
 ``AttentionBackendRegistry`` (srt/models/deepseek_common/attention_backend_handler.py).
@@ -16,7 +16,7 @@ transfer backend moves are the same with either method (the latent rows).
 
 It is loaded through SGLang's own plugin mechanism (entry-point group
 ``sglang.srt.plugins``, name ``kvbridge_tests_mla_torch_native``) only when
-``tests/sglang_servers.py`` puts this folder on a server's PYTHONPATH (MLA models).
+``kvbridge.demo.sglang_server`` puts this folder on a server's PYTHONPATH (MLA models).
 """
 
 

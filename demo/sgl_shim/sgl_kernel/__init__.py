@@ -10,7 +10,7 @@ in ``sglang/srt/mem_cache/allocation.py``). The only ``sgl_kernel`` on PyPI
 (``sglang-kernel``) is a CUDA-only binary wheel and there is no source
 package, so a CPU-only test machine cannot install it.
 
-``tests/sglang_servers.py`` puts ``tests/sgl_shim`` on ``PYTHONPATH`` for the
+``kvbridge.demo.sglang_server`` puts this ``sgl_shim`` folder on ``PYTHONPATH`` for the
 SGLang server processes only (never for the test process itself), so this
 module never shadows a real ``sgl_kernel`` anywhere else.
 
@@ -52,7 +52,7 @@ def _missing(qualname: str):
         _trace(qualname)
         raise NotImplementedError(
             f"{qualname} is not implemented by the kvbridge CPU test shim of sgl_kernel "
-            f"(tests/sgl_shim); SGLang reached a kernel that has no CPU stand-in"
+            f"(kvbridge/demo/sgl_shim); SGLang reached a kernel that has no CPU stand-in"
         )
 
     stub.__name__ = qualname.rsplit(".", 1)[-1]

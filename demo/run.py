@@ -1,0 +1,375 @@
+"""``kvbridge demo``: a request's KV moved between engines of different kinds, checked.
+
+SGLang -> TensorRT-LLM (default): SGLang's REAL server (``sglang.launch_server`` on CPU,
+``--disaggregation-mode prefill --disaggregation-transfer-backend kvbridge``) computes
+the prompt of a tiny GQA Llama; the TensorRT-LLM side (``kvbridge.demo.trt_engine``: the
+kvbridge TensorRT-LLM connector driven in ``PyExecutor``'s order, in this process) is
+given only the prefill's SGLang bootstrap address in its request handle, finds the
+prefill's ranks itself, pulls the prompt's KV into its own paged pool over Mooncake TCP
+and decodes from that pool alone. ``reverse=True`` runs TensorRT-LLM -> SGLang: the
+TensorRT-LLM side computes the prompt and serves it through the connector's
+SGLang-compatible bootstrap server (``sglang_bootstrap_port``); SGLang's REAL decode
+server on the kvbridge backend pulls it and decodes.
+
+Either way the generated tokens must equal transformers' greedy ``generate()`` run in
+this process on the same weights, and the report says what moved (bytes, segments,
+plan kind and why, seconds, GB/s) and what the cost model says about moving this
+request instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["DemoError", "STEPS", "run_demo", "model_cache_dir", "ensure_tiny_llama"]
+
+log = logging.getLogger(__name__)
+
+STEPS = ("build model", "reference", "start server", "handoff", "decode")
+TOKENS_PER_BLOCK = 32  # the TensorRT-LLM side's block size (SGLang's page size is 1 here)
+NUM_BLOCKS = 64
+_MODEL_NAME = "tiny-llama-gqa-v1"  # bump when build_tiny_llama's defaults change
+_rids = itertools.count(1)
+
+
+class DemoError(RuntimeError):
+    """The demo could not run to its report (a server or a handoff failed); the message
+    says what, with the server's log tail when it matters."""
+
+
+class _NoProgress:
+    def start(self, step: str, detail: str = "") -> None:
+        pass
+
+    def done(self, step: str, detail: str = "") -> None:
+        pass
+
+
+def model_cache_dir() -> Path:
+    """Where the demo keeps its tiny model: ``$KVBRIDGE_CACHE`` or ``~/.cache/kvbridge``,
+    falling back to a temporary folder when the home is not writable."""
+    root = Path(os.environ.get("KVBRIDGE_CACHE") or Path.home() / ".cache" / "kvbridge")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        root = Path(tempfile.gettempdir()) / "kvbridge-cache"
+        root.mkdir(parents=True, exist_ok=True)
+    return root / "demo"
+
+
+def ensure_tiny_llama(cache: Path | None = None) -> tuple[Path, bool]:
+    """The tiny GQA Llama (``build_tiny_llama``, seed 0) in the cache; built when absent
+    (into a temporary folder first, renamed into place, so a half-built folder is never
+    used). Returns (folder, whether it was built now)."""
+    from .models import build_tiny_llama
+
+    cache = cache or model_cache_dir()
+    target = cache / _MODEL_NAME
+    if (target / "kvbridge_tiny_model.json").exists():
+        return target, False
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{_MODEL_NAME}-", dir=cache))
+    build_tiny_llama(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished first: use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "kvbridge_tiny_model.json").exists():
+            raise
+    return target, True
+
+
+def _body(prompt: Sequence[int], max_new: int, boot_port: int, room: int) -> dict:
+    from .sglang_server import HOST
+
+    return {"input_ids": [int(t) for t in prompt], "bootstrap_host": HOST, "bootstrap_port": int(boot_port),
+            "bootstrap_room": int(room),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new), "ignore_eos": True}}
+
+
+def _answer(res: Any, srv: Any, what: str) -> dict:
+    """The JSON of an SGLang /generate answer; DemoError (with the log tail) otherwise."""
+    if isinstance(res, BaseException):
+        raise DemoError(f"{what}: request failed: {type(res).__name__}: {res}\n--- {srv.log_path} ---\n"
+                        f"{srv.log_tail(40)}")
+    if res.status_code != 200:
+        raise DemoError(f"{what}: HTTP {res.status_code}: {res.text[:500]}\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
+    out = res.json()
+    fr = (out.get("meta_info") or {}).get("finish_reason")
+    if "output_ids" not in out or (isinstance(fr, dict) and fr.get("type") == "abort"):
+        raise DemoError(f"{what}: no output ({json.dumps(out)[:500]})\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
+    return out
+
+
+def _model_info(model_dir: Path) -> dict:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    return {"name": _MODEL_NAME, "dir": str(model_dir), "layers": int(cfg["num_hidden_layers"]), "heads": heads,
+            "kv_heads": int(cfg.get("num_key_value_heads", heads)),
+            "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), "dtype": "float32",
+            "vocab": int(cfg["vocab_size"])}
+
+
+def _replan(src_desc: dict, dst_layout: Any, dst_blocks: Sequence[int], prompt_len: int) -> dict:
+    """The plan the sender makes for this request, rebuilt here from the prefill's
+    published layout (the sender's own explanation stays in its process): SGLang page
+    ids of a fresh request are consecutive, the TensorRT-LLM blocks are the request's."""
+    import numpy as np
+
+    from kvbridge.layout import KVLayout, plan_transfer
+
+    src = KVLayout.from_description(src_desc)
+    pages = np.arange(1, 1 + -(-prompt_len // src.tokens_per_block), dtype=np.int64)
+    plan = plan_transfer(src, pages, dst_layout, np.asarray(dst_blocks, dtype=np.int64), (0, prompt_len))
+    return {"kind": plan.kind.value, "segments": plan.num_segments, "reason": plan.explain()}
+
+
+def _measure_recompute(runner: Any, prompt: Sequence[int], reps: int = 3) -> float:
+    """Seconds the TensorRT-LLM side's model takes to compute ``prompt`` itself (the
+    alternative to moving its KV), best of ``reps``, in a scratch pool."""
+    n_blocks = -(-len(prompt) // TOKENS_PER_BLOCK)
+    lay = runner.allocate_pool(tokens_per_block=TOKENS_PER_BLOCK, num_blocks=n_blocks)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.prefill(prompt, lay.tensors[0], TOKENS_PER_BLOCK, list(range(n_blocks)))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cost_verdict(model_dir: Path, link_spec: str, prompt_len: int, max_new: int, rec: dict, recompute_s: float,
+                  handoff_s: float) -> dict:
+    from kvbridge.common.costmodel import ModelGeometry, decide, load_link
+
+    model = ModelGeometry.from_hf_config(model_dir, dtype_bytes=4)
+    link = load_link(link_spec)
+    tps = prompt_len / recompute_s
+    d = decide(model, link, prompt_len, output_len=max_new, segments=max(1, int(rec["segments"])),
+               staged=str(rec["plan"]).startswith("staged"), prefill_tps=tps, decode_prefill_tps=tps / 2)
+    return {
+        "move": d.move, "verdict": d.verdict, "link": d.link, "kv_bytes": d.handoff.bytes,
+        "predicted_handoff_s": d.handoff.total_s, "measured_handoff_s": handoff_s, "prefill_s": d.prefill_s,
+        "recompute_s": d.recompute_s, "disaggregated_ttft_s": d.disaggregated_ttft_s, "local_ttft_s": d.local_ttft_s,
+        "assumptions": (f"prefill {tps:,.0f} tokens/s as measured for the tiny model here; the decode worker "
+                        "recomputes at half that while it decodes (the cost model's convention)"),
+    }
+
+
+def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, seed: int = 600,
+             extra_prompt_lens: Sequence[int] = (), link: str = "tcp", model_dir: str | os.PathLike | None = None,
+             log_dir: str | os.PathLike | None = None, progress: Any = None,
+             start_timeout: float | None = None) -> dict:
+    """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
+    generated token equals transformers' reference).
+
+    ``reverse``: TensorRT-LLM prefill -> SGLang decode instead of SGLang -> TensorRT-LLM.
+    ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
+    ``extra_prompt_lens``: more requests through the same servers, checked likewise
+    (``report["checks"]``). ``link``: the cost model's link (a preset or a ``kvbridge
+    bench link --out`` file). ``model_dir``: a tiny Llama folder (default: built into
+    the cache). ``progress``: an object with ``start(step, detail)`` / ``done(step,
+    detail)``, called for each of ``STEPS``. Raises DemoError (with the server's log
+    tail) or ServerError when a server or handoff fails; the SGLang server's process
+    group is killed whatever happens."""
+    if prompt_len < 2 or max_new < 1:
+        raise ValueError(f"prompt_len must be >= 2 and max_new >= 1, got {prompt_len}, {max_new}")
+    from .models import random_prompt, reference_generate
+    from .sglang_server import DEFAULT_START_TIMEOUT
+
+    prog = progress or _NoProgress()
+    t_all = time.monotonic()
+    prog.start("build model")
+    if model_dir is None:
+        model_dir, built = ensure_tiny_llama()
+    else:
+        model_dir, built = Path(model_dir), False
+        if not (model_dir / "config.json").is_file():
+            raise DemoError(f"--model-dir {model_dir}: no config.json there (a model folder, e.g. from "
+                            "kvbridge.demo.models.build_tiny_llama, is needed)")
+    model_dir = Path(model_dir).resolve()
+    info = _model_info(model_dir)
+    prog.done("build model", f"{'built' if built else 'cached'}: {model_dir}")
+
+    prog.start("reference")
+    lens = [int(prompt_len)] + [int(n) for n in extra_prompt_lens]
+    prompts = [random_prompt(n, seed=seed + n, vocab_size=info["vocab"]) for n in lens]
+    refs = [reference_generate(model_dir, p, max_new) for p in prompts]
+    prog.done("reference", f"transformers generate(): {len(prompts)} prompt(s) x {max_new} tokens")
+
+    from .llama_runner import TinyLlamaRunner
+
+    runner = TinyLlamaRunner(model_dir)
+    kw = dict(runner=runner, model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog,
+              log_dir=log_dir, start_timeout=start_timeout or DEFAULT_START_TIMEOUT)
+    results, extra = (_trt_to_sglang(**kw) if reverse else _sglang_to_trt(**kw))
+    main = results[0]
+    rec = main["record"]
+    handoff_s = float(rec["seconds"])
+    recompute_s = _measure_recompute(runner, prompts[0])
+    bytes_expected = info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * 4 * len(prompts[0])
+    report = {
+        "direction": "trtllm->sglang" if reverse else "sglang->trtllm",
+        "prefill_engine": "trtllm" if reverse else "sglang",
+        "decode_engine": "sglang" if reverse else "trtllm",
+        "prefill_detail": extra["prefill_detail"],
+        "decode_detail": extra["decode_detail"],
+        "transport": "Mooncake TCP on 127.0.0.1 (prefill and decode in separate processes)",
+        "model": info,
+        "prompt_len": len(prompts[0]),
+        "prompt_ids": prompts[0],
+        "generated_ids": main["generated"],
+        "reference_ids": refs[0].token_ids,
+        "match": all(r["match"] for r in results),
+        "first_token": {"prefill": main["first_prefill"], "decode_received": main["first_aux"],
+                        "reference": refs[0].token_ids[0]},
+        "first_logits_max_abs_diff": main["logits_diff"],
+        "first_logits_of": main["logits_of"],
+        "bytes": int(rec["bytes"]),
+        "bytes_expected": bytes_expected,
+        "segments": int(rec["segments"]),
+        "plan": rec["plan"],
+        "plan_reason": main["plan_reason"],
+        "plan_reason_source": main["plan_reason_source"],
+        "handoff_s": handoff_s,
+        "handoff_s_measures": main["handoff_measures"],
+        "gbps": float(rec["bytes"]) / handoff_s / 1e9 if handoff_s > 0 else 0.0,
+        "wire_gbps": (float(rec["bytes"]) / float(rec["transfer_s"]) / 1e9) if float(rec.get("transfer_s") or 0) > 0
+        else None,  # the sender's own time on the wire: known when the sender is this process
+        "record": rec,
+        "cost_model": _cost_verdict(model_dir, link, len(prompts[0]), max_new, rec, recompute_s, handoff_s),
+        "checks": [{"prompt_len": len(p), "match": r["match"], "bytes": int(r["record"]["bytes"]),
+                    "segments": int(r["record"]["segments"]), "plan": r["record"]["plan"],
+                    "first_logits_max_abs_diff": r["logits_diff"]}
+                   for p, r in zip(prompts[1:], results[1:])],
+        "server": extra["server"],
+        "seconds": time.monotonic() - t_all,
+    }
+    return report
+
+
+def _sglang_to_trt(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout):
+    from kvbridge.adapters.trtllm.handle import Handle
+    from kvbridge.common.bootstrap import fetch_ranks
+
+    from .sglang_server import HOST, new_room, post_json, sglang_server
+    from .trt_engine import TRTEngine
+
+    prog.start("start server", "SGLang prefill server (kvbridge backend)")
+    with sglang_server(model_dir, "prefill", log_dir=log_dir, timeout=start_timeout) as (srv, boot):
+        prog.done("start server", f"SGLang prefill up in {srv.ready_after_s:.1f}s at {srv.url}, bootstrap {HOST}:{boot}")
+        # a short peer timeout: the decode idles between requests
+        eng = TRTEngine(runner, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS, peer_timeout_s=3.0)
+        results = []
+        src_desc = fetch_ranks(f"{HOST}:{boot}", 30.0)["ranks"][0]["layout"]  # for re-planning in the report
+        try:
+            for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+                room, rid = new_room(), next(_rids)
+                prog.start("handoff", f"{len(prompt)}-token prompt, room {room}")
+                handle = Handle("recv", room, bootstrap=f"{HOST}:{boot}", on_failure="fail").to_json()
+                with ThreadPoolExecutor(1) as ex:
+                    fut = ex.submit(post_json, srv.url + "/generate", _body(prompt, max_new, boot, room), 120)
+                    req, done = eng.load(rid, prompt, max_new, handle, timeout_s=90)
+                    res = fut.result()
+                out = _answer(res, srv, "SGLang prefill")
+                if not done.get("ok"):
+                    raise DemoError(f"handoff of room {room} failed: {done.get('reason') or done}\n"
+                                    f"--- {srv.log_path} ---\n{srv.log_tail(40)}")
+                rec = done.get("record") or {}
+                prog.done("handoff", f"{rec.get('bytes')} B in {rec.get('segments')} segment(s), plan {rec.get('plan')}")
+                blocks = eng.kv_cache_manager.get_cache_indices(req)
+                prog.start("decode", f"{max_new} tokens from the TensorRT-LLM pool")
+                toks, first_logits = eng.decode_loaded(req, max_new)
+                prog.done("decode", "match" if toks == ref.token_ids else "MISMATCH")
+                replan = _replan(src_desc, eng.layout, blocks, len(prompt))
+                same = replan["kind"] == rec.get("plan") and replan["segments"] == rec.get("segments")
+                results.append({
+                    "generated": toks, "match": toks == ref.token_ids, "record": rec,
+                    "first_prefill": int(out["output_ids"][0]),
+                    "first_aux": int(((done.get("aux") or {}).get("output_ids") or [-1])[0]),
+                    "logits_diff": float((first_logits - ref.first_logits).abs().max()),
+                    "logits_of": "the TensorRT-LLM side's first decode step (over the moved KV)",
+                    "plan_reason": replan["reason"],
+                    "plan_reason_source": ("re-planned here from the prefill's published layout"
+                                           + (" (same kind and segments as the sender's plan)" if same else
+                                              f" (the sender's plan: {rec.get('plan')}, {rec.get('segments')} segments)")),
+                    "handoff_measures": "decode side: from its pull request to the last byte landed (includes "
+                                        "waiting for the prefill to compute the prompt)",
+                })
+        finally:
+            eng.close()
+        server = {"role": "prefill", "ready_s": srv.ready_after_s, "log": str(srv.log_path)}
+    return results, {"prefill_detail": "SGLang 0.5.23 real server on CPU, --disaggregation-transfer-backend kvbridge",
+                     "decode_detail": "kvbridge TensorRT-LLM connector (KVBridgeConnectorScheduler/Worker) driven in "
+                                      "PyExecutor's order, tiny Llama forward over a TensorRT-LLM-geometry pool "
+                                      f"(block {TOKENS_PER_BLOCK} tokens)",
+                     "server": server}
+
+
+def _trt_to_sglang(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout):
+    from kvbridge.adapters.trtllm.handle import Handle
+    from kvbridge.common.bootstrap import parse_address
+
+    from .sglang_server import new_room, post_json, sglang_server
+    from .trt_engine import TRTEngine
+
+    prog.start("start server", "SGLang decode server (kvbridge backend)")
+    with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1) as (srv, _):
+        prog.done("start server", f"SGLang decode up in {srv.ready_after_s:.1f}s at {srv.url}")
+        # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
+        eng = TRTEngine(runner, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
+                        sglang_bootstrap_port=0, sglang_page_size=1)
+        results = []
+        try:
+            _, boot = parse_address(eng.scheduler.bootstrap_address)
+            for prompt, ref in zip(prompts, refs):
+                room, rid = new_room(), next(_rids)
+                prog.start("handoff", f"{len(prompt)}-token prompt computed by the TensorRT-LLM side, room {room}")
+                with ThreadPoolExecutor(1) as ex:
+                    fut = ex.submit(post_json, srv.url + "/generate", _body(prompt, max_new, boot, room), 120)
+                    try:
+                        first, logits, _ = eng.serve_prefill(rid, prompt, Handle("send", room).to_json(), timeout_s=90)
+                    except TimeoutError as e:
+                        raise DemoError(f"the SGLang decode did not pull room {room}: {e}\n--- {srv.log_path} ---\n"
+                                        f"{srv.log_tail(40)}") from None
+                    prog.done("handoff", "served; SGLang decoding")
+                    prog.start("decode", f"{max_new} tokens by the SGLang decode server")
+                    res = fut.result()
+                out = _answer(res, srv, "SGLang decode")
+                saved = eng.worker.finished_saves.get(rid) or {}
+                rec = saved.get("record") or {}
+                if not saved.get("ok") or rec.get("result") != "success":
+                    raise DemoError(f"handoff of room {room} failed on the TensorRT-LLM side: {rec.get('reason') or saved}"
+                                    f"\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
+                got = [int(t) for t in out["output_ids"]]
+                prog.done("decode", "match" if got == ref.token_ids else "MISMATCH")
+                results.append({
+                    "generated": got, "match": got == ref.token_ids, "record": rec,
+                    "first_prefill": int(first), "first_aux": int(got[0]) if got else -1,
+                    "logits_diff": float((logits - ref.first_logits).abs().max()),
+                    "logits_of": "the TensorRT-LLM side's prefill (the SGLang decode's logits stay in its process)",
+                    "plan_reason": rec.get("plan_reason", ""),
+                    "plan_reason_source": "the sender's own plan (TensorRT-LLM side)",
+                    "handoff_measures": "prefill side: from opening the room to the last byte acknowledged "
+                                        "(includes waiting for the SGLang decode to ask)",
+                })
+        finally:
+            eng.close()
+        server = {"role": "decode", "ready_s": srv.ready_after_s, "log": str(srv.log_path)}
+    return results, {"prefill_detail": "kvbridge TensorRT-LLM connector (KVBridgeConnectorScheduler/Worker) driven in "
+                                       "PyExecutor's order, tiny Llama forward over a TensorRT-LLM-geometry pool "
+                                       f"(block {TOKENS_PER_BLOCK} tokens), SGLang-compatible bootstrap server",
+                     "decode_detail": "SGLang 0.5.23 real server on CPU, --disaggregation-transfer-backend kvbridge",
+                     "server": server}
