@@ -220,7 +220,12 @@ def test_wheel_contains_every_subpackage(tmp_path):
     (whl,) = tmp_path.glob("kvbridge-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
     for mod in ("kvbridge/__init__.py", "kvbridge/cli.py", "kvbridge/layout/plan.py", "kvbridge/layout/repack.py",
-                "kvbridge/common/__init__.py", "kvbridge/adapters/sglang/__init__.py", "kvbridge/adapters/trtllm/__init__.py"):
+                "kvbridge/common/__init__.py", "kvbridge/adapters/sglang/__init__.py", "kvbridge/adapters/trtllm/__init__.py",
+                "kvbridge/common/bootstrap.py", "kvbridge/demo/__init__.py", "kvbridge/demo/run.py",
+                # package data the demo's SGLang server needs on its PYTHONPATH
+                "kvbridge/demo/sgl_shim/sgl_kernel/__init__.py",
+                "kvbridge/demo/sgl_shim/mla_torch_native/kvbridge_tests_mla_torch_native.py",
+                "kvbridge/demo/sgl_shim/mla_torch_native/kvbridge_tests_mla_torch_native-0.0.dist-info/entry_points.txt"):
         assert mod in names, mod
 
 
