@@ -80,8 +80,10 @@ class HandoffConfig:
     heartbeat_s: float = 1.0  # receivers ping the senders they wait on this often
     peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
     quiesce_s: float = 1.0  # how long a failing receiver waits for its sender to stop writing
-    chunk_bytes: int = 16 << 20  # staging chunk: gather of chunk i+1 overlaps the write of chunk i
-    ring_slots: int = 2  # staging slots per sender worker (chunks gathered ahead of the wire)
+    chunk_bytes: int = 16 << 20  # a sender prepares the gather of this much payload at a time
+    part_bytes: int = 4 << 20  # one gather + one write of a staged send (the ring's region size)
+    ring_parts: int = 8  # regions of a sender worker's staging ring: parts gathered ahead of the wire
+    first_part_bytes: int = 256 << 10  # the first part of a send; parts double up to part_bytes
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
@@ -214,10 +216,8 @@ class KVSender(_Side):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
         for _ in range(workers):
-            ring = [torch.empty(cfg.chunk_bytes, dtype=torch.uint8, device=layout.device or "cpu")
-                    for _ in range(max(2, cfg.ring_slots))]
-            for t in ring:
-                transport.register_tensor(t)
+            ring = torch.empty(max(2, cfg.ring_parts) * cfg.part_bytes, dtype=torch.uint8, device=layout.device or "cpu")
+            transport.register_tensor(ring)
             self._rings.append(ring)
 
     @property
@@ -470,7 +470,7 @@ class KVSender(_Side):
                 r.busy = False
         self._kick(r)
 
-    def _send_one(self, r: _SendRoom, t: _Target, c: _Chunk, ring: list[torch.Tensor]) -> None:
+    def _send_one(self, r: _SendRoom, t: _Target, c: _Chunk, ring: torch.Tensor) -> None:
         req = t.request
         start, stop = max(c.start, req.token_start), min(c.stop, req.token_stop)
         if c.last and c.stop != req.token_stop:
@@ -520,31 +520,47 @@ class KVSender(_Side):
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
 
-    def _pipeline(self, r: _SendRoom, session: str, plan, ring: list[torch.Tensor], deadline_s: float) -> None:
-        """Gather chunk i into ring slot i % len(ring) while earlier chunks are on the wire."""
-        rec = r.record
+    def _pipeline(self, r: _SendRoom, session: str, plan, ring: torch.Tensor, deadline_s: float) -> None:
+        """Staged send: gather the plan into the staging ring part by part, each part written
+        as soon as it is gathered. Parts start at ``first_part_bytes`` and double up to
+        ``part_bytes`` (bytes are on the wire after a tiny gather); a region of the ring is
+        gathered into again only once the write that read it has completed, so up to
+        ``ring_parts`` writes are in flight while the next part is gathered."""
+        cfg, rec = self.config, r.record
+        regions = ring.numel() // cfg.part_bytes
         inflight: deque = deque()
         end = time.monotonic() + deadline_s
+        want = cfg.first_part_bytes
+        k = 0
         try:
-            # small first chunks get bytes on the wire early; never more than the ring slot
-            size = min(self.config.chunk_bytes, max(1 << 20, plan.nbytes // 2))
-            for i, part in enumerate(plan.chunks(size)):
-                if r.state in TERMINAL:
-                    raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
-                slot = ring[i % len(ring)]
-                if len(inflight) == len(ring):  # the slot we are about to overwrite must be sent
-                    t0 = time.perf_counter()
-                    inflight.popleft().wait(end - time.monotonic())
-                    rec.transfer_s += time.perf_counter() - t0
+            # a small request in two chunks: its first row index is ready sooner
+            for chunk in plan.chunks(min(cfg.chunk_bytes, max(cfg.part_bytes, plan.nbytes // 2))):
                 t0 = time.perf_counter()
-                part.gather().run(slot)
+                gather = chunk.gather()  # this chunk's row index, prepared once
                 rec.repack_s += time.perf_counter() - t0
-                w = part.wire.shifted(src_by=slot.data_ptr())
-                inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic()))
-                rec.chunks += 1
+                rb, a = gather.row_bytes, 0
+                while a < gather.rows:
+                    if r.state in TERMINAL:
+                        raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
+                    b = min(gather.rows, a + max(1, min(want, cfg.part_bytes) // rb))
+                    want *= 2
+                    if len(inflight) == regions:  # the region we are about to reuse must be sent
+                        t0 = time.perf_counter()
+                        self._await(r, inflight[0], end - time.monotonic())
+                        inflight.popleft()
+                        rec.transfer_s += time.perf_counter() - t0
+                    region = ring[(k % regions) * cfg.part_bytes:]
+                    t0 = time.perf_counter()
+                    gather.run(region, rows=(a, b))
+                    rec.repack_s += time.perf_counter() - t0
+                    w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
+                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic()))
+                    rec.chunks += 1
+                    k, a = k + 1, b
             t0 = time.perf_counter()
             while inflight:
-                inflight.popleft().wait(end - time.monotonic())
+                self._await(r, inflight[0], end - time.monotonic())
+                inflight.popleft()
             rec.transfer_s += time.perf_counter() - t0
         finally:
             for h in inflight:  # on failure: no piece of ours may still be in the engine

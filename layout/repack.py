@@ -157,10 +157,15 @@ class _PoolRows:
         self.rows = int(addr.size)
         self.nbytes = self.rows * self.row_bytes
 
-    def _gather_into(self, staging: torch.Tensor) -> int:
-        out = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
-        torch.index_select(self._space.rows, 0, self.index, out=out)
-        return self.nbytes
+    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None) -> int:
+        a, b = rows if rows is not None else (0, self.rows)
+        if not 0 <= a <= b <= self.rows:
+            raise LayoutError(f"row range [{a}, {b}) outside the {self.rows} rows of this repack")
+        nbytes = (b - a) * self.row_bytes
+        out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
+        index = self.index if rows is None else self.index[a:b]
+        torch.index_select(self._space.rows, 0, index, out=out)
+        return nbytes
 
     def _scatter_from(self, staging: torch.Tensor) -> int:
         src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
@@ -179,9 +184,11 @@ class Gather(_PoolRows):
     def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None):
         super().__init__(spec, "src", "dst", src_addr)
 
-    def run(self, staging: torch.Tensor) -> int:
-        """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns bytes."""
-        return self._gather_into(staging)
+    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None) -> int:
+        """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns bytes.
+        With ``rows=(a, b)``, only staging rows ``[a, b)``, written at the START of ``staging``
+        (``(b - a) * row_bytes`` bytes): one part of a pipelined gather."""
+        return self._gather_into(staging, rows)
 
 
 class Scatter(_PoolRows):

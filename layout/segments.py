@@ -65,6 +65,26 @@ class Segments:
             for i in range(0, n, max_count)
         ] or [self]
 
+    def window(self, lo: int, hi: int) -> "Segments":
+        """The bytes ``[lo, hi)`` of a staging-source wire (``src`` = staging offsets,
+        increasing and non-overlapping), cut at both ends, with ``src`` rebased so that
+        offset ``lo`` becomes 0: the wire of one part of a pipelined send."""
+        if not 0 <= lo <= hi:
+            raise ValueError(f"bad window [{lo}, {hi})")
+        if lo == hi:
+            return Segments.empty()
+        end = self.src + self.length
+        i = int(np.searchsorted(end, lo, side="right"))
+        j = int(np.searchsorted(self.src, hi, side="left"))
+        src, dst, length = self.src[i:j].copy(), self.dst[i:j].copy(), self.length[i:j].copy()
+        if src.size:
+            cut = max(0, lo - int(src[0]))
+            src[0] += cut
+            dst[0] += cut
+            length[0] -= cut
+            length[-1] = min(int(src[-1] + length[-1]), hi) - src[-1]
+        return Segments(src - lo, dst, length)
+
     @classmethod
     def empty(cls) -> "Segments":
         """No segments."""
