@@ -10,7 +10,7 @@ SHELL  := /bin/bash
 # this machine's pip config names local indexes that may be absent; drop that noise, keep pip's exit status
 QUIET  := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install sysdeps test demo bench clean
+.PHONY: install sysdeps test demo bench reliability clean
 
 sysdeps:
 	@bash scripts/sysdeps.sh
@@ -38,6 +38,10 @@ demo: install
 
 bench: install
 	$(BIN)/kvbridge bench all --json
+
+# docs/reliability.md: every registered section (load figures, fault matrix), regenerated in one go
+reliability: install
+	$(BIN)/kvbridge report --out docs/reliability.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

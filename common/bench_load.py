@@ -187,6 +187,7 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
     th = threading.Thread(target=work, daemon=True)
     th.start()
     finished = 0
+    rss_mid = None
     to_forget: list[int] = []
     while True:
         try:
@@ -195,6 +196,8 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
             room = None
         if room is not None:
             finished += 1
+            if finished == len(sizes) // 2:
+                rss_mid = _rss_now_mb()
             if not ok:
                 failures[sender.failure_reason(room)[:200]] += 1
             to_forget.append(room)
@@ -215,7 +218,8 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
                         failures[sender.failure_reason(room)[:200]] += 1
                 conn.send(("report", {"rooms_finished": finished, "free_blocks": free.count, "total_blocks": free.total,
                                       "double_frees": free.double_frees, "failures": dict(failures),
-                                      "peak_rss_mb": _rss_mb(), "rss_ready_mb": rss0}))
+                                      "peak_rss_mb": _rss_mb(), "rss_ready_mb": rss0, "rss_mid_mb": rss_mid,
+                                      "rss_end_mb": _rss_now_mb()}))
                 break
     sender.close()
     transport.close()
@@ -229,6 +233,7 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("trtllm", inflight, max_tokens, None)
+    lay.tensors[0].zero_()  # touch every page now, so RSS growth during the run is kvbridge's, not the pool's
     free = _Free(lay.first_block, lay.num_blocks)
     transport = MooncakeTransport("127.0.0.1")
     recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
@@ -246,6 +251,7 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
     last_progress = 0.0
     it = iter(enumerate(sizes, start=1))
     pending = next(it, None)
+    rss_mid = None
 
     def verify(room: int, n: int, blocks: np.ndarray) -> bool:
         return _digest(read_room(lay, blocks, n)) == _digest(_room_bytes(noise, room, n))
@@ -288,6 +294,8 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
             failures[recv.failure_reason(room)[:200]] += 1
         free.free(blocks)
         recv.forget(room)
+        if rss_mid is None and succeeded + corrupted + failed >= len(sizes) // 2:
+            rss_mid = _rss_now_mb()
         if now - last_progress > 0.2:
             last_progress = now
             conn.send(("progress", succeeded + corrupted + failed, outstanding))
@@ -298,7 +306,7 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
                           "max_inflight": max_out, "mean_inflight": area / wall if wall > 0 else 0.0,
                           "free_blocks": free.count + sum(b.size for _, b, _ in started.values()),
                           "total_blocks": free.total, "double_frees": free.double_frees, "peak_rss_mb": _rss_mb(),
-                          "rss_ready_mb": rss0}))
+                          "rss_ready_mb": rss0, "rss_mid_mb": rss_mid, "rss_end_mb": _rss_now_mb()}))
     recv.close()
     transport.close()
 
@@ -372,6 +380,11 @@ def bench_load(*, count: int = 500, inflight: int = 32, min_tokens: int = 16, ma
         # peak minus the RSS once set up (pools allocated and registered, before the first handoff)
         "rss_growth_mb": {"prefill": round(p["peak_rss_mb"] - p["rss_ready_mb"], 1),
                           "decode": round(d["peak_rss_mb"] - d["rss_ready_mb"], 1)},
+        # current RSS after half of the handoffs and at the end: flat when memory is bounded
+        "rss_mid_end_mb": {"prefill": [_r1(p["rss_mid_mb"]), _r1(p["rss_end_mb"])],
+                           "decode": [_r1(d["rss_mid_mb"]), _r1(d["rss_end_mb"])]},
+        "options": {"count": count, "inflight": inflight, "min_tokens": min_tokens, "max_tokens": max_tokens,
+                    "seed": seed},
         "blocks_leaked": {"prefill": p["total_blocks"] - p["free_blocks"], "decode": d["total_blocks"] - d["free_blocks"]},
         "double_frees": {"prefill": p["double_frees"], "decode": d["double_frees"]},
         "tokens": {"min": int(sizes_a.min()), "p50": int(np.median(sizes_a)), "mean": float(sizes_a.mean()),
@@ -381,6 +394,10 @@ def bench_load(*, count: int = 500, inflight: int = 32, min_tokens: int = 16, ma
                      "pool_mb_each": round(inflight * -(-max_tokens // DST_BLOCK) * DST_BLOCK * token_bytes() / 2**20, 1)},
         "transport": "Mooncake TCP, 127.0.0.1, two processes",
     }
+
+
+def _r1(v):
+    return None if v is None else round(v, 1)
 
 
 def _expect(conn, proc, kind: str | None, timeout: float):

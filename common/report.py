@@ -114,14 +114,21 @@ def render_load(r: dict) -> str:
         ("failed", f"{r['failed']}" + (f" ({r['failure_reasons']})" if r["failure_reasons"] else "")),
         ("blocks leaked (prefill / decode)", f"{r['blocks_leaked']['prefill']} / {r['blocks_leaked']['decode']}"),
         ("peak RSS (prefill / decode)", f"{fmt(r['peak_rss_mb_prefill'])} / {fmt(r['peak_rss_mb_decode'])} MB"),
+        ("RSS growth after setup (prefill / decode)",
+         f"{fmt(r['rss_growth_mb']['prefill'])} / {fmt(r['rss_growth_mb']['decode'])} MB"),
+        ("RSS at half way -> at the end (prefill / decode)",
+         " / ".join(f"{fmt(a)} -> {fmt(b)} MB" for a, b in (r["rss_mid_end_mb"]["prefill"], r["rss_mid_end_mb"]["decode"]))),
         ("latency p50 / p99 / max", f"{fmt(r['p50_ms'])} / {fmt(r['p99_ms'])} / {fmt(r['max_ms'])} ms"),
         ("throughput", f"{r['throughput_handoffs_s']:.1f} handoffs/s, {r['throughput_gbps']:.3f} GB/s"),
     ]
-    lines = [f"`kvbridge bench load --count {r['handoffs']} --inflight {r['inflight_limit']} --max-tokens {t['max']}`: "
-             f"two processes over {r['transport']}; {g['prefill']} (NHD) -> {g['decode']} (HND), {g['layers']} layers x "
+    o = r["options"]
+    lines = [f"`kvbridge bench load --count {o['count']} --inflight {o['inflight']} --min-tokens {o['min_tokens']} "
+             f"--max-tokens {o['max_tokens']} --seed {o['seed']}`: {r['transport']}; "
+             f"{g['prefill']} (NHD) -> {g['decode']} (HND), {g['layers']} layers x "
              f"{g['total_heads']} KV heads x {g['head_dim']}, {g['dtype']} ({g['token_bytes']} B/token); pools sized "
-             f"for the in-flight limit at the largest prompt ({g['pool_mb_each']} MB each). Latency: request sent -> "
-             f"Success seen by the decode side. Run {r.get('when', _stamp())}.",
+             f"for the in-flight limit at the largest prompt ({g['pool_mb_each']} MB each, allocated and touched before "
+             f"the run, so RSS growth is kvbridge's own). Latency: request sent -> Success seen by the decode side, "
+             f"queueing behind the other requests in flight included. Run {r.get('when', _stamp())}.",
              "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"

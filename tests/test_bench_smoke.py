@@ -24,14 +24,16 @@ def test_bench_transfer_reports_its_keys():
 def test_bench_load_smoke_and_its_report_section(tmp_path):
     """20 handoffs, 4 in flight, two processes: none lost, none corrupted, no block leaked;
     its section lands in the report file between its markers, twice written once present."""
+    from kvbridge.common.report import render_load, write_section
+
     md = tmp_path / "reliability.md"
     md.write_text("# kept\n\n<!-- kvbridge:faults:begin -->\n## Fault matrix\n\nrows\n<!-- kvbridge:faults:end -->\n")
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "load", "--json", "--count", "20",
-                              "--inflight", "4", "--max-tokens", "1024", "--markdown", str(md)],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "load", "--json", "--count", "20",
+                          "--inflight", "4", "--max-tokens", "1024", "--markdown", str(md)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
+    write_section(str(md), "load", "Load: concurrent handoffs", render_load(res), res)  # again: replaced, not added
     for key in ("handoffs", "lost", "corrupted", "peak_rss_mb", "p99_ms", "p50_ms", "throughput_gbps", "blocks_leaked"):
         assert key in res, key
     assert res["handoffs"] == res["succeeded"] == 20, res

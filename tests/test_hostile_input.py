@@ -124,7 +124,7 @@ def test_truncated_and_padded_messages(msg, data):
 
 
 @FUZZ
-@given(st.sampled_from(VALID), st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=8), st.none(),
+@given(st.sampled_from(VALID), st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8), st.none(),
                                          st.floats(allow_nan=True)))
 def test_wrong_versions_are_named(msg, version):
     d = msgspec.to_builtins(msg)
@@ -231,7 +231,7 @@ def _spec(engine, tpb, seed, blocks=64):
 @pytest.fixture(scope="module")
 def pair():
     pre = Peer(hostile_peers.prefill_main, _spec("sglang", 16, 71, blocks=256), {"secret": SECRET})
-    dec = Peer(hostile_peers.decode_main, _spec("trtllm", 32, 72), {"secret": SECRET})
+    dec = Peer(hostile_peers.decode_main, _spec("trtllm", 32, 72), {"secret": SECRET, "recv_staging_bytes": 1 << 20})
     yield pre, dec
     pre.stop()
     dec.stop()
@@ -365,6 +365,7 @@ def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
     assert ok and changed == 0
     assert pre.call("state", room, 10)[1] == "SUCCESS"
     assert pre.call("free")[1:] == (free0, 0)
+    assert dec.call("free")[1:] == (dfree0, 0)
 
 
 @st.composite
@@ -465,3 +466,82 @@ def test_out_of_order_and_cross_room_messages(pair):
         assert dec.call("changed", "after_success", [])[1] == 0
     finally:
         hostile.close()
+
+
+# -- the other direction: a hostile "prefill" that a decode rank asked ---------------------------
+
+SRC_LAYOUT = build_pool(_spec("sglang", 16, 71, blocks=256))[0].describe()
+
+
+@st.composite
+def hostile_answers(draw, room):
+    """Frames a hostile prefill endpoint sends back to a decode rank that asked it for ``room``."""
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["staged", "staged", "done", "other_room", "garbage", "failed"]))
+        if kind == "garbage":
+            out.append(draw(st.binary(max_size=128)))
+            continue
+        target = room if kind != "other_room" else draw(st.sampled_from([room + 1, 0, 2**63 - 1]))
+        if kind == "failed":
+            out.append(P.encode(P.TransferFailed(room=target, reason="hostile", code="transfer")))
+            continue
+        staged = []
+        if kind == "staged":
+            for _ in range(draw(st.integers(1, 3))):
+                start = draw(st.integers(0, 200))
+                staged.append(P.StagedChunk(first_token=draw(st.sampled_from([0, start - start % 16, start])),
+                                            start=start, stop=draw(st.integers(start, 2**31 - 1).filter(lambda x: True)),
+                                            offset=draw(st.sampled_from([0, 1, 4096, 2**40])),
+                                            blocks=draw(st.lists(st.integers(0, 2**31 - 1), max_size=20))))
+        lay = draw(st.sampled_from([SRC_LAYOUT, {**SRC_LAYOUT, "num_blocks": 2**31}, {**SRC_LAYOUT, "head_dim": 64}]))
+        try:
+            msg = P.TransferDone(room=target, bytes=1, segments=1, plan="staged_recv", seconds=0.0, staged=staged,
+                                 src_layout=lay if staged else {})
+            out.append(P.encode(msg))
+        except P.ProtocolError:
+            out.append(msgspec.msgpack.encode(msgspec.to_builtins(msg)))
+    return out
+
+
+def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
+    """A decode rank asks a hostile endpoint for a room; whatever comes back (Done with
+    staged chunks past the staging or the room, a lying source layout, answers for other
+    rooms, garbage), the room ends with a reason or with success, its blocks come back
+    once, and no byte of the decode pool outside the room's blocks changes."""
+    _, dec = pair
+    dfree0 = dec.ready[2]
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    rooms = itertools.count(50_000)
+    try:
+        @PEER_FUZZ
+        @given(st.data())
+        def attack(data):
+            room, n = next(rooms), 64
+            dec.call("snap", "hostile_prefill")
+            free_before = dec.call("free")[1]
+            blocks = dec.call("start_pull", room, [endpoint], n, {"deadline_s": 20})[1]
+            end = time.monotonic() + REPLY_S
+            while True:  # the decode rank's signed request (heartbeats may come first)
+                assert router.poll(int(max(0.0, end - time.monotonic()) * 1000)), "no request from the decode rank"
+                ident, payload = router.recv_multipart()
+                msg = P.decode(payload)
+                if isinstance(msg, P.TransferRequest):
+                    break
+            assert msg.room == room and P.verify(msg, SECRET) and msg.block_ids == blocks
+            for frame in data.draw(hostile_answers(room)):
+                router.send_multipart([ident, frame])
+            router.send_multipart([ident, P.encode(P.TransferFailed(room=room, reason="closing", code="transfer"))])
+            state, reason, free = dec.call("wait", room, REPLY_S)[1:]
+            assert state in ("SUCCESS", "FAILED") and (state == "SUCCESS" or reason), (state, reason)
+            assert free == free_before  # blocks back exactly once (start_pull frees them on either outcome)
+            assert dec.call("changed", "hostile_prefill", blocks)[1] == 0
+
+        attack()
+    finally:
+        router.close(0)
+    assert dec.call("ping")[0] == "pong"
+    assert dec.call("free")[2] == 0
