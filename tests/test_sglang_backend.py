@@ -162,3 +162,46 @@ def test_plugin_loaded_by_sglang(peers):
 def test_handoff(peers, case, requests):
     procs, _ = peers
     _run(procs, case, requests)
+
+
+def test_cost_gate_fails_fast_below_break_even(peers, tmp_path):
+    """Decode with the cost gate on (the case's geometry as an HF config, tcp preset, fixed
+    throughputs: break-even 52 tokens). SGLang's decode cannot prefill locally, so a
+    32-token prompt fails at ``send_metadata`` with "recompute: below break-even" before
+    any prefill rank is asked for bytes, and the prefill's room ends declined (its serve
+    never sees a decode rank); a 200-token prompt moves, every byte checked."""
+    import json
+
+    procs, _ = peers
+    case = _case(page_size=16, seed=6)
+    cfg = {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 64, "vocab_size": 100}  # 3 layers x 4 heads x 8
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    env = {"KVBRIDGE_COST_LINK": "tcp", "KVBRIDGE_COST_MODEL": str(tmp_path), "KVBRIDGE_COST_PREFILL_TPS": "1e6",
+           "KVBRIDGE_COST_DECODE_PREFILL_TPS": "1000", "KVBRIDGE_COST_QUEUE_S": "0.05"}
+    pre, dec = procs[0], procs[1]
+    dec.call("env", env)
+    try:
+        pre.call("setup", "prefill", case, 0)
+        dec.call("setup", "decode", case, 0)
+        before = dec.call("metrics")
+        pages = list(range(1, 3))
+        pre.conn.send(("serve", 61, pages, 32, 1, 7, 30.0))
+        d = dec.call("pull", 61, 32, 0, 30.0)
+        s = pre.recv()[1]
+        assert d["state"] == 0 and "recompute: below break-even" in d["reason"], d
+        assert s["state"] == 0 and s["phase"] == "bootstrap", s  # no decode rank ever asked for bytes
+        assert "declined by decode: recompute: below break-even" in s["reason"], s
+        after = dec.call("metrics")
+        assert after["fallbacks"] == before["fallbacks"] + 1
+        assert after["declined"]["receiver"] == before["declined"]["receiver"] + 1
+        assert after["blocks_held"]["receiver"] == 0  # no room, no pages leased
+        p = pre.call("metrics")
+        assert p["declined"]["sender"] >= 1 and p["blocks_held"]["sender"] == 0
+        for p_ in (pre, dec):
+            p_.call("teardown")
+        # above break-even the same decode moves the KV
+        _run(procs, _case(page_size=16, seed=7), [(62, 200, 3, 0)])
+        assert dec.call("metrics")["fallbacks"] == after["fallbacks"]
+    finally:
+        dec.call("env", {"KVBRIDGE_COST_LINK": ""})

@@ -14,6 +14,20 @@ the prefill rank's ``KVSender`` plans (head slices for different TP, staging whe
 layouts differ) and writes over the Mooncake transport after every prefill chunk, and
 reports ``TransferDone`` with the first output token and the metadata row.
 
+Cost gate (decode, off by default; ``KVBRIDGE_COST_LINK`` turns it on, see
+``kvbridge.common.gate``): SGLang 0.5.23's disaggregated decode cannot compute a prompt
+itself. Its scheduler only builds PREBUILT batches from requests whose KV arrived
+(``_get_new_prebuilt_batch`` / ``prepare_for_prebuilt`` in disaggregation/decode.py: no
+extend forward runs there), and a receiver that reports ``KVPoll.Failed`` makes it abort
+the request (``prepare_abort``, HTTP 500 with the failure reason) and free its pages.
+So below break-even the receiver fails fast in ``send_metadata``, before asking any
+prefill rank for bytes (no page is written), with a reason starting ``recompute:
+below break-even``; the prefill ranks are told (the room is declined), so they release
+the room; the decision is logged and counted in
+``kvbridge_fallbacks_total{role="receiver", reason="below_break_even"}``. A router that
+sees that reason sends the request to a non-disaggregated server; one that wants to
+know first asks the same cost model (``kvbridge plan`` or ``CostGate.check``).
+
 Units: SGLang exchanges PAGE ids (page 0 is padding). A request's transfer covers the
 pages past ``decode_prefix_len``; kvbridge's token range is whole pages of it
 (``[prefix, prefix + pages * page_size)``), as SGLang's own backends move whole pages.
@@ -152,6 +166,40 @@ def _transport_for(kv_args: KVArgs, host: str) -> MooncakeTransport:
     return MooncakeTransport(host, protocol=protocol, device_name=device if protocol != "tcp" else "")
 
 
+def _gate_from_env(server_args: Any):
+    """The decode rank's cost gate from ``KVBRIDGE_COST_*`` (None when ``KVBRIDGE_COST_LINK``
+    is unset); the model geometry defaults to the served model's config.json."""
+    from kvbridge.common.gate import CostGate
+
+    env = os.environ
+    link = env.get("KVBRIDGE_COST_LINK", "")
+    if not link:
+        return None
+    model_path = str(getattr(server_args, "model_path", "") or "")
+    default = None
+    if os.path.isfile(os.path.join(model_path, "config.json")):
+        default = model_path
+    elif model_path and not env.get("KVBRIDGE_COST_MODEL"):
+        try:  # a hub id SGLang has already fetched
+            from transformers import AutoConfig
+
+            default = AutoConfig.from_pretrained(model_path).to_dict()
+        except Exception as e:
+            log.warning("kvbridge: cost gate: cannot read %s's config: %s", model_path, e)
+
+    def num(name: str) -> float:
+        raw = env.get(name, "") or "0"
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
+
+    return CostGate.from_settings(link, env.get("KVBRIDGE_COST_MODEL", ""), default_model=default,
+                                  prefill_tps=num("KVBRIDGE_COST_PREFILL_TPS"),
+                                  decode_prefill_tps=num("KVBRIDGE_COST_DECODE_PREFILL_TPS"),
+                                  queue_s=num("KVBRIDGE_COST_QUEUE_S"))
+
+
 # -- manager -------------------------------------------------------------------------
 
 
@@ -185,6 +233,7 @@ class KVBridgeKVManager(CommonKVManager):
                                         secret=os.environ.get("KVBRIDGE_SECRET", ""),
                                         recv_staging_bytes=int(os.environ.get("KVBRIDGE_RECV_STAGING_BYTES", "0") or 0)
                                         if disaggregation_mode == DisaggregationMode.DECODE else 0)
+        self.kvb_gate = _gate_from_env(server_args) if disaggregation_mode == DisaggregationMode.DECODE else None
         self.transport = _transport_for(args, self._kvb_host)
         self.kv_sender: Optional[KVSender] = None
         self.kv_receiver: Optional[KVReceiver] = None
@@ -487,6 +536,16 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         prefix = int(decode_prefix_len or 0)
         if pages.size == 0:
             return fail("kvbridge: no pages to receive")
+        if mgr.kvb_gate is not None:
+            # the pages cover the prompt past the prefix (the last page may be partly used)
+            verdict = mgr.kvb_gate.check(prefix + pages.size * ps, prefix)
+            if not verdict.move:
+                try:
+                    mgr.ensure_receiver(records[0]["layout"]).decline(room, endpoints, verdict.reason, label=verdict.label)
+                except (ValueError, LayoutError, P.ProtocolError) as e:
+                    log.warning("kvbridge: room %s: cannot tell the prefill it was declined: %s", room, e)
+                log.info("kvbridge: room %s not pulled: %s", room, verdict.reason)
+                return fail(verdict.reason)
         try:
             recv = mgr.ensure_receiver(records[0]["layout"])
             recv.forget(room)

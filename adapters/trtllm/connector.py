@@ -238,15 +238,16 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             if order["endpoints"]:
                 self._issue(order)
                 return
-            eps = self._discovered.get(h.prefill)
+            key = h.prefill or h.bootstrap
+            eps = self._discovered.get(key)
             if eps:
                 self._issue(dict(order, endpoints=eps))
                 return
-            self._parked_declines.setdefault(h.prefill, []).append(order)
-            first = h.prefill not in self._discovering
-            self._discovering.setdefault(h.prefill, time.monotonic())
+            self._parked_declines.setdefault(key, []).append(order)
+            first = key not in self._discovering
+            self._discovering.setdefault(key, time.monotonic())
         if first:
-            self.bus.send(h.prefill, _enc.encode({"t": "who"}))
+            self._discover(h)
 
     def update_state_after_alloc(self, request: Any, block_ids: List[int]):
         """Decode half: order every worker to pull the request's room into ``block_ids``
