@@ -191,6 +191,13 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
 
     prog = progress or _NoProgress()
     t_all = time.monotonic()
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake's own logging, in this process
+    try:  # transformers' per-load progress bars would interleave with the demo's own display
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency of the demo
+        pass
     prog.start("build model")
     if model_dir is None:
         model_dir, built = ensure_tiny_llama()

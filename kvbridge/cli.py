@@ -242,10 +242,10 @@ def _demo_report(r: dict) -> None:
         ("transformers", str(r["reference_ids"])),
         ("match", f"{ok}; first token: prefill {r['first_token']['prefill']}, received by decode "
                   f"{r['first_token']['decode_received']}, reference {r['first_token']['reference']}"),
-        ("first-step logits", f"max |diff| vs transformers {r['first_logits_max_abs_diff']:.2e} ({r['first_logits_of']})"),
+        ("first-step logits", f"max |diff| vs transformers {r['first_logits_max_abs_diff']:.2e}: {r['first_logits_of']}"),
         ("moved", f"{r['bytes']:,} B (expected {r['bytes_expected']:,}) in {r['segments']} segment(s)"),
         ("plan", f"{r['plan']}: {r['plan_reason']} [{r['plan_reason_source']}]"),
-        ("time", f"{r['handoff_s'] * 1e3:.1f} ms, {r['gbps']:.4f} GB/s ({r['handoff_s_measures']})"
+        ("time", f"{r['handoff_s'] * 1e3:.1f} ms, {r['gbps']:.4f} GB/s; {r['handoff_s_measures']}"
                  + (f"; on the wire {r['wire_gbps']:.3f} GB/s" if r.get("wire_gbps") else "")),
         ("cost model", f"{'MOVE' if cm['move'] else 'RECOMPUTE'}: predicted handoff {cm['predicted_handoff_s'] * 1e3:.2f} ms "
                        f"(measured {cm['measured_handoff_s'] * 1e3:.1f} ms); first token after "
@@ -274,6 +274,7 @@ def _demo(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     old = signal.signal(signal.SIGTERM, _term)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C even where SIGINT was ignored
     console = _console()
     kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir,
               extra_prompt_lens=tuple(int(x) for x in args.also.split(",") if x) if args.also else ())
@@ -282,9 +283,11 @@ def _demo(args: argparse.Namespace) -> int:
             report = _run_demo(kw, None)
         else:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.table import Column
 
-            with Progress(SpinnerColumn(), TextColumn("[bold]{task.description:<13}"), BarColumn(bar_width=12),
-                          TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=console) as p:
+            with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}", table_column=Column(min_width=12, no_wrap=True)),
+                          BarColumn(bar_width=10), TimeElapsedColumn(),
+                          TextColumn("{task.fields[detail]}", table_column=Column(overflow="fold")), console=console) as p:
                 report = _run_demo(kw, _DemoProgress(p))
     except (DemoError, ServerError, TimeoutError, ValueError) as e:
         console.print(f"[bold red]kvbridge demo failed:[/] {e}", markup=True, highlight=False)
@@ -296,6 +299,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
     if args.json:
         print(json.dumps(report))
     else:
