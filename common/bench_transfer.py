@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-__all__ = ["bench_transfer"]
+__all__ = ["bench_transfer", "transfer_steps"]
 
 GEOM = dict(layers=32, total_heads=8, head_dim=128, dtype="bf16")
 SRC_PAGE, DST_BLOCK = 64, 32
@@ -136,6 +136,11 @@ def _recv(conn, proc, timeout: float = 300.0):
     if msg[0] == "error":
         raise RuntimeError(f"benchmark peer {proc.name}: {msg[1]}")
     return msg
+
+
+def transfer_steps(reps: int, sweep: tuple[int, ...] = (), link_only: bool = False) -> int:
+    """How many times ``bench_transfer`` calls ``progress`` (for a progress bar)."""
+    return 3 + (0 if link_only else reps + len(sweep))
 
 
 def bench_transfer(

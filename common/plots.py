@@ -1,10 +1,20 @@
-"""PNG charts of benchmark results (matplotlib, headless)."""
+"""PNG charts of benchmark results (matplotlib, headless).
+
+Every chart says what was measured and where: the geometry, the pair of layouts, the
+link (Mooncake TCP over 127.0.0.1 here) and the host's CPU count, since on a small CPU
+host the sender's repack and both peers' TCP copies share the same cores. This module
+takes plain result dicts; it imports no engine (``kvbridge bench all`` hands it the SGLang
+suite's results).
+"""
 
 from __future__ import annotations
 
 import os
+import textwrap
 
-__all__ = ["plot_transfer"]
+__all__ = ["plot_transfer", "plot_sglang"]
+
+_MARK = dict(markersize=5, linewidth=1.6)
 
 
 def _plt():
@@ -16,60 +26,143 @@ def _plt():
     return plt
 
 
-def plot_transfer(res: dict, out_dir: str, sglang: dict | None = None) -> list[str]:
-    """From ``bench_transfer`` output: effective GB/s against prompt length (kvbridge, raw
-    Mooncake, and SGLang's own backend when ``sglang`` gives per-length figures), and the
-    handoff time breakdown per prompt length. Returns the files written."""
+def _where() -> str:
+    return f"measured on one host, {os.cpu_count()} CPU cores, Mooncake TCP over 127.0.0.1 (no NIC)"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _length_axis(ax, lens: list[int]) -> None:
+    """Log-2 prompt-length axis with one labelled tick per measured length."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lens, [f"{n:,}" for n in lens])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt length (tokens)")
+
+
+def _footer(fig, lines: list[str], width: int = 150) -> float:
+    """Grey notes under the axes, wrapped to the figure; returns the figure fraction they take."""
+    wrapped = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="  ")]
+    fig.text(0.01, 0.01, "\n".join(wrapped), ha="left", va="bottom", fontsize=7, color="dimgrey")
+    return 0.02 + 0.026 * len(wrapped)
+
+
+def _gbps_chart(path: str, series: list[tuple[str, str, list[int], list[float]]], title: str, notes: list[str]) -> str:
     plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.2, 5.8))
+    lens = sorted({n for _, _, xs, _ in series for n in xs})
+    top = 0.0
+    for label, style, xs, ys in series:
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, **_MARK)
+        top = max(top, max(p[1] for p in pts))
+    _length_axis(ax, lens)
+    ax.set_ylim(0, top * 1.1 if top else 1)
+    ax.set_ylabel("effective bandwidth (GB/s = 1e9 B/s)\npayload bytes / wall time of the whole transfer")
+    ax.set_title(title, fontsize=10.5)
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout(rect=(0, _footer(fig, notes), 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def plot_transfer(res: dict, out_dir: str, sglang: dict | None = None) -> list[str]:
+    """From ``bench_transfer`` output: effective GB/s against prompt length (raw Mooncake,
+    kvbridge, and, when ``sglang`` (``bench_sglang`` output) has ``per_length`` figures,
+    SGLang's own Mooncake backend and kvbridge's SGLang backend on the same SGLang pools),
+    and the handoff time breakdown per prompt length. Returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
     rows = res["model_check"]
     lens = [r["tokens"] for r in rows]
     geo = res["geometry"]
-    what = (f"{geo['layers']} layers x {geo['total_heads']} KV heads x {geo['head_dim']}, {geo['dtype']}; "
-            f"{geo['src']} -> {geo['dst']}; {geo['link']}")
-    files = []
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.3))
-    ax.plot(lens, [r["raw_gbps"] for r in rows], "o-", label="raw Mooncake write (4 MiB pieces, no layout change)")
-    ax.plot(lens, [r["handoff_gbps"] for r in rows], "s-", label="kvbridge handoff (request to done, NHD -> HND)")
-    if sglang and sglang.get("per_length"):
-        pts = sglang["per_length"]
-        ax.plot([p["tokens"] for p in pts], [p["gbps"] for p in pts], "^-", label="SGLang mooncake backend")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lens, [str(n) for n in lens])
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("effective GB/s (payload / wall time)")
-    ax.set_title("Effective bandwidth, same run", fontsize=11)
-    fig.text(0.5, 0.005, what, ha="center", fontsize=7, color="grey")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    p = os.path.join(out_dir, "transfer_gbps.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    files.append(p)
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.3))
-    parts = ["plan", "repack", "transfer", "notify"]
-    colors = ["#8172b3", "#dd8452", "#4c72b0", "#55a868"]
-    x = range(len(lens))
-    bottom = [0.0] * len(lens)
-    for part, c in zip(parts, colors):
-        vals = [r["breakdown_ms"][part] for r in rows]
-        ax.bar(x, vals, bottom=bottom, label=part, color=c, width=0.6)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.plot(list(x), [r["measured_ms"] for r in rows], "k_", markersize=22, label="measured wall time")
-    ax.set_xticks(list(x), [str(n) for n in lens])
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("ms")
-    ax.set_title("Where a handoff's time goes (sender view; repack overlaps earlier transfers)", fontsize=10)
-    fig.text(0.5, 0.005, what + "\nnotify = control messages and the rest of the wall time", ha="center", fontsize=7,
-             color="grey")
-    ax.legend(fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    p = os.path.join(out_dir, "transfer_breakdown.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    files.append(p)
+    per_tok = rows[0]["bytes"] / rows[0]["tokens"] if rows else 0
+    shape = f"{geo['layers']} layers x {geo['total_heads']} KV heads x {geo['head_dim']}, {geo['dtype']}"
+    series = [
+        (f"raw Mooncake write of the same bytes (4 MiB pieces, no layout change; {_mib(per_tok)}/token)", "o--", lens,
+         [r["raw_gbps"] for r in rows]),
+        (f"kvbridge handoff, {geo['src']} -> {geo['dst']} ({_mib(per_tok)}/token)", "s-", lens,
+         [r["handoff_gbps"] for r in rows]),
+    ]
+    notes = [_where() + "; medians of the runs at each length.",
+             f"{shape}: {_mib(per_tok)} of KV per token ({_mib(per_tok * lens[0])} at {lens[0]:,} tokens, "
+             f"{_mib(per_tok * lens[-1])} at {lens[-1]:,}); kvbridge: request to done, incl. control messages."]
+    pts = (sglang or {}).get("per_length") or []
+    if pts:
+        sl = [p["tokens"] for p in pts]
+        sg = sglang["geometry"]
+        s_tok = pts[0]["bytes"] / pts[0]["tokens"]
+        pair = f"SGLang page {sg['page_size']} -> SGLang page {sg['page_size']}"
+        series += [(f"SGLang's own mooncake backend, {pair} ({_mib(s_tok)}/token)", "^-", sl,
+                    [p["sglang_mooncake_gbps"] for p in pts]),
+                   (f"kvbridge as SGLang backend, {pair} ({_mib(s_tok)}/token)", "v:", sl, [p["kvbridge_gbps"] for p in pts])]
+        same = "same bytes per token" if abs(s_tok - per_tok) < 1 else f"{_mib(s_tok)} per token (differs!)"
+        notes.append(f"SGLang curves: `bench sglang`, run after the transfer suite (not interleaved with it): real "
+                     f"SGLang pools and KVManager/Sender/Receiver, {pts[0].get('layers', sg['layers'])} layers x "
+                     f"{sg['heads']} x {sg['head_dim']} ({same}), timed from send_metadata to Success on decode; "
+                     f"the two SGLang backends alternate within that run.")
+    files = [_gbps_chart(os.path.join(out_dir, "transfer_gbps.png"), series,
+                         "Effective bandwidth vs prompt length, one request at a time (measured)", notes)]
+    files.append(_breakdown_chart(rows, os.path.join(out_dir, "transfer_breakdown.png"),
+                                  f"{shape}, {geo['src']} -> {geo['dst']}"))
     return files
+
+
+def plot_sglang(res: dict, out_dir: str) -> list[str]:
+    """From ``bench_sglang`` output with ``per_length``: both SGLang backends' effective
+    GB/s against prompt length."""
+    os.makedirs(out_dir, exist_ok=True)
+    pts = res["per_length"]
+    sg = res["geometry"]
+    sl = [p["tokens"] for p in pts]
+    pair = f"SGLang page {sg['page_size']} -> SGLang page {sg['page_size']}"
+    series = [(f"SGLang's own mooncake backend, {pair}", "^-", sl, [p["sglang_mooncake_gbps"] for p in pts]),
+              (f"kvbridge as SGLang backend, {pair}", "v:", sl, [p["kvbridge_gbps"] for p in pts])]
+    notes = [_where() + "; medians.",
+             f"{pts[0].get('layers', sg['layers'])} layers x {sg['heads']} x {sg['head_dim']}, {sg['dtype']}; real SGLang "
+             f"pools and KVManager/Sender/Receiver; send_metadata -> Success on decode."]
+    return [_gbps_chart(os.path.join(out_dir, "sglang_gbps.png"), series,
+                        "SGLang backends: effective bandwidth vs prompt length (measured)", notes)]
+
+
+def _breakdown_chart(rows: list[dict], path: str, what: str) -> str:
+    """Stacked plan / repack / transfer / notify per prompt length, as a share of each
+    handoff's wall time (labelled with the wall time in ms), so short and long handoffs
+    read alike on one axis."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.2, 5.0))
+    parts = [("plan", "plan: build the transfer plan", "#8172b3"),
+             ("repack", "repack: gather into staging (earlier parts are on the wire meanwhile)", "#dd8452"),
+             ("transfer", "transfer: wait for Mooncake writes to complete", "#4c72b0"),
+             ("notify", "notify: control messages, completion, the rest of the wall time", "#55a868")]
+    x = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for key, label, color in parts:
+        vals = []
+        for r in rows:
+            total = sum(r["breakdown_ms"].values()) or 1.0
+            vals.append(100.0 * r["breakdown_ms"][key] / total)
+        ax.bar(x, vals, bottom=bottom, label=label, color=color, width=0.62)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        ax.text(i, 101.5, f"{r['measured_ms']:,.1f} ms for {_mib(r['bytes'])}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"{r['tokens']:,}" for r in rows])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("share of the handoff's wall time (%)")
+    ax.set_ylim(0, 112)
+    ax.set_yticks(range(0, 101, 20))
+    ax.set_title("Where a kvbridge handoff's time goes (measured; wall time above each bar)", fontsize=10.5)
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    notes = [_where() + ".",
+             f"{what}; the sender thread's time, median run per length: plan, repack and transfer follow one another "
+             "on that thread (writes of earlier parts run during a gather), notify is the wall time left. On a "
+             "2-core host the gather competes with both peers' TCP copies; on a GPU host it is a device copy."]
+    fig.tight_layout(rect=(0, _footer(fig, notes), 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

@@ -27,6 +27,34 @@ def _run_with_status(title: str, fn: Callable[[Callable[[str], None]], dict], qu
         return fn(lambda m: status.update(f"{title}: {m}"))
 
 
+def _run_with_bar(title: str, fn: Callable[[Callable[[str], None]], dict], quiet: bool, total: int) -> dict:
+    """Run ``fn(progress)`` under a rich progress bar on stderr (none with --json): each
+    ``progress(message)`` call starts the next of ``total`` steps."""
+    if quiet:
+        return fn(lambda _m: None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[step]}"), console=_console()) as bar:
+        task = bar.add_task(title, total=total, step="")
+        calls = [0]
+
+        def say(msg: str) -> None:
+            bar.update(task, completed=min(calls[0], total), step=msg)
+            calls[0] += 1
+
+        res = fn(say)
+        bar.update(task, completed=total, step="done")
+    return res
+
+
+def _stash(args: argparse.Namespace, name: str, res: dict) -> None:
+    """Keep a suite's result for ``bench all`` (its charts combine several suites)."""
+    if not hasattr(args, "results"):
+        args.results = {}
+    args.results[name] = res
+
+
 def _print_table(title: str, result: dict, keys: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -66,24 +94,19 @@ def _bench_layout(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_transfer import bench_transfer
+    from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
 
-    res = _run_with_status(
+    sweep = _lengths(args.sweep, "--sweep")
+    reps = args.reps or 3
+    res = _run_with_bar(
         "kvbridge bench transfer",
-        lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=args.reps or 3,
-                                   sweep=tuple(int(x) for x in args.sweep.split(",")), progress=say),
-        args.json,
+        lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=reps, sweep=sweep,
+                                   progress=say),
+        args.json, transfer_steps(reps, sweep),
     )
-    if args.plot:
-        from kvbridge.common.costmodel import MODEL_PRESETS, LinkProfile
-        from kvbridge.common.plots import plot_transfer
-
-        res["plots"] = plot_transfer(res, args.plot)
-        lk = res["link"]
-        link = LinkProfile(lk["name"], lk["bandwidth_bytes_per_s"], lk["per_segment_s"], lk["setup_s"],
-                           lk["repack_bytes_per_s"], source="measured in this run")
-        res["plots"].append(_plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, f"{args.plot}/break_even_llama3-8b.png",
-                                             None))
+    _stash(args, "transfer", res)
+    if args.plot and args.suite != "all":  # `bench all` draws them once every suite ran
+        res["plots"] = _plot_suites(args.plot, res, None)
     if args.json:
         print(json.dumps(res))
         return 0
@@ -101,10 +124,10 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
 
 def _bench_link(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_transfer import bench_transfer
+    from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
 
-    res = _run_with_status("kvbridge bench link", lambda say: bench_transfer(reps=args.reps or 3, link_only=True, progress=say),
-                           args.json)
+    res = _run_with_bar("kvbridge bench link", lambda say: bench_transfer(reps=args.reps or 3, link_only=True, progress=say),
+                        args.json, transfer_steps(args.reps or 3, link_only=True))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res["link"], f, indent=1)
@@ -124,14 +147,26 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     if missing:
         logging.getLogger("kvbridge.cli").error("bench sglang needs %s installed", " and ".join(missing))
         return 2
-    from kvbridge.adapters.sglang.bench import bench_sglang
+    from kvbridge.adapters.sglang.bench import bench_sglang, sglang_steps
 
-    res = _run_with_status(
+    reps = args.reps or 3
+    sweep, sweep_layers = (), None
+    if args.sglang_sweep:
+        sweep = _lengths(args.sglang_sweep, "--sglang-sweep")
+    if args.suite == "all" and args.plot:  # the GB/s chart puts SGLang's backend beside the transfer sweep,
+        from kvbridge.common.bench_transfer import GEOM  # with the transfer suite's bytes per token
+
+        sweep, sweep_layers = sweep or _lengths(args.sweep, "--sweep"), GEOM["layers"]
+    res = _run_with_bar(
         "kvbridge bench sglang",
-        lambda say: bench_sglang(tokens=args.tokens, tp_tokens=args.tp_tokens, layers=args.layers, reps=args.reps or 3,
-                                 mc_tcp_max_queued=args.mc_tcp_max_queued, progress=say),
-        args.json,
+        lambda say: bench_sglang(tokens=args.tokens, tp_tokens=args.tp_tokens, layers=args.layers, reps=reps,
+                                 mc_tcp_max_queued=args.mc_tcp_max_queued, sweep=sweep, sweep_layers=sweep_layers,
+                                 progress=say),
+        args.json, sglang_steps(reps, sweep),
     )
+    _stash(args, "sglang", res)
+    if args.plot and args.suite != "all":
+        res["plots"] = _plot_suites(args.plot, None, res)
     if args.json:
         print(json.dumps(res))
         return 0
@@ -144,7 +179,42 @@ def _bench_sglang(args: argparse.Namespace) -> int:
          "kvbridge_segments_tp2to1", "sglang_segments_tp2to1", "segments_ratio_tp2to1", "kvbridge_plan_tp2to1",
          "kvbridge_gbps_tp2to1", "sglang_mooncake_gbps_tp2to1", "ratio_tp2to1", "verified"],
     )
+    for p in res["per_length"]:
+        print(f"  {p['tokens']:>6} tokens: kvbridge {p['kvbridge_gbps']} GB/s, SGLang mooncake {p['sglang_mooncake_gbps']} GB/s")
+    for f in res.get("plots", []):
+        print(f"chart: {f}")
     return 0 if all(res["verified"].values()) else 1
+
+
+def _lengths(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated prompt lengths."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"kvbridge: {flag} takes comma-separated token counts, got {text!r}") from None
+    if not out or min(out) <= 0:
+        raise SystemExit(f"kvbridge: {flag} needs positive token counts, got {text!r}")
+    return out
+
+
+def _plot_suites(out_dir: str, transfer: dict | None, sglang: dict | None) -> list[str]:
+    """The charts the results at hand allow: GB/s and time breakdown per prompt length
+    (transfer, with SGLang's backend beside it when the sglang suite ran a sweep), and the
+    break-even chart from the link measured in this run."""
+    from kvbridge.common.costmodel import MODEL_PRESETS, LinkProfile
+    from kvbridge.common.plots import plot_sglang, plot_transfer
+
+    files = []
+    if transfer is not None:
+        files += plot_transfer(transfer, out_dir, sglang=sglang)
+        lk = transfer["link"]
+        link = LinkProfile("Mooncake TCP, 127.0.0.1", lk["bandwidth_bytes_per_s"], lk["per_segment_s"], lk["setup_s"],
+                           lk["repack_bytes_per_s"], source="measured in this run")
+        files.append(_plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, os.path.join(out_dir, "break_even_llama3-8b.png"),
+                                      None))
+    elif sglang is not None and sglang.get("per_length"):
+        files += plot_sglang(sglang, out_dir)
+    return files
 
 
 def _bench_load(args: argparse.Namespace) -> int:
@@ -198,6 +268,14 @@ def _bench_all(args: argparse.Namespace) -> int:
     rc = 0
     for name, fn in BENCHES.items():
         rc |= fn(args)
+    if args.plot:
+        res = getattr(args, "results", {})
+        files = _plot_suites(args.plot, res.get("transfer"), res.get("sglang"))
+        if args.json:
+            print(json.dumps({"plots": files}))
+        else:
+            for f in files:
+                print(f"chart: {f}")
     return rc
 
 
@@ -352,7 +430,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
-    """PNG: first-token time disaggregated vs recompute over prompt lengths."""
+    """PNG: first-token time disaggregated vs recompute over prompt lengths, saying which
+    inputs are measured and which are presets or modelled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,9 +444,10 @@ def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
         from kvbridge.common.costmodel import break_even_prompt_len
 
         break_even = break_even_prompt_len(model, link, **kw)
-    lens = np.unique(np.geomspace(64, 131072, 40).astype(int))
+    top = 131072 if not break_even else min(1 << 21, max(131072, int(break_even * 2)))
+    lens = np.unique(np.geomspace(64, top, 48).astype(int))
     ds = [decide(model, link, int(n), **kw) for n in lens]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8.2, 5.0))
     ax.plot(lens, [d.disaggregated_ttft_s * 1e3 for d in ds], label="prefill worker + KV handoff")
     ax.plot(lens, [d.handoff.total_s * 1e3 for d in ds], "--", label="KV handoff alone")
     ax.plot(lens, [d.local_ttft_s * 1e3 for d in ds], label="recompute on the decode worker")
@@ -375,15 +455,28 @@ def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
         ax.axvline(break_even, color="grey", lw=0.8)
         ax.text(break_even * 0.93, 0.04, f"break-even: {break_even:,} tokens", rotation=90, fontsize=8, ha="right",
                 va="bottom", transform=ax.get_xaxis_transform())
+    else:
+        ax.text(0.98, 0.04, "moving never wins in this range", ha="right", fontsize=8, transform=ax.transAxes)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("prompt length (tokens)")
+    ax.set_xlabel("prompt length (tokens, log)")
     ax.set_ylabel("time to first token (ms, log)")
-    ax.set_title(f"{model.name} over {link.name} ({link.source})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.set_title(f"Move the KV or recompute? {model.name} over {link.name} (cost model)", fontsize=10.5)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, which="major")
+    tps = kw.get("prefill_tps"), kw.get("decode_prefill_tps")
+    compute = ("prefill tokens/s given: prefill worker {}, decode worker {}".format(*tps) if any(tps) else
+               "prefill compute MODELLED from FLOPs: 989 TFLOP/s x 45% MFU (H100-class), the decode worker at half that")
+    notes = [f"link: {link.describe()}",
+             f"model geometry: {model.name} ({model.source}); {compute}; prefill queue {kw.get('queue_s', 0) * 1e3:.0f} ms.",
+             "Curves are predictions of kvbridge.common.costmodel, not measurements."]
+    import textwrap
+
+    lines = [w for n in notes for w in textwrap.wrap(n, 150, subsequent_indent="  ")]
+    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=7, color="dimgrey")
+    fig.tight_layout(rect=(0, 0.02 + 0.026 * len(lines), 1, 1))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
 
@@ -414,7 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
         b.add_argument("--sweep", default="1024,2048,4096,8192,16384",
                        help="transfer: prompt lengths for the cost-model check (comma-separated)")
-        b.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
+        b.add_argument("--plot", metavar="DIR",
+                       help="write PNG charts into DIR (all: GB/s per prompt length for kvbridge, raw Mooncake and "
+                            "SGLang's backend; time breakdown; break-even)")
+        b.add_argument("--sglang-sweep", default="",
+                       help="sglang: prompt lengths to measure both backends at (comma-separated; `all --plot`: --sweep)")
         b.add_argument("--out", help="link: write the measured link figures here (for `kvbridge plan --link FILE`)")
         b.add_argument("--tp-tokens", type=int, default=1024, help="sglang: request size of the TP 2 -> 1 case")
         b.add_argument("--layers", type=int, default=8, help="sglang: layers of the KV pools")

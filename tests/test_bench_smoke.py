@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
-def test_bench_transfer_reports_its_keys():
+def test_bench_transfer_reports_its_keys(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "transfer", "--json", "--tokens", "256",
-                          "--small-tokens", "64", "--reps", "1", "--sweep", "128,256"],
+                          "--small-tokens", "64", "--reps", "1", "--sweep", "128,256", "--plot", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
@@ -19,6 +20,19 @@ def test_bench_transfer_reports_its_keys():
     assert res["bytes"] == 256 * 32 * 2 * 8 * 128 * 2 and res["plan"] == "staged_send"
     assert [p["tokens"] for p in res["model_check"]] == [128, 256]
     assert res["link"]["bandwidth_bytes_per_s"] > 0
+    for p in res["model_check"]:
+        assert set(p["breakdown_ms"]) == {"plan", "repack", "transfer", "notify"}
+    names = sorted(os.path.basename(f) for f in res["plots"])
+    assert names == ["break_even_llama3-8b.png", "transfer_breakdown.png", "transfer_gbps.png"]
+    for f in res["plots"]:
+        with open(f, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_bad_lengths():
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "transfer", "--sweep", "128,0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--sweep needs positive token counts" in out.stderr
 
 
 def test_bench_load_smoke_and_its_report_section(tmp_path):

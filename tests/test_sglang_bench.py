@@ -24,7 +24,8 @@ REPS = 1
 def report():
     from kvbridge.adapters.sglang.bench import bench_sglang
 
-    return bench_sglang(tokens=128, tp_tokens=64, layers=2, heads=4, head_dim=16, reps=REPS, timeout_s=60.0)
+    return bench_sglang(tokens=128, tp_tokens=64, layers=2, heads=4, head_dim=16, reps=REPS, timeout_s=60.0,
+                        sweep=(64,), sweep_layers=3)
 
 
 def test_keys(report):
@@ -52,3 +53,16 @@ def test_segment_counts(report):
     assert 0 < report["kvbridge_segments_tp2to1"] < report["sglang_segments_tp2to1"]
     # contiguous pages, same TP: one piece per layer and K/V for SGLang
     assert report["sglang_segments_same_tp"] == 2 * 2
+
+
+def test_sweep_per_length_and_its_chart(report, tmp_path):
+    """The prompt-length sweep (``bench all --plot`` feeds it to the GB/s chart)."""
+    from kvbridge.common.plots import plot_sglang
+
+    (p,) = report["per_length"]
+    assert p["tokens"] == 64 and p["layers"] == 3 and p["bytes"] == 64 * 3 * 2 * 4 * 16 * 2
+    assert p["verified"] == {"kvbridge": True, "sglang_mooncake": True}
+    assert p["kvbridge_gbps"] > 0 and p["sglang_mooncake_gbps"] > 0
+    (png,) = plot_sglang(report, str(tmp_path))
+    with open(png, "rb") as fh:
+        assert fh.read(4) == b"\x89PNG"

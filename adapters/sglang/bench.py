@@ -22,6 +22,10 @@ Cases:
   K/V per prefill rank). kvbridge's segments are read from the decode's handoff
   record; its decode manager offers receiver staging (``KVBRIDGE_RECV_STAGING_BYTES``).
 
+- ``sweep``: prefill TP 1 -> decode TP 1 again at each prompt length of ``sweep``
+  (``per_length``: both backends' effective GB/s per length, for the charts of
+  ``kvbridge bench all --plot``).
+
 ``samples_detail`` per timed rep: for SGLang, per prefill rank, the time from ``send()``
 to its first engine write and from that write's start to the last KV write's end; for
 kvbridge, the decode's scatter time out of receiver staging (staged_recv plans).
@@ -45,7 +49,7 @@ import time
 import traceback
 from typing import Callable
 
-__all__ = ["bench_sglang"]
+__all__ = ["bench_sglang", "sglang_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -526,6 +530,11 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
     return res
 
 
+def sglang_steps(reps: int, sweep: tuple[int, ...] = ()) -> int:
+    """How many times ``bench_sglang`` calls ``progress`` (for a progress bar)."""
+    return 1 + (2 + len(sweep)) * (reps + 1) * len(BACKENDS)
+
+
 def bench_sglang(
     *,
     tokens: int = 8192,
@@ -538,13 +547,20 @@ def bench_sglang(
     reps: int = 3,
     timeout_s: float = 120.0,
     mc_tcp_max_queued: int | None = None,
+    sweep: tuple[int, ...] = (),
+    sweep_layers: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the benchmark in three spawned worker processes; returns a JSON-ready dict.
 
     ``mc_tcp_max_queued``: if set, ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` for the worker
     processes (Mooncake's default is 1024 per peer; SGLang's slice path may need more at
-    larger ``tp_tokens``). It applies to the whole process, hence to both backends."""
+    larger ``tp_tokens``). It applies to the whole process, hence to both backends.
+    ``sweep``: prompt lengths of the same-TP case measured again, one case each, with
+    ``sweep_layers`` layers (default ``layers``; ``kvbridge bench all`` passes the transfer
+    suite's, so both sweeps move the same bytes per token)."""
+    if any(int(n) <= 0 for n in sweep):
+        raise ValueError(f"sweep lengths must be positive, got {list(sweep)}")
     say = progress or (lambda _m: None)
     t_start = time.perf_counter()
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4 if dtype == "float32" else 1
@@ -565,13 +581,17 @@ def bench_sglang(
         import_s = [p.recv(300)[1] for p in peers]
         geom = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size)
 
-        def case(name, ntok, p_tp, port0, seed):
+        def case(name, ntok, p_tp, port0, seed, **over):
             slots = (-(-ntok // page_size) + 2) * page_size
             return dict(name=name, tokens=ntok, p_tp=p_tp, d_tp=1, slots=slots, seed=seed,
-                        ports={"kvbridge": port0, "sglang_mooncake": port0 + 1}, **geom)
+                        ports={"kvbridge": port0, "sglang_mooncake": port0 + 1}, **{**geom, **over})
 
         same = _run_case([peers[0], peers[2]], case("same_tp", tokens, 1, base, 1), reps, timeout_s, say, rooms)
         tp21 = _run_case(peers, case("tp2to1", tp_tokens, 2, base + 2, 2), reps, timeout_s, say, rooms)
+        s_layers = sweep_layers or layers
+        swept = [(int(n), _run_case([peers[0], peers[2]], case(f"sweep {n} tokens", int(n), 1, base + 4 + 2 * i, 3 + i,
+                                                               layers=s_layers), reps, timeout_s, say, rooms))
+                 for i, n in enumerate(sweep)]
     finally:
         for p in peers:
             try:
@@ -615,7 +635,15 @@ def bench_sglang(
     tp_pages = -(-tp_tokens // page_size)
     sgl_expected = 2 * tp_pages * page_size * layers * 2  # send_kvcache_slice: per rank, token slot x layer x K/V
     kseg, sseg = kvb_segments(tp21), sgl_pieces(tp21)
-    verified = {b: (same[b]["verified"] == reps + 1 and tp21[b]["verified"] == reps + 1) for b in BACKENDS}
+    verified = {b: all(c[b]["verified"] == reps + 1 for c in [same, tp21] + [r for _, r in swept]) for b in BACKENDS}
+    per_length = []
+    sweep_token_bytes = token_bytes // layers * (sweep_layers or layers)
+    for n, r in swept:
+        sm = summary(r, n * sweep_token_bytes)
+        per_length.append({"tokens": n, "bytes": n * sweep_token_bytes, "layers": sweep_layers or layers,
+                           **{f"{b}_gbps": sm[b]["gbps"] for b in BACKENDS},
+                           **{f"{b}_median_ms": sm[b]["median_ms"] for b in BACKENDS},
+                           "verified": {b: r[b]["verified"] == reps + 1 for b in BACKENDS}})
     return {
         "geometry": {**geom, "tokens": tokens, "tp_tokens": tp_tokens, "transport": "mooncake tcp 127.0.0.1",
                      "pages": "contiguous 1..N on both sides", "bytes_same_tp": same_bytes, "bytes_tp2to1": tp_bytes},
@@ -639,12 +667,13 @@ def bench_sglang(
         "sglang_mooncake_gbps_tp2to1": s_tp["sglang_mooncake"]["gbps"],
         "ratio_tp2to1": ratio(s_tp),
         "verified": verified,
+        "per_length": per_length,
         "same_tp": s_same,
         "tp2to1": s_tp,
         "settings": {"KVBRIDGE_RECV_STAGING_BYTES": staging,
                      "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "default (1024)")},
         "reps": reps,
         "import_s": [round(x, 2) for x in import_s],
-        "setup_s": {"same_tp": same["setup_s"], "tp2to1": tp21["setup_s"]},
+        "setup_s": {"same_tp": same["setup_s"], "tp2to1": tp21["setup_s"], **{f"sweep_{n}": r["setup_s"] for n, r in swept}},
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
