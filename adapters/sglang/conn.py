@@ -396,6 +396,14 @@ class KVBridgeKVManager(CommonKVManager):
 # -- sender (prefill) ----------------------------------------------------------------
 
 
+def _recorded_failure(obj) -> str:
+    """What SGLang recorded as the reason a sender/receiver failed ('' if nothing), without
+    consuming it (``failure_exception`` pops it)."""
+    mgr = obj.kv_mgr
+    with mgr.failure_lock:
+        return str(mgr.failure_records.get(obj.bootstrap_room, "") or "")
+
+
 class KVBridgeKVSender(CommonKVSender):
     """One per request on each prefill rank, made by ``create_sender`` (prefill.py)
     when the request enters the bootstrap queue.
@@ -469,7 +477,13 @@ class KVBridgeKVSender(CommonKVSender):
                 mgr.record_failure(self.bootstrap_room, mgr.kv_sender.failure_reason(self.bootstrap_room))
             if self.bootstrap_room in mgr.request_status:
                 mgr.update_status(self.bootstrap_room, _STATE[st])
-        return super().poll()
+        out = super().poll()
+        if out == KVPoll.Failed and self._added and mgr.kv_sender.poll(self.bootstrap_room) not in (RoomState.SUCCESS,
+                                                                                                      RoomState.FAILED):
+            # SGLang failed the request itself (e.g. its bootstrap timeout): end the room now,
+            # telling any decode rank, rather than holding it open to its deadline
+            mgr.kv_sender.abort(self.bootstrap_room, f"the prefill engine failed the request: {_recorded_failure(self)}")
+        return out
 
     def get_transfer_metric(self):
         m = super().get_transfer_metric()
@@ -573,12 +587,28 @@ class KVBridgeKVReceiver(CommonKVReceiver):
             elif st is RoomState.FAILED:
                 mgr.record_failure(room, mgr.kv_receiver.failure_reason(room))
                 mgr.update_status(room, KVPoll.Failed)
+                # the prefill ranks' records may be stale (one restarted behind the same
+                # bootstrap address): the next request asks the bootstrap server again
+                self.invalidate_cached_bootstrap_infos()
         return super()._poll()
 
     def abort(self):
-        super().abort()
-        if self._requested:
-            self.kv_mgr.kv_receiver.abort(self.bootstrap_room, "aborted by decode (AbortReq)")
+        """SGLang's AbortReq (or its waiting timeout). Once pages were offered to prefill
+        ranks, Failed is reported only when kvbridge's receiver knows no sender can still
+        write into them (acknowledged, gone, or ``quiesce_s`` passed): SGLang frees a failed
+        request's pages as soon as it polls Failed (this backend has no deferred release)."""
+        if not self._requested or self.conclude_state is not None:
+            return super().abort()
+        room = self.bootstrap_room
+        self.kv_mgr.kv_receiver.abort(room, "aborted by decode (AbortReq)")
+        self.ensure_abort_notified()  # SGLang's own abort notice to the prefill ranks too
+
+    def _check_waiting_timeout(self) -> Optional[KVPoll]:
+        if not self._requested or self.init_time is None or time.time() - self.init_time < self.kv_mgr.waiting_timeout:
+            return super()._check_waiting_timeout()
+        self.kv_mgr.kv_receiver.abort(self.bootstrap_room, f"timed out after {self.kv_mgr.waiting_timeout:.1f} s "
+                                      "waiting for the prefill's KV")
+        return None  # Failed once the receiver quiesced (see abort)
 
     def _clear(self) -> None:
         super()._clear()
