@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V3-style MLA model runner over a KV pool of TensorRT-LLM's MLA geometry.
 
-``TinyMLARunner`` is the multi-head latent attention counterpart of the tiny Llama
-runner: a greedy float32 forward (RMSNorm, MLA attention, SiLU MLP) over the weights
+``TinyMLARunner`` is the multi-head latent attention counterpart of
+``kvbridge.demo.llama_runner.TinyLlamaRunner``, with the same interface, so
+``kvbridge.demo.trt_engine.TRTEngine`` drives it unchanged: a greedy float32 forward (RMSNorm, MLA attention, SiLU MLP) over the weights
 transformers loads from a DeepSeek-V3 model folder, that keeps the attention cache ONLY
 in a TensorRT-LLM MLA pool::
 

@@ -5,17 +5,21 @@ and layer, ``kv_lora_rank + qk_rope_head_dim`` = 48 wide, kv_factor 1), both way
 
 - SGLang prefill -> TensorRT-LLM decode: SGLang's REAL prefill server on the kvbridge
   backend computes the prompt into its ``MLATokenToKVPool``; the "TensorRT-LLM" decode
-  rank in this process (the kvbridge TensorRT-LLM connector driven in the executor's
-  order, ``TRTEngine``, with ``TinyMLARunner`` over a pool of TensorRT-LLM's MLA geometry
-  ``[blocks, layers, 1, tokens_per_block * 48]``) pulls the prompt's latent rows into its
-  pool, and the paged decode loop continues from the pool alone.
-- TensorRT-LLM prefill -> SGLang decode: the runner's prefill writes the TensorRT-LLM
-  MLA pool, the connector serves it with the first token as aux ``output_ids``, and
-  SGLang's REAL decode server pulls it and decodes.
+  rank in this process (``kvbridge.demo.trt_engine.TRTEngine``: the kvbridge TensorRT-LLM
+  connector driven in the executor's order, with ``kvbridge.demo.mla_runner.TinyMLARunner``
+  over a pool of TensorRT-LLM's MLA geometry ``[blocks, layers, 1, tokens_per_block * 48]``)
+  gets only the prefill's SGLang bootstrap address in its handle, finds the prefill rank,
+  pulls the prompt's latent rows into its pool, and the paged decode loop continues from
+  the pool alone.
+- TensorRT-LLM prefill -> SGLang decode: the runner's prefill writes the TensorRT-LLM MLA
+  pool; the connector (with ``sglang_bootstrap_port``) runs the SGLang-compatible
+  bootstrap server and serves the rows with the first token as aux ``output_ids``;
+  SGLang's REAL decode server pulls them and decodes.
 
 Greedy tokens (float32) must equal transformers' ``generate()`` for 32 new tokens, the
-first token must be the one the prefill side sent, and the first-step logits must match
-transformers'. One server start per direction.
+first token must be the one the prefill side sent, the first-step logits must match
+transformers', and exactly the prompt's latent rows must have moved. One server start
+per direction.
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ import pytest
 import torch
 
 from conftest_sglang import tiny_mla_dir  # noqa: F401
-from mixed_servers import kvbridge_ranks, sglang_server
-from mixed_trt_engine import TRTEngine
-from mla_runner_import import TinyMLARunner
-from sglang_servers import HOST, _post, new_room
-from tiny_models import random_prompt, reference_generate
+from kvbridge.demo.mla_runner import TinyMLARunner
+from kvbridge.demo.models import random_prompt, reference_generate
+from kvbridge.demo.sglang_server import HOST, new_room, post_json, sglang_server
+from kvbridge.demo.trt_engine import TRTEngine
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -50,6 +53,10 @@ def runner(tiny_mla_dir):
 def _body(prompt, max_new, boot, room):
     return {"input_ids": list(prompt), "bootstrap_host": HOST, "bootstrap_port": boot, "bootstrap_room": room,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}}
+
+
+def _row_bytes(runner, tokens: int) -> int:
+    return runner.layers * runner.row * 4 * tokens  # layers x (kv_lora_rank + qk_rope_head_dim) x float32
 
 
 def _assert_rows_match(runner, pool, blocks, prompt):
@@ -72,8 +79,6 @@ def test_sglang_prefill_to_trtllm_decode_mla(runner, tiny_mla_dir):
     t0 = time.monotonic()
     with sglang_server(tiny_mla_dir, "prefill") as (srv, boot):
         t_up = time.monotonic() - t0
-        info = kvbridge_ranks(boot)
-        endpoints = [r["endpoint"] for r in sorted(info["ranks"], key=lambda r: r["tp_rank"])]
         eng = TRTEngine(runner, tiny_mla_dir, tokens_per_block=TPB, num_blocks=16, peer_timeout_s=3.0)
         try:
             assert eng.worker.layout.engine == "trtllm-mla" and eng.worker.layout.kv_factor == 1
@@ -82,13 +87,15 @@ def test_sglang_prefill_to_trtllm_decode_mla(runner, tiny_mla_dir):
                 room, rid = new_room(), next(_ids)
                 t1 = time.monotonic()
                 with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(_post, srv.url + "/generate", _body(prompt, MAX_NEW, boot, room), 120)
-                    handle = Handle("recv", room, endpoints=tuple(endpoints), on_failure="fail").to_json()
+                    fut = ex.submit(post_json, srv.url + "/generate", _body(prompt, MAX_NEW, boot, room), 120)
+                    handle = Handle("recv", room, bootstrap=f"{HOST}:{boot}", on_failure="fail").to_json()
                     req, done = eng.load(rid, prompt, MAX_NEW, handle, timeout_s=90)
                     res = fut.result()
                 t_load = time.monotonic() - t1
                 assert not isinstance(res, BaseException) and res.status_code == 200, (res, srv.log_tail(40))
                 assert done["verdict"] == "ok" and done["ok"], done
+                rec = done.get("record") or {}
+                assert rec.get("bytes") == _row_bytes(runner, len(prompt)), rec
                 # the moved latent rows are what this runner computes for the prompt
                 _assert_rows_match(runner, eng.pool, eng.kv_cache_manager.get_cache_indices(req), prompt)
                 prefill_first = res.json()["output_ids"][0]
@@ -99,7 +106,6 @@ def test_sglang_prefill_to_trtllm_decode_mla(runner, tiny_mla_dir):
                 assert prefill_first == aux_first == ref.token_ids[0], (prefill_first, aux_first, ref.token_ids[0])
                 assert toks == ref.token_ids, f"{len(prompt)}-token prompt: TRT decode {toks} != transformers {ref.token_ids}"
                 torch.testing.assert_close(first_logits, ref.first_logits, rtol=1e-4, atol=1e-4)
-                rec = done.get("record") or {}
                 print(f"[sglang->trtllm mla] {len(prompt)}-token prompt: load {t_load:.2f}s "
                       f"({rec.get('bytes')} B), {MAX_NEW} tokens decoded from the pool in {t_dec:.2f}s")
         finally:
@@ -113,21 +119,23 @@ def test_trtllm_prefill_to_sglang_decode_mla(runner, tiny_mla_dir):
     backend pulls the latent rows into its ``MLATokenToKVPool`` and decodes."""
     pytest.importorskip("sglang")
     from kvbridge.adapters.trtllm.handle import Handle
-    from mixed_servers import TRTPrefillBootstrap
+    from kvbridge.common.bootstrap import parse_address
 
     prompts = [random_prompt(n, seed=900 + n) for n in PROMPTS]
     refs = [reference_generate(tiny_mla_dir, p, MAX_NEW) for p in prompts]
     t0 = time.monotonic()
     with sglang_server(tiny_mla_dir, "decode") as (srv, _):
         t_up = time.monotonic() - t0
-        eng = TRTEngine(runner, tiny_mla_dir, tokens_per_block=TPB, num_blocks=16)
-        boot = TRTPrefillBootstrap(eng.worker, page_size=1)
+        # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
+        eng = TRTEngine(runner, tiny_mla_dir, tokens_per_block=TPB, num_blocks=16, sglang_bootstrap_port=0,
+                        sglang_page_size=1)
         try:
+            _, boot = parse_address(eng.scheduler.bootstrap_address)
             for prompt, ref in zip(prompts, refs):
                 room, rid = new_room(), next(_ids)
                 t1 = time.monotonic()
                 with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(_post, srv.url + "/generate", _body(prompt, MAX_NEW, boot.port, room), 120)
+                    fut = ex.submit(post_json, srv.url + "/generate", _body(prompt, MAX_NEW, boot, room), 120)
                     first, logits, _ = eng.serve_prefill(rid, prompt, Handle("send", room).to_json(), timeout_s=90)
                     res = fut.result()
                 dt = time.monotonic() - t1
@@ -140,8 +148,12 @@ def test_trtllm_prefill_to_sglang_decode_mla(runner, tiny_mla_dir):
                 torch.testing.assert_close(logits, ref.first_logits, rtol=1e-4, atol=1e-4)
                 got = out["output_ids"]
                 assert got == ref.token_ids, f"{len(prompt)}-token prompt: SGLang decode {got} != transformers {ref.token_ids}"
-                print(f"[trtllm->sglang mla] {len(prompt)}-token prompt: prefill+handoff+{MAX_NEW} tokens in {dt:.2f}s")
+                saved = eng.worker.finished_saves.get(rid) or {}
+                rec = saved.get("record") or {}
+                assert saved.get("ok") and rec.get("result") == "success", saved
+                assert rec.get("bytes") == _row_bytes(runner, len(prompt)), rec
+                print(f"[trtllm->sglang mla] {len(prompt)}-token prompt: prefill+handoff+{MAX_NEW} tokens in {dt:.2f}s "
+                      f"({rec.get('bytes')} B, plan {rec.get('plan')}, {rec.get('segments')} segments)")
         finally:
-            boot.close()
             eng.close()
     print(f"[trtllm->sglang mla] decode server up in {t_up:.1f}s, test {time.monotonic() - t0:.1f}s")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest_sglang import tiny_mla_dir  # noqa: F401
-from mla_runner_import import TinyMLARunner
-from tiny_models import _load, random_prompt, reference_generate
+from kvbridge.demo.mla_runner import TinyMLARunner
+from kvbridge.demo.models import load_model, random_prompt, reference_generate
 
 MAX_NEW = 32
 TPB = 32
@@ -75,7 +75,7 @@ def test_pool_rows_are_sglang_mla_rows(runner, tiny_mla_dir):
     prompt = random_prompt(40, seed=5)
     pool = runner.allocate_pool(tokens_per_block=TPB, num_blocks=8).tensors[0]
     runner.prefill(prompt, pool, TPB, [5, 2])
-    model = _load(tiny_mla_dir)
+    model = load_model(tiny_mla_dir)
     with torch.no_grad():
         cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
     R = runner.rope_dim
