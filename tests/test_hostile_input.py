@@ -545,3 +545,25 @@ def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
         router.close(0)
     assert dec.call("ping")[0] == "pong"
     assert dec.call("free")[2] == 0
+
+
+def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
+    """A 17 MiB frame is not buffered (ZMQ drops that connection); a two-frame message that
+    puts someone else's routing id first is refused; the sender keeps serving others."""
+    pre, _ = pair
+    endpoint = pre.ready[1]
+    big = Hostile(endpoint)
+    spoof = Hostile(endpoint)
+    fresh = Hostile(endpoint)
+    try:
+        pre.call("logs")
+        big.sock.send(b"\x00" * (P.MAX_MESSAGE_BYTES + (1 << 20)))
+        spoof.sock.send_multipart([b"\x00victim", P.encode(P.Abort(room=1, reason="as someone else"))])
+        assert fresh.exchange(P.encode(P.Heartbeat(room=5, sender="x"))) == [P.Heartbeat(room=5, sender=endpoint)]
+        logs = [t for _, t in pre.call("logs")[1]]
+        assert any("2 frames, expected 1" in t for t in logs), logs
+        assert not big.sock.poll(200)  # nothing came back for the oversized frame
+    finally:
+        for h in (big, spoof, fresh):
+            h.close()
+    assert pre.call("ping")[0] == "pong"
