@@ -145,3 +145,7 @@ def _run_load(opts: dict) -> dict:
 def _builtin_sections() -> None:
     if "load" not in SECTIONS:
         register_section("load", "Load: concurrent handoffs", run=_run_load, render=render_load)
+    if "faults" not in SECTIONS:
+        from .report_faults import render_faults, run_faults
+
+        register_section("faults", "Fault matrix", run=run_faults, render=render_faults)

@@ -99,10 +99,15 @@ class Throttle:
 
 
 def _record(row: dict) -> None:
-    RESULTS[:] = [r for r in RESULTS if (r["plugin"], r["fault"]) != (row["plugin"], row["fault"])] + [row]
+    """Keep a case's row for the matrix and merge it into ``OUT/faults.json``."""
+    key = (row["plugin"], row["fault"])
+    RESULTS[:] = [r for r in RESULTS if (r["plugin"], r["fault"]) != key] + [row]
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "faults.json"), "w") as f:
-        json.dump({"peer_timeout_s": PEER_TIMEOUT_S, "rows": RESULTS}, f, indent=1)
+    path = os.path.join(OUT, "faults.json")
+    rows = json.load(open(path))["rows"] if os.path.exists(path) else []
+    rows = [r for r in rows if (r["plugin"], r["fault"]) != key] + [row]
+    with open(path, "w") as f:
+        json.dump({"peer_timeout_s": PEER_TIMEOUT_S, "rows": rows}, f, indent=1)
 
 
 def _side(name: str, state: str, reason: str, elapsed: float, bound: float, must: tuple[str, ...]) -> dict:

@@ -1,0 +1,119 @@
+"""The fault-matrix section of the reliability report (``kvbridge report --only faults``).
+
+``run_faults`` runs the repository's fault-injection and cross-host tests
+(tests/test_faults.py, tests/test_cross_host.py; prefill and decode in separate OS
+processes over Mooncake TCP, both plugins) with their results directed to a fresh
+folder, and returns what they recorded (``faults.json``, ``cross_host.json``) with the
+pytest outcome; ``render_faults`` turns that into the markdown tables. It needs a source
+checkout (the tests are not installed with the package).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["run_faults", "render_faults", "FAULT_ROWS"]
+
+log = logging.getLogger(__name__)
+
+FAULT_ROWS = [
+    ("kill_decode", "decode killed mid-transfer (SIGKILL)"),
+    ("kill_prefill", "prefill killed mid-transfer (SIGKILL)"),
+    ("sigstop_prefill", "prefill hangs (SIGSTOP mid-transfer, SIGCONT after)"),
+    ("abort_prefill", "abort from the prefill side mid-transfer"),
+    ("abort_decode", "abort from the decode side mid-transfer"),
+    ("never_peer", "room that never gets its peer (both directions)"),
+    ("bootstrap_down", "bootstrap server (SGLang) / discovery bus (TensorRT-LLM) down"),
+    ("link_cut", "link cut between two hosts mid-transfer (netns + veth)"),
+]
+PLUGINS = [("sglang", "SGLang plugin"), ("trtllm", "TensorRT-LLM plugin")]
+TESTS = ("tests/test_faults.py", "tests/test_cross_host.py")
+
+
+def _checkout() -> str:
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    if not all(os.path.exists(os.path.join(root, t)) for t in TESTS):
+        raise RuntimeError(f"the fault matrix runs {', '.join(TESTS)} from a source checkout; none at {root}")
+    return root
+
+
+def run_faults(opts: dict) -> dict:
+    """Run the fault-injection and cross-host tests; returns their recorded results."""
+    root = _checkout()
+    out = tempfile.mkdtemp(prefix="kvbridge-faults-")
+    env = dict(os.environ, KVBRIDGE_RELIABILITY_DIR=out)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=float(opts.get("faults_timeout_s", 1200)))
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    res: dict = {"pytest_rc": proc.returncode, "pytest_summary": summary, "skipped": skipped,
+                 "seconds": round(time.monotonic() - t0, 1), "rows": [], "cross_host": {}}
+    for name, key in (("faults.json", "rows"), ("cross_host.json", "cross_host")):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            data = json.load(open(path))
+            res[key] = data["rows"] if key == "rows" else data
+            if key == "rows":
+                res["peer_timeout_s"] = data.get("peer_timeout_s")
+    if proc.returncode != 0:
+        log.warning("fault tests failed (%s):\n%s", summary, proc.stdout[-4000:])
+    from kvbridge.common.report import _stamp
+
+    res["when"] = _stamp()
+    return res
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    if r.get("skipped"):
+        return f"skipped: {r['skipped']}"
+    sides = "; ".join(f"{s['side']} Failed in {s['seconds']:.2f} s (bound {s['bound_s']:g} s)" for s in r["sides"])
+    extra = []
+    if r.get("recompute_ok"):
+        extra.append("decode recomputed, KV right")
+    if r.get("via"):
+        extra.append(f"via {r['via']}")
+    checks = "blocks released once" if r.get("blocks_ok") and not r.get("double_releases") else "BLOCKS"
+    nxt = "next request byte-exact" if r.get("next_ok") else "NEXT REQUEST FAILED"
+    head = "ok" if r.get("ok") else "FAIL"
+    return f"{head}: {sides}; {checks}; {nxt}" + (f"; {', '.join(extra)}" if extra else "")
+
+
+def render_faults(r: dict) -> str:
+    """Markdown for ``run_faults`` results: the fault matrix and the cross-host handoffs."""
+    by = {(x["plugin"], x["fault"]): x for x in r.get("rows", [])}
+    lines = [f"`kvbridge report --only faults` runs {' and '.join(TESTS)} (pytest: {r.get('pytest_summary', '?')}, "
+             f"{r.get('seconds', '?')} s). Prefill and decode in separate OS processes over Mooncake TCP; a fault is "
+             "injected once the transfer is under way (writes throttled to dozens of pieces, the fault after the "
+             "second); short timeouts (peer timeout "
+             f"{r.get('peer_timeout_s', '?')} s). A cell: each surviving side's time from the fault to Failed (with a "
+             "reason naming the fault) against its bound (asserted: within bound + 1 s), every block released exactly "
+             "once (lease gauges, engine free counts, no double free, no write into a failed decode's pages), and the "
+             f"next request between the surviving (or restarted) peers byte-exact. Run {r.get('when', '')}.",
+             "", "| fault | " + " | ".join(p for _, p in PLUGINS) + " |", "|---|" + "---|" * len(PLUGINS)]
+    for key, label in FAULT_ROWS:
+        lines.append(f"| {label} | " + " | ".join(_cell(by.get((p, key))) for p, _ in PLUGINS) + " |")
+    ch = r.get("cross_host", {})
+    lines += ["", "Across hosts (two network namespaces joined by a veth pair, 10.203.0.1 / 10.203.0.2; TensorRT-LLM "
+              "connector; endpoints advertised with each host's address, no listener on 127.0.0.1):", "",
+              "| handoff | result |", "|---|---|"]
+    p2p, etcd = ch.get("p2p_handoff"), ch.get("etcd_handoff")
+    lines.append("| P2PHANDSHAKE metadata, discovery through the prefill's bus | "
+                 + (f"byte-exact, {p2p['bytes']:,} B in {p2p['seconds']:.2f} s |" if p2p else "not run |"))
+    lines.append("| etcd metadata server (`etcd-server`, in the prefill's namespace) | "
+                 + (f"byte-exact, {etcd['bytes']:,} B in {etcd['seconds']:.2f} s; etcd keys: "
+                    f"{', '.join('`' + k + '`' for k in etcd.get('etcd_keys', []))} |" if etcd else "not run |"))
+    cut = by.get(("trtllm", "link_cut"))
+    lines.append("| link cut mid-transfer | " + (_cell(cut) + (f"; prefill blocks back after {cut['prefill_blocks_back_s']} s"
+                                                            if cut and "prefill_blocks_back_s" in cut else "")) + " |")
+    if r.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(s.replace("SKIPPED ", "") for s in r["skipped"])]
+    return "\n".join(lines) + "\n"
