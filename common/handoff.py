@@ -210,6 +210,10 @@ class KVSender(_Side):
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
         super().__init__(layout, transport, config, metrics, bind_host=host)
+        if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
+                        "KVBRIDGE_SECRET): anyone who reaches it can have this rank's KV written to a Mooncake "
+                        "session of their choice; see docs/security.md", self.endpoint)
         cfg = self.config
         for t in layout.tensors or ():
             transport.register_tensor(t)

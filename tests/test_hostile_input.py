@@ -567,3 +567,19 @@ def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
         for h in (big, spoof, fresh):
             h.close()
     assert pre.call("ping")[0] == "pong"
+
+
+def test_a_sender_off_loopback_without_a_secret_warns(caplog):
+    from kvbridge.common.handoff import HandoffConfig, KVSender
+    from kvbridge.common.transport import MooncakeTransport
+
+    lay = build_pool(_spec("sglang", 4, 1, blocks=4))[0]
+    t = MooncakeTransport("127.0.0.1")
+    try:
+        with caplog.at_level("WARNING", logger="kvbridge"):
+            for host, secret in (("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", SECRET)):
+                KVSender(lay, t, host=host, config=HandoffConfig(chunk_bytes=1 << 20, secret=secret)).close()
+        warned = [r.getMessage() for r in caplog.records if "unauthenticated requests" in r.getMessage()]
+        assert len(warned) == 1 and "tcp://0.0.0.0:" in warned[0], warned
+    finally:
+        t.close()
