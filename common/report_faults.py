@@ -96,8 +96,10 @@ def render_faults(r: dict) -> str:
              "second); short timeouts (peer timeout "
              f"{r.get('peer_timeout_s', '?')} s). A cell: each surviving side's time from the fault to Failed (with a "
              "reason naming the fault) against its bound (asserted: within bound + 1 s), every block released exactly "
-             "once (lease gauges, engine free counts, no double free, no write into a failed decode's pages), and the "
-             f"next request between the surviving (or restarted) peers byte-exact. Run {r.get('when', '')}.",
+             "once (kvbridge's lease gauges back to zero and no refused second release; TensorRT-LLM also: the KV "
+             "cache manager's free counts back where they were, no double free, nothing pinned; SGLang also: the "
+             "pages of a failed decode request unchanged after it reported Failed), and the next request between "
+             f"the surviving (or restarted) peers byte-exact. Run {r.get('when', '')}.",
              "", "| fault | " + " | ".join(p for _, p in PLUGINS) + " |", "|---|" + "---|" * len(PLUGINS)]
     for key, label in FAULT_ROWS:
         lines.append(f"| {label} | " + " | ".join(_cell(by.get((p, key))) for p, _ in PLUGINS) + " |")
