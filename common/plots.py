@@ -49,17 +49,25 @@ def _footer(fig, lines: list[str], width: int = 150) -> float:
     return 0.02 + 0.026 * len(wrapped)
 
 
-def _gbps_chart(path: str, series: list[tuple[str, str, list[int], list[float]]], title: str, notes: list[str]) -> str:
+def _gbps_chart(path: str, series: list[tuple], title: str, notes: list[str]) -> str:
+    """``series``: (label, style, lengths, GB/s medians, [min, max] per length or None)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.2, 5.8))
-    lens = sorted({n for _, _, xs, _ in series for n in xs})
+    lens = sorted({n for _, _, xs, _, _ in series for n in xs})
     top = 0.0
-    for label, style, xs, ys in series:
-        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    for k, (label, style, xs, ys, ranges) in enumerate(series):
+        pts = [(x, y, r) for x, y, r in zip(xs, ys, ranges or [None] * len(xs)) if y is not None]
         if not pts:
             continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, **_MARK)
+        nudge = 2 ** ((k - (len(series) - 1) / 2) * 0.03)  # series side by side, so their bars do not overlap
+        line, = ax.plot([p[0] * nudge for p in pts], [p[1] for p in pts], style, label=label, **_MARK)
         top = max(top, max(p[1] for p in pts))
+        spread = [p for p in pts if p[2]]
+        if spread:  # min..max over the runs
+            ax.errorbar([p[0] * nudge for p in spread], [p[1] for p in spread],
+                        yerr=[[p[1] - p[2][0] for p in spread], [p[2][1] - p[1] for p in spread]],
+                        fmt="none", ecolor=line.get_color(), elinewidth=1, capsize=3, alpha=0.7)
+            top = max(top, max(p[2][1] for p in spread))
     _length_axis(ax, lens)
     ax.set_ylim(0, top * 1.1 if top else 1)
     ax.set_ylabel("effective bandwidth (GB/s = 1e9 B/s)\npayload bytes / wall time of the whole transfer")
@@ -85,11 +93,13 @@ def plot_transfer(res: dict, out_dir: str, sglang: dict | None = None) -> list[s
     shape = f"{geo['layers']} layers x {geo['total_heads']} KV heads x {geo['head_dim']}, {geo['dtype']}"
     series = [
         (f"raw Mooncake write of the same bytes (4 MiB pieces, no layout change; {_mib(per_tok)}/token)", "o--", lens,
-         [r["raw_gbps"] for r in rows]),
+         [r["raw_gbps"] for r in rows], [r.get("raw_gbps_range") for r in rows]),
         (f"kvbridge handoff, {geo['src']} -> {geo['dst']} ({_mib(per_tok)}/token)", "s-", lens,
-         [r["handoff_gbps"] for r in rows]),
+         [r["handoff_gbps"] for r in rows], [r.get("handoff_gbps_range") for r in rows]),
     ]
-    notes = [_where() + "; medians of the runs at each length.",
+    runs = rows[0].get("runs") if rows else None
+    notes = [_where() + f"; points: medians, bars: min..max over the {runs or 'few'} runs at each length "
+             "(a shared, noisy host: read differences inside the bars as noise).",
              f"{shape}: {_mib(per_tok)} of KV per token ({_mib(per_tok * lens[0])} at {lens[0]:,} tokens, "
              f"{_mib(per_tok * lens[-1])} at {lens[-1]:,}); kvbridge: request to done, incl. control messages."]
     pts = (sglang or {}).get("per_length") or []
@@ -99,8 +109,9 @@ def plot_transfer(res: dict, out_dir: str, sglang: dict | None = None) -> list[s
         s_tok = pts[0]["bytes"] / pts[0]["tokens"]
         pair = f"SGLang page {sg['page_size']} -> SGLang page {sg['page_size']}"
         series += [(f"SGLang's own mooncake backend, {pair} ({_mib(s_tok)}/token)", "^-", sl,
-                    [p["sglang_mooncake_gbps"] for p in pts]),
-                   (f"kvbridge as SGLang backend, {pair} ({_mib(s_tok)}/token)", "v:", sl, [p["kvbridge_gbps"] for p in pts])]
+                    [p["sglang_mooncake_gbps"] for p in pts], [p.get("sglang_mooncake_gbps_range") for p in pts]),
+                   (f"kvbridge as SGLang backend, {pair} ({_mib(s_tok)}/token)", "v:", sl, [p["kvbridge_gbps"] for p in pts],
+                    [p.get("kvbridge_gbps_range") for p in pts])]
         same = "same bytes per token" if abs(s_tok - per_tok) < 1 else f"{_mib(s_tok)} per token (differs!)"
         notes.append(f"SGLang curves: `bench sglang`, run after the transfer suite (not interleaved with it): real "
                      f"SGLang pools and KVManager/Sender/Receiver, {pts[0].get('layers', sg['layers'])} layers x "
@@ -121,9 +132,11 @@ def plot_sglang(res: dict, out_dir: str) -> list[str]:
     sg = res["geometry"]
     sl = [p["tokens"] for p in pts]
     pair = f"SGLang page {sg['page_size']} -> SGLang page {sg['page_size']}"
-    series = [(f"SGLang's own mooncake backend, {pair}", "^-", sl, [p["sglang_mooncake_gbps"] for p in pts]),
-              (f"kvbridge as SGLang backend, {pair}", "v:", sl, [p["kvbridge_gbps"] for p in pts])]
-    notes = [_where() + "; medians.",
+    series = [(f"SGLang's own mooncake backend, {pair}", "^-", sl, [p["sglang_mooncake_gbps"] for p in pts],
+               [p.get("sglang_mooncake_gbps_range") for p in pts]),
+              (f"kvbridge as SGLang backend, {pair}", "v:", sl, [p["kvbridge_gbps"] for p in pts],
+               [p.get("kvbridge_gbps_range") for p in pts])]
+    notes = [_where() + "; points: medians, bars: min..max over the runs.",
              f"{pts[0].get('layers', sg['layers'])} layers x {sg['heads']} x {sg['head_dim']}, {sg['dtype']}; real SGLang "
              f"pools and KVManager/Sender/Receiver; send_metadata -> Success on decode."]
     return [_gbps_chart(os.path.join(out_dir, "sglang_gbps.png"), series,
@@ -140,6 +153,8 @@ def _breakdown_chart(rows: list[dict], path: str, what: str) -> str:
              ("repack", "repack: gather into staging (earlier parts are on the wire meanwhile)", "#dd8452"),
              ("transfer", "transfer: wait for Mooncake writes to complete", "#4c72b0"),
              ("notify", "notify: control messages, completion, the rest of the wall time", "#55a868")]
+    plan_ms = [r["breakdown_ms"]["plan"] for r in rows]
+    parts[0] = ("plan", f"plan: build the transfer plan ({min(plan_ms):.1f}-{max(plan_ms):.1f} ms)", parts[0][2])
     x = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for key, label, color in parts:
@@ -148,6 +163,10 @@ def _breakdown_chart(rows: list[dict], path: str, what: str) -> str:
             total = sum(r["breakdown_ms"].values()) or 1.0
             vals.append(100.0 * r["breakdown_ms"][key] / total)
         ax.bar(x, vals, bottom=bottom, label=label, color=color, width=0.62)
+        for i, (r, v, b0) in enumerate(zip(rows, vals, bottom)):
+            if v >= 7:  # the part's own milliseconds, where there is room
+                ax.text(i, b0 + v / 2, f"{r['breakdown_ms'][key]:,.0f} ms", ha="center", va="center", fontsize=7.5,
+                        color="white")
         bottom = [b + v for b, v in zip(bottom, vals)]
     for i, r in enumerate(rows):
         ax.text(i, 101.5, f"{r['measured_ms']:,.1f} ms for {_mib(r['bytes'])}", ha="center", va="bottom", fontsize=8)

@@ -401,7 +401,10 @@ def _plan(args: argparse.Namespace) -> int:
     link = load_link(args.link)
     kw = dict(output_len=args.output_len, prefill_tps=args.prefill_tps, decode_prefill_tps=args.decode_prefill_tps,
               queue_s=args.queue_ms / 1e3, tp=args.tp)
-    d = decide(model, link, args.prompt_len, **kw)
+    try:
+        d = decide(model, link, args.prompt_len, held_tokens=args.held_tokens, **kw)
+    except ValueError as e:
+        raise SystemExit(f"kvbridge plan: {e}") from None
     out = d.as_dict()
     if args.break_even or args.plot:
         out["break_even_prompt_len"] = break_even_prompt_len(model, link, **kw)
@@ -461,7 +464,10 @@ def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens, log)")
     ax.set_ylabel("time to first token (ms, log)")
-    ax.set_title(f"Move the KV or recompute? {model.name} over {link.name} (cost model)", fontsize=10.5)
+    measured = link.source.startswith("measured")
+    ax.set_title(f"Move the KV or recompute? {model.name} (cost model predictions)\nlink "
+                 f"{'measured' if measured else 'preset'}: {link.name}; prefill compute "
+                 f"{'given' if kw.get('prefill_tps') else 'modelled from FLOPs'}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, which="major")
     tps = kw.get("prefill_tps"), kw.get("decode_prefill_tps")
@@ -540,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prefill-tps", type=float, help="prefill tokens/s on the prefill worker (default: from FLOPs)")
     plan.add_argument("--decode-prefill-tps", type=float, help="prefill tokens/s on the decode worker (default: half)")
     plan.add_argument("--queue-ms", type=float, default=0.0, help="wait for the prefill worker")
+    plan.add_argument("--held-tokens", type=int, default=0,
+                      help="prompt tokens the decode worker already holds (prefix cache): neither moved nor recomputed")
     plan.add_argument("--tp", type=int, default=1, help="GPUs per worker")
     plan.add_argument("--break-even", action="store_true", help="also find the prompt length from which moving wins")
     plan.add_argument("--plot", help="write a PNG of first-token time against prompt length")

@@ -144,3 +144,15 @@ def test_gate_from_flops_recomputes_only_the_new_tokens():
     assert part.handoff.bytes == full.handoff.bytes // 2 and part.prefill_s == full.prefill_s
     with pytest.raises(ValueError, match="held_tokens"):
         decide(m, LINK, 10, held_tokens=10)
+
+
+def test_plan_cli_with_held_tokens():
+    """What a router asks before sending a request whose prefix the decode holds."""
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "plan", "--preset", "llama3-8b", "--prompt-len", "4096",
+                          "--held-tokens", "4000", "--link", "tcp", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["handoff"]["bytes"] == 96 * 131072 and d["details"]["held_tokens"] == 4000 and d["move"] is False
+    bad = subprocess.run([sys.executable, "-m", "kvbridge.cli", "plan", "--preset", "llama3-8b", "--prompt-len", "10",
+                          "--held-tokens", "10"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "held_tokens must be in [0, prompt_len=10)" in bad.stderr

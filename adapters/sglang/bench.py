@@ -643,6 +643,10 @@ def bench_sglang(
         per_length.append({"tokens": n, "bytes": n * sweep_token_bytes, "layers": sweep_layers or layers,
                            **{f"{b}_gbps": sm[b]["gbps"] for b in BACKENDS},
                            **{f"{b}_median_ms": sm[b]["median_ms"] for b in BACKENDS},
+                           **{f"{b}_gbps_range": [round(n * sweep_token_bytes / max(r[b]["seconds"]) / 1e9, 4),
+                                                  round(n * sweep_token_bytes / min(r[b]["seconds"]) / 1e9, 4)]
+                              if r[b]["seconds"] else None for b in BACKENDS},
+                           "runs": reps,
                            "verified": {b: r[b]["verified"] == reps + 1 for b in BACKENDS}})
     return {
         "geometry": {**geom, "tokens": tokens, "tp_tokens": tp_tokens, "transport": "mooncake tcp 127.0.0.1",
