@@ -82,12 +82,16 @@ class Rank:
         from kvhelpers import install_test_hooks
 
         os.environ.update(case.get("env", {}))  # e.g. shorter SGLang/kvbridge timeouts for fault tests
-        install_test_hooks(case.get("hooks"))
+        # across hosts: each role's own address (and network namespace, entered by this process)
+        host = case.get("hosts", {}).get(role, "127.0.0.1")
+        os.environ["SGLANG_HOST_IP"] = host
+        netns = case.get("netns", {}).get(role)
+        install_test_hooks(dict(case.get("hooks") or {}, **({"netns": netns} if netns else {})))
         tp = case["p_tp"] if role == "prefill" else case["d_tp"]
         ps = case["page_size"]
         self.page_size = ps
         sa = ServerArgs(model_path="dummy", disaggregation_mode=role, disaggregation_transfer_backend="kvbridge",
-                        disaggregation_bootstrap_port=case["port"], host="127.0.0.1", device="cpu", tp_size=tp,
+                        disaggregation_bootstrap_port=case["port"], host=host, device="cpu", tp_size=tp,
                         page_size=ps)
         rc.reset_context()
         rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank))
@@ -137,8 +141,8 @@ class Rank:
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
         self.bootstrap = None
         if role == "prefill" and rank == 0:  # disagg_service.start_disagg_service (tokenizer side)
-            self.bootstrap = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=case["port"])
-            _wait_http(f"http://127.0.0.1:{case['port']}/health")
+            self.bootstrap = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host=host, port=case["port"])
+            _wait_http(f"http://{bootstrap_addr(case)}/health")
         self.mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, sa, case["mla"])
         self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
         self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
@@ -171,6 +175,11 @@ class Rank:
             self.bootstrap.close()
 
 
+def bootstrap_addr(case: dict) -> str:
+    """host:port of the prefill instance's bootstrap server."""
+    return f"{case.get('hosts', {}).get('prefill', '127.0.0.1')}:{case['port']}"
+
+
 def _wait_http(url: str, timeout: float = 10.0) -> None:
     import requests
 
@@ -196,7 +205,7 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    addr = f"127.0.0.1:{r.case['port']}"
+    addr = bootstrap_addr(r.case)
     sender = r.sender_cls(mgr=r.mgr, bootstrap_addr=addr, bootstrap_room=room,
                           req_has_disagg_prefill_dp_rank=False)  # create_sender, prefill.py 400-406
     st = _poll_until(sender, (KVPoll.WaitingForInput,), timeout)  # bootstrap queue poll
@@ -251,7 +260,7 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    addr = f"127.0.0.1:{r.case['port']}"
+    addr = bootstrap_addr(r.case)
     end = time.monotonic() + timeout
     while not r.mgr.try_ensure_parallel_info(addr):  # _ensure_prefill_info, decode.py 1200
         if time.monotonic() > end:

@@ -333,6 +333,73 @@ def test_sglang_fault(sgl_farm, fault):
     _record(row)
 
 
+@pytest.mark.sglang
+def test_sglang_link_cut(sgl_farm):
+    """The SGLang plugin across two hosts (network namespaces joined by a veth pair, made
+    here; see test_cross_host.py): a handoff byte-exact, then the link cut mid-transfer:
+    both sides fail within the peer timeout, kvbridge holds nothing, the decode's pages do
+    not change after it failed; with the link back, the next request is byte-exact."""
+    from test_cross_host import MC_TIMEOUT_S, Hosts, _netns_unusable, _skip
+
+    why = _netns_unusable()
+    if why:
+        _record({"plugin": "sglang", "fault": "link_cut", "skipped": why, "ok": True, "sides": []})
+        _skip(why)
+    farm, th = sgl_farm, sgl_farm.throttle
+    hosts = Hosts()
+    saved = (farm.pre, farm.dec, farm.case)
+    try:
+        hosts.up()
+        farm.pre, farm.dec = farm.take(), farm.take(spare=False)  # fresh processes: each enters its namespace
+        case = farm.new_case()
+        case["hosts"] = {"prefill": hosts.ip[hosts.a], "decode": hosts.ip[hosts.b]}
+        case["netns"] = {"prefill": hosts.a, "decode": hosts.b}
+        case["env"] = dict(case["env"], MC_TRANSFER_TIMEOUT=str(MC_TIMEOUT_S), MC_TCP_PROGRESS_TIMEOUT_SEC=str(MC_TIMEOUT_S),
+                           NO_PROXY=f"127.0.0.1,localhost,{hosts.ip[hosts.a]},{hosts.ip[hosts.b]}")
+        farm.case = case
+        farm.pre.call("setup", "prefill", case, 0)
+        farm.dec.call("setup", "decode", case, 0)
+        farm.request_ok()  # across the link, byte-exact
+        for ns in (hosts.a, hosts.b):
+            bound = hosts.listeners(ns)
+            assert bound and not [x for x in bound if x.startswith("127.")], (ns, bound)
+        t_case = time.monotonic()
+        th.on()
+        farm.start(farm.next_room(), pull_opts=(None, 0.5))
+        t_fault = _wait_file(th.started)
+        hosts.link(False)
+        try:
+            d = farm.dec.recv(timeout=30)[1]
+            s = farm.pre.recv(timeout=30)[1]
+        finally:
+            hosts.link(True)
+            th.off()
+        sides = [_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                       d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable",)),
+                 _side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"], s["t_end"] - t_fault,
+                       PEER_TIMEOUT_S, ("silent", "write", "timed out", "transfer", "aborted by decode"))]
+        assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
+        end = time.monotonic() + PEER_TIMEOUT_S + MC_TIMEOUT_S + 2
+        while True:  # the prefill's stuck pieces are given up by Mooncake within its own timeout
+            try:
+                farm.health_ok(farm.pre, farm.dec)
+                break
+            except AssertionError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
+        assert not th.double_releases(t_case)
+        farm.request_ok()  # the link is back: the same two peers, byte-exact
+        _record({"plugin": "sglang", "fault": "link_cut", "ok": True, "sides": sides, "double_releases": 0,
+                 "blocks_ok": True, "next_ok": True, "case_s": round(time.monotonic() - t_case, 2)})
+    finally:
+        for p in (farm.pre, farm.dec):
+            if p not in saved:
+                p.stop()
+        farm.pre, farm.dec, farm.case = saved
+        hosts.down()
+
+
 # -- TensorRT-LLM plugin ----------------------------------------------------------------
 TRT_CFG = dict(host="127.0.0.1", deadline_s=5.0, heartbeat_s=0.2, peer_timeout_s=PEER_TIMEOUT_S, quiesce_s=0.5,
                chunk_bytes=1 << 20)
