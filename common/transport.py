@@ -126,6 +126,15 @@ def split_pieces(
     return src[seg] + off, dst[seg] + off, np.minimum(lengths[seg] - off, max_piece_bytes)
 
 
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (for the engine's RPC listener)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class WriteHandle:
     """A write in flight to one peer: ``poll()`` advances it without blocking,
     ``wait()`` blocks (sleeping) until it completes, fails or misses its deadline.
@@ -309,7 +318,9 @@ class MooncakeTransport:
     ``protocol="tcp"`` forces the TCP transport (``MC_FORCE_TCP=1``); otherwise the
     engine picks RDMA/NVLink when it finds a device. With ``P2PHANDSHAKE`` no
     metadata server is needed and ``session_id`` is ``host:rpc_port``.
-    ``max_inflight_per_peer`` bounds the pieces in flight to one peer over all
+    With a metadata server (etcd ``host:port``, ``http://...``) the session id is
+    ``hostname:port`` with a free port added when ``hostname`` has none, one segment per
+    engine. ``max_inflight_per_peer`` bounds the pieces in flight to one peer over all
     writes (Mooncake's TCP queue holds 1024 per peer); segments longer than
     ``max_piece_bytes`` are split; a poll submits at most ``submit_chunk`` pieces;
     ``check_local`` refuses source segments outside registered memory.
@@ -353,6 +364,10 @@ class MooncakeTransport:
         except ImportError as e:  # pragma: no cover - depends on the install
             raise TransportError(f"the Mooncake transfer engine is not importable: {e}") from e
         engine = TransferEngine()
+        if metadata_server != P2PHANDSHAKE and ":" not in hostname:
+            # with a metadata server the segment name is the hostname itself (no port is added),
+            # so two engines of one host (TP ranks) would overwrite each other's segment there
+            hostname = f"{hostname}:{_free_port(hostname)}"
         # Positional only; nothing else may be called on the engine before this succeeds.
         ret = engine.initialize(hostname, metadata_server, protocol, device_name)
         if ret != 0:

@@ -21,10 +21,12 @@ Skipped, with the reason printed, where not root, without ``ip netns`` or withou
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -155,14 +157,9 @@ class Pair:
         return 1000 + self.rid
 
     def until(self, servers, cond, timeout=30.0) -> float:
-        end = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > end:
-                raise TimeoutError(f"not reached within {timeout} s: {[s.last for s in servers]}")
-            for s in servers:
-                s.step()
-            time.sleep(0.005)
-        return time.monotonic()
+        from test_faults import until
+
+        return until(servers, cond, timeout)
 
     def handoff_ok(self, via_bus=True) -> dict:
         from test_trtllm_connector import _done, _drained
@@ -214,24 +211,25 @@ def _etcd_keys(hosts: Hosts, ns: str, url: str) -> list[str]:
     return [base64.b64decode(k["key"]).decode(errors="replace") for k in json.loads(out).get("kvs", [])]
 
 
-@pytest.fixture
-def etcd(hosts):
+@contextlib.contextmanager
+def _etcd(prefix: list[str], ip: str, port: int):
+    """An etcd serving clients at http://ip:port, run under ``prefix`` (e.g. ``ip netns exec
+    NS``) on a temporary data dir; yields its URL."""
     exe = shutil.which("etcd")
     if exe is None:
         _skip("etcd is not installed (Debian: apt-get install etcd-server; scripts/sysdeps.sh does it as root)")
-    ip = hosts.ip[hosts.a]
     data = tempfile.mkdtemp(prefix="kvb-etcd-")
     log = open(os.path.join(data, "etcd.log"), "w")
-    url = f"http://{ip}:2379"
-    proc = subprocess.Popen(["ip", "netns", "exec", hosts.a, exe, "--data-dir", os.path.join(data, "d"),
-                             "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", f"http://{ip}:2380", "--initial-advertise-peer-urls",
-                             f"http://{ip}:2380", "--initial-cluster", f"default=http://{ip}:2380"],
+    url = f"http://{ip}:{port}"
+    peer = f"http://{ip}:{port + 1}"
+    proc = subprocess.Popen([*prefix, exe, "--data-dir", os.path.join(data, "d"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls", peer,
+                             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         end = time.monotonic() + 20
         while True:
-            r = _sh("ip", "netns", "exec", hosts.a, sys.executable, "-c",
+            r = _sh(*prefix, sys.executable, "-c",
                     "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=1)", url,
                     check=False)
             if r.returncode == 0:
@@ -248,6 +246,40 @@ def etcd(hosts):
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd(hosts):
+    with _etcd(["ip", "netns", "exec", hosts.a], hosts.ip[hosts.a], 2379) as url:
+        yield url
+
+
+def test_two_engines_of_one_host_with_etcd():
+    """Regression: with a metadata server Mooncake names an engine's segment by its hostname
+    alone, so two engines of one host (TP ranks) given the same address overwrote each
+    other's segment in etcd and writes to one landed on the other (refused: outside its
+    memory). MooncakeTransport now adds a free port to a bare hostname."""
+    import torch
+
+    from kvbridge.common.transport import MooncakeTransport
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    with _etcd([], "127.0.0.1", port) as url:
+        ms = url.removeprefix("http://")
+        a, b = MooncakeTransport("127.0.0.1", ms), MooncakeTransport("127.0.0.1", ms)
+        try:
+            assert a.session_id != b.session_id and a.session_id.startswith("127.0.0.1:"), (a.session_id, b.session_id)
+            src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+            dst = torch.zeros_like(src)
+            a.register_tensor(src)
+            b.register_tensor(dst)
+            a.write(b.session_id, [src.data_ptr()], [dst.data_ptr()], [src.numel()])
+            assert torch.equal(src, dst)
+        finally:
+            a.close()
+            b.close()
 
 
 def test_handoff_across_hosts_etcd_metadata(hosts, etcd):

@@ -110,6 +110,11 @@ def _record(row: dict) -> None:
         json.dump({"peer_timeout_s": PEER_TIMEOUT_S, "rows": rows}, f, indent=1)
 
 
+def _state(res: dict) -> str:
+    """An SGLang peer's result state (KVPoll) as a name."""
+    return {0: "FAILED", 4: "SUCCESS"}.get(res["state"], str(res["state"]))
+
+
 def _side(name: str, state: str, reason: str, elapsed: float, bound: float, must: tuple[str, ...]) -> dict:
     """One surviving side's outcome, checked: Failed, a reason naming the fault, in time."""
     assert state == "FAILED", f"{name}: ended {state}, not Failed ({reason})"
@@ -240,34 +245,34 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
         t_fault = _wait_file(th.started)
         if fault == "abort_decode":
             d, s = farm.dec.recv()[1], farm.pre.recv()[1]
-            sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+            sides.append(_side("decode", _state(d), d.get("reason", ""),
                                d["t_end"] - d["t_abort"], SGL_QUIESCE_S, ("aborted",)))
-            sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+            sides.append(_side("prefill", _state(s), s["reason"],
                                s["t_end"] - d["t_abort"], SGL_HEARTBEAT_S, ("aborted by decode",)))
             assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
         elif fault == "abort_prefill":
             s, d = farm.pre.recv()[1], farm.dec.recv()[1]
-            sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+            sides.append(_side("prefill", _state(s), s["reason"],
                                s["t_end"] - s["t_abort"], SGL_QUIESCE_S, ("aborted",)))
-            sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+            sides.append(_side("decode", _state(d), d.get("reason", ""),
                                d["t_end"] - s["t_abort"], SGL_HEARTBEAT_S, ("aborted by prefill",)))
             assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
         elif fault == "sigstop_prefill":
             farm.kill(farm.pre, signal.SIGSTOP)
             try:
                 d = farm.dec.recv(timeout=30)[1]
-                sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+                sides.append(_side("decode", _state(d), d.get("reason", ""),
                                    d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable",)))
             finally:
                 t_cont = farm.kill(farm.pre, signal.SIGCONT)
             s = farm.pre.recv()[1]
-            sides.append(_side("prefill (continued)", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+            sides.append(_side("prefill (continued)", _state(s), s["reason"],
                                s["t_end"] - t_cont, SGL_HEARTBEAT_S, ("aborted by decode", "unreachable", "silent")))
             assert d["stable_after_fail"], "the stopped prefill wrote into the decode's pages after the decode failed"
         elif fault == "kill_decode":
             farm.kill(farm.dec)
             s = farm.pre.recv()[1]
-            sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"],
+            sides.append(_side("prefill", _state(s), s["reason"],
                                s["t_end"] - t_fault, PEER_TIMEOUT_S, ("write", "piece", "silent", "transfer", "peer")))
             farm.health_ok(farm.pre)
             farm.dec.stop()
@@ -276,7 +281,7 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
         else:  # kill_prefill
             farm.kill(farm.pre)
             d = farm.dec.recv()[1]
-            sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+            sides.append(_side("decode", _state(d), d.get("reason", ""),
                                d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable", "failed the room")))
             assert d["stable_after_fail"]
             farm.health_ok(farm.dec)
@@ -291,9 +296,9 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
         farm.start(r1, dec=False)
         farm.start(r2, pre=False, pull_opts=(None, settle))
         s, d = farm.pre.recv()[1], farm.dec.recv()[1]
-        sides.append(_side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"], s["t_end"] - t0,
+        sides.append(_side("prefill", _state(s), s["reason"], s["t_end"] - t0,
                            SGL_DEADLINE_S, ("timed out", "timeout", "deadline", "bootstrap")))
-        sides.append(_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+        sides.append(_side("decode", _state(d), d.get("reason", ""),
                            d["t_end"] - t0, SGL_DEADLINE_S, ("unknown room", "deadline", "timed out")))
     elif fault == "bootstrap_down":
         # the prefill instance's bootstrap server stops: a decode that knows the prefill
@@ -304,7 +309,7 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
         farm.dec.call("setup", "decode", farm.case, 0)  # a decode instance that has not met this prefill yet
         t0 = time.monotonic()
         d = farm.dec.call("pull", farm.next_room(), 200, 0, SGL_DEADLINE_S, timeout=60)
-        sides.append(_side("decode (new)", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+        sides.append(_side("decode (new)", _state(d), d.get("reason", ""),
                            time.monotonic() - t0, SGL_DEADLINE_S, ("parallel info", "bootstrap")))
         farm.health_ok(farm.dec)
         farm.setup()  # the prefill instance restarts its bootstrap server (a fresh case: new port)
@@ -374,9 +379,9 @@ def test_sglang_link_cut(sgl_farm):
         finally:
             hosts.link(True)
             th.off()
-        sides = [_side("decode", "FAILED" if d["state"] == 0 else str(d["state"]), d.get("reason", ""),
+        sides = [_side("decode", _state(d), d.get("reason", ""),
                        d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable",)),
-                 _side("prefill", "FAILED" if s["state"] == 0 else str(s["state"]), s["reason"], s["t_end"] - t_fault,
+                 _side("prefill", _state(s), s["reason"], s["t_end"] - t_fault,
                        PEER_TIMEOUT_S, ("silent", "write", "timed out", "transfer", "aborted by decode"))]
         assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
         end = time.monotonic() + PEER_TIMEOUT_S + MC_TIMEOUT_S + 2
@@ -450,14 +455,7 @@ class TRTFarm:
 
     def until(self, servers, cond, timeout=30.0) -> float:
         """Step ``servers`` until ``cond()``; returns when it held (monotonic)."""
-        end = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > end:
-                raise TimeoutError(f"not reached within {timeout} s: {[s.last for s in servers]}")
-            for s in servers:
-                s.step()
-            time.sleep(0.005)
-        return time.monotonic()
+        return until(servers, cond, timeout)
 
     def clean(self, *servers) -> bool:
         from test_trtllm_connector import _check_clean
@@ -487,6 +485,14 @@ class TRTFarm:
         self.throttle.off()
         for s in self.servers + list(self.tx or ()):
             s.stop()
+
+
+def until(servers, cond, timeout=30.0) -> float:
+    """Step TensorRT-LLM ``servers`` until ``cond()``; returns when it held (monotonic)."""
+    from trtllm_driver import run_until
+
+    run_until(servers, cond, timeout)
+    return time.monotonic()
 
 
 def _recompute_ok(res: dict) -> bool:
