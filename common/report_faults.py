@@ -31,7 +31,10 @@ FAULT_ROWS = [
     ("never_peer", "room that never gets its peer (both directions)"),
     ("bootstrap_down", "bootstrap server (SGLang) / discovery bus (TensorRT-LLM) down"),
     ("link_cut", "link cut between two hosts mid-transfer (netns + veth)"),
+    ("gate_recompute", "decode recompute fallback with the cost gate on (below break-even; prefill gone)"),
 ]
+NOT_APPLICABLE = {("sglang", "gate_recompute"): "n/a: SGLang 0.5.23's disaggregated decode cannot compute a prompt; "
+                  "its gate fails the request fast (tests/test_sglang_backend.py)"}
 PLUGINS = [("sglang", "SGLang plugin"), ("trtllm", "TensorRT-LLM plugin")]
 TESTS = ("tests/test_faults.py", "tests/test_cross_host.py")
 
@@ -102,7 +105,8 @@ def render_faults(r: dict) -> str:
              f"the surviving (or restarted) peers byte-exact. Run {r.get('when', '')}.",
              "", "| fault | " + " | ".join(p for _, p in PLUGINS) + " |", "|---|" + "---|" * len(PLUGINS)]
     for key, label in FAULT_ROWS:
-        lines.append(f"| {label} | " + " | ".join(_cell(by.get((p, key))) for p, _ in PLUGINS) + " |")
+        lines.append(f"| {label} | " + " | ".join(NOT_APPLICABLE.get((p, key)) or _cell(by.get((p, key)))
+                                                 for p, _ in PLUGINS) + " |")
     ch = r.get("cross_host", {})
     lines += ["", "Across hosts (two network namespaces joined by a veth pair, 10.203.0.1 / 10.203.0.2; TensorRT-LLM "
               "connector; endpoints advertised with each host's address, no listener on 127.0.0.1):", "",

@@ -128,7 +128,7 @@ def format_matrix() -> list[str]:
     plugins = sorted({r["plugin"] for r in RESULTS})
     by = {(r["plugin"], r["fault"]): r for r in RESULTS}
     lines = [f"{'fault':<18}" + "".join(f"{p:<44}" for p in plugins)]
-    for fault in FAULTS + ["link_cut"]:
+    for fault in FAULTS + ["link_cut", "gate_recompute"]:
         cells = []
         for p in plugins:
             r = by.get((p, fault))
@@ -648,3 +648,52 @@ def test_trtllm_fault(trt_farm, fault):
     _record(row)
     if row.get("skipped"):
         pytest.skip(row["skipped"])
+
+
+def test_trtllm_cost_gate_recompute_with_prefill_gone(trt_farm, tmp_path):
+    """Decode-side recompute fallback where configured: a decode server with the cost gate on
+    (tcp preset, the model's config, break-even about 52 tokens). A 30-token prompt is
+    computed on the decode (its prefill room declined and released); a 512-token prompt
+    whose prefill is gone (nothing listens at its endpoint any more) fails its load within
+    the peer timeout and falls back to recompute (``on_failure``). Both KVs equal the
+    prefill's, both requests produce their tokens, every block is back."""
+    from test_trtllm_connector import _check_clean, _done, _drained, _req
+
+    farm = trt_farm
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "intermediate_size": 256, "vocab_size": 1000}))
+    gate = dict(farm.cfg, cost_link="tcp", cost_model=str(tmp_path), cost_prefill_tps=1e6,
+                cost_decode_prefill_tps=1000, cost_queue_s=0.05)
+    from trtllm_driver import Server
+
+    dec = Server([farm.dspec], gate, True)
+    farm.servers.append(dec)
+    t_case = time.monotonic()
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        gone = f"tcp://127.0.0.1:{sk.getsockname()[1]}"
+    prid, drid, room = farm.ids()
+    farm.pre.step([_req(prid, 30, 1, Handle("send", room))])
+    src = {"specs": [farm.pspec], "blocks": farm.pre.ask("blocks", prid)}
+    _, drid2, room2 = farm.ids()
+    t0 = time.monotonic()
+    dec.step([_req(drid, 30, 2, Handle("recv", room, endpoints=tuple(farm.pre.sender_endpoints)), source=src),
+              _req(drid2, PROMPT, 2, Handle("recv", room2, endpoints=(gone,)),
+                   source={"specs": [farm.pspec], "blocks": list(range(16, 32))})])
+    t_end = until([farm.pre, dec], lambda: _done(dec, [drid, drid2]) and _drained(dec) and _drained(farm.pre))
+    res = dec.last[0]["results"]
+    assert res[drid] == {"tokens": 2, "cancelled": False, "computed": 30, "kv_ok": True}, res[drid]
+    d = _check_clean(dec)[0]
+    assert d["fallbacks"][drid]["reason"].startswith("recompute: below break-even"), d["fallbacks"]
+    ld = d["finished_loads"][drid2]
+    side = _side("decode (prefill gone)", "FAILED", ld["reason"], t_end - t0, farm.cfg["peer_timeout_s"],
+                 ("unreachable", "no answer", "failed the room"))
+    assert ld["verdict"] == "recompute"
+    _recompute_ok(res[drid2])
+    _check_clean(farm.pre)  # the declined room's blocks came back
+    assert not farm.throttle.double_releases(t_case)
+    _record({"plugin": "trtllm", "fault": "gate_recompute", "ok": True, "sides": [side], "double_releases": 0,
+             "blocks_ok": True, "next_ok": True, "recompute_ok": True,
+             "note": "30-token prompt below break-even computed on the decode (room declined); 512-token prompt with "
+                     "its prefill gone recomputed after the failed load", "case_s": round(time.monotonic() - t_case, 2)})
