@@ -86,6 +86,11 @@ def _cell(r: dict | None) -> str:
         extra.append(f"via {r['via']}")
     checks = "blocks released once" if r.get("blocks_ok") and not r.get("double_releases") else "BLOCKS"
     nxt = "next request byte-exact" if r.get("next_ok") else "NEXT REQUEST FAILED"
+    if r.get("late_write_after_resume"):
+        extra.append("**known gap: the piece the stopped prefill had under way landed in the decode's released "
+                     "pages when it resumed** (a peer timeout cannot tell stopped from dead; needs a write fence)")
+    elif r.get("late_write_after_resume") is False:
+        extra.append("no write into the decode's released pages after the prefill resumed")
     head = "ok" if r.get("ok") else "FAIL"
     return f"{head}: {sides}; {checks}; {nxt}" + (f"; {', '.join(extra)}" if extra else "")
 
