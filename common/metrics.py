@@ -2,7 +2,8 @@
 
 Prometheus names (all prefixed ``kvbridge_``):
 
-- ``handoffs_total{role, result, plan}``: finished handoffs (result: success, failed, aborted)
+- ``handoffs_total{role, result, plan}``: finished handoffs (result: success, failed, aborted,
+  declined: the decode side computes the prompt itself; counted on both sides)
 - ``handoff_bytes_total{role, plan}``, ``handoff_segments_total{role, plan}``
 - ``handoff_seconds{role, plan}``: histogram of handoff wall time (request to done)
 - ``handoff_transfer_gbps{role, plan}``: histogram of payload GB/s
@@ -10,8 +11,8 @@ Prometheus names (all prefixed ``kvbridge_``):
 - ``blocks_held{role}``: gauge of blocks leased to handoffs and not yet released
 - ``fallbacks_total{role, reason}``: requests whose KV was not moved (``reason``:
   ``below_break_even``: the cost gate judged recomputing on the decode side cheaper;
-  ``handoff_failed``: a failed handoff was recomputed). ``role="receiver"`` counts the
-  decode side's decisions, ``role="sender"`` rooms a decode side declined
+  ``handoff_failed``: a failed handoff was recomputed, TensorRT-LLM decode), counted by
+  the decode side (``role="receiver"``)
 """
 
 from __future__ import annotations
