@@ -160,16 +160,17 @@ class HandoffEstimate:
     total_s: float
 
 
-def predict_handoff_s(nbytes: int, segments: int, link: LinkProfile, *, staged: bool, chunk_bytes: int = 16 << 20,
+def predict_handoff_s(nbytes: int, segments: int, link: LinkProfile, *, staged: bool, first_part_bytes: int = 1 << 20,
                       overlapped: bool = True) -> HandoffEstimate:
     """Handoff time for ``nbytes`` in ``segments`` wire segments; a staged plan adds the
-    sender's repack, of which only the first chunk shows when overlapped with the wire."""
+    sender's repack, of which only the first part (``HandoffConfig.first_part_bytes``)
+    shows when overlapped with the wire, unless the repack is slower than the wire."""
     wire = nbytes / link.bandwidth_bytes_per_s
     seg = segments * link.per_segment_s
     rep = 0.0
     if staged:
         full = nbytes / link.repack_bytes_per_s
-        first = min(nbytes, max(1 << 20, min(chunk_bytes, nbytes // 4))) / link.repack_bytes_per_s
+        first = min(nbytes, first_part_bytes) / link.repack_bytes_per_s
         rep = first + max(0.0, full - first - (wire + seg)) if overlapped else full
     total = link.setup_s + wire + seg + rep
     return HandoffEstimate(nbytes, segments, link.setup_s, wire, seg, rep, total)

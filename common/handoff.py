@@ -83,7 +83,7 @@ class HandoffConfig:
     chunk_bytes: int = 16 << 20  # a sender prepares the gather of this much payload at a time
     part_bytes: int = 4 << 20  # one gather + one write of a staged send (the ring's region size)
     ring_parts: int = 8  # regions of a sender worker's staging ring: parts gathered ahead of the wire
-    first_part_bytes: int = 256 << 10  # the first part of a send; parts double up to part_bytes
+    first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)

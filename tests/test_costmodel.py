@@ -33,9 +33,10 @@ def test_handoff_prediction_parts():
     assert h.wire_s == pytest.approx((1 << 30) / 1e9)
     assert h.segments_s == pytest.approx(64e-5)
     assert h.total_s == pytest.approx(1e-3 + (1 << 30) / 1e9 + 64e-5)
-    # staged and overlapped: only the first chunk's repack (16 MiB at 4 GB/s) shows
+    # staged and overlapped: only the first part's repack (1 MiB at 4 GB/s) shows
     s = predict_handoff_s(1 << 30, 64, LINK, staged=True)
-    assert s.repack_s == pytest.approx((16 << 20) / 4e9)
+    assert s.repack_s == pytest.approx((1 << 20) / 4e9)
+    assert predict_handoff_s(1 << 30, 64, LINK, staged=True, first_part_bytes=4 << 20).repack_s == pytest.approx((4 << 20) / 4e9)
     # not overlapped: all of it
     assert predict_handoff_s(1 << 30, 64, LINK, staged=True, overlapped=False).repack_s == pytest.approx((1 << 30) / 4e9)
     # a repack slower than the wire shows beyond the wire time
