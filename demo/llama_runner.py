@@ -23,9 +23,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .paged_runner import PagedRunner
+
 
 # -- the model runner -------------------------------------------------------------------
-class TinyLlamaRunner:
+class TinyLlamaRunner(PagedRunner):
     """Greedy float32 Llama over a TensorRT-LLM-geometry pool (one request at a time)."""
 
     def __init__(self, model_dir: str | Path):
@@ -62,11 +64,6 @@ class TinyLlamaRunner:
         assert kvf == 2 and bs == self.kv_heads * tpb * self.head_dim, pool.shape
         return pool.view(nb, layers, 2, self.kv_heads, tpb, self.head_dim)  # HND inside a block
 
-    @staticmethod
-    def _where(blocks: Sequence[int], positions: torch.Tensor, tpb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        b = torch.as_tensor(list(blocks), dtype=torch.long)
-        return b[positions // tpb], positions % tpb
-
     def write_kv(self, pool, tpb, blocks, layer, positions, k, v) -> None:
         """k, v: [T, kv_heads, head_dim] for ``positions`` -> the request's blocks."""
         p6 = self._blocks6(pool, tpb)
@@ -81,9 +78,6 @@ class TinyLlamaRunner:
         return p6[blk, layer, 0, :, slot, :], p6[blk, layer, 1, :, slot, :]
 
     # -- the forward ----------------------------------------------------------------------
-    def _rms(self, x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
-
     def _rope(self, x, positions):  # x [T, H, D]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -124,24 +118,6 @@ class TinyLlamaRunner:
             x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         x = self._rms(x, w["model.norm.weight"])
         return x @ w["lm_head.weight"].T
-
-    def prefill(self, prompt: Sequence[int], pool, tpb, blocks) -> tuple[int, torch.Tensor]:
-        """The prompt through the model, every layer's K/V into ``blocks``; (first token, its logits)."""
-        logits = self.forward(prompt, 0, pool, tpb, blocks)[-1]
-        return int(logits.argmax()), logits
-
-    def decode(self, token: int, pos: int, n: int, pool, tpb, blocks) -> tuple[list[int], torch.Tensor]:
-        """Paged greedy decode: feed ``token`` at position ``pos`` (K/V of [0, pos) must be in
-        the pool), then each new token; ``n`` tokens out, and the logits of the first step."""
-        out, first = [], None
-        for _ in range(n):
-            logits = self.forward([token], pos, pool, tpb, blocks)[-1]
-            if first is None:
-                first = logits
-            token = int(logits.argmax())
-            out.append(token)
-            pos += 1
-        return out, first
 
 
 def pool_kv(runner: TinyLlamaRunner, pool, tpb, blocks, n) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -42,12 +42,14 @@ from typing import Sequence
 
 import torch
 
+from .paged_runner import PagedRunner
+
 __all__ = ["TinyMLARunner"]
 
 log = logging.getLogger(__name__)
 
 
-class TinyMLARunner:
+class TinyMLARunner(PagedRunner):
     """Greedy float32 DeepSeek-V3 (MLA, dense MLP) over a TensorRT-LLM MLA pool (one request at a time)."""
 
     def __init__(self, model_dir: str | Path):
@@ -102,14 +104,6 @@ class TinyMLARunner:
                              f"got {tuple(pool.shape)}")
         return pool.view(pool.shape[0], self.layers, tpb, self.row)
 
-    @staticmethod
-    def _where(blocks: Sequence[int], positions: torch.Tensor, tpb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        b = torch.as_tensor(list(blocks), dtype=torch.long)
-        if positions.numel() and int(positions.max()) >= len(b) * tpb:
-            raise ValueError(f"position {int(positions.max())} is beyond the request's {len(b)} blocks "
-                             f"of {tpb} tokens")
-        return b[positions // tpb], positions % tpb
-
     def write_kv(self, pool, tpb, blocks, layer, positions, ckv, k_pe) -> None:
         """ckv [T, kv_lora_rank] (normalized compressed KV) and k_pe [T, qk_rope_head_dim]
         (after RoPE) of ``positions`` -> the request's blocks, one row per token."""
@@ -127,9 +121,6 @@ class TinyMLARunner:
         return r[:, : self.kv_lora_rank], r[:, self.kv_lora_rank:]
 
     # -- the forward ----------------------------------------------------------------------
-    def _rms(self, x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
-
     def _rope(self, x, positions):
         """RoPE over the last dim of x [T, ..., rope_dim], in place of the model's order:
         interleaved pairs (GPT-J style) with ``rope_interleave``, else rotate-half."""
@@ -188,23 +179,3 @@ class TinyMLARunner:
             x = x + self._linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
         x = self._rms(x, w["model.norm.weight"])
         return x @ w["lm_head.weight"].T
-
-    def prefill(self, prompt: Sequence[int], pool, tpb, blocks) -> tuple[int, torch.Tensor]:
-        """The prompt through the model, every layer's latent rows into ``blocks``; (first token, its logits)."""
-        if not len(prompt):
-            raise ValueError("empty prompt")
-        logits = self.forward(prompt, 0, pool, tpb, blocks)[-1]
-        return int(logits.argmax()), logits
-
-    def decode(self, token: int, pos: int, n: int, pool, tpb, blocks) -> tuple[list[int], torch.Tensor]:
-        """Paged greedy decode: feed ``token`` at position ``pos`` (rows of [0, pos) must be in
-        the pool), then each new token; ``n`` tokens out, and the logits of the first step."""
-        out, first = [], None
-        for _ in range(n):
-            logits = self.forward([token], pos, pool, tpb, blocks)[-1]
-            if first is None:
-                first = logits
-            token = int(logits.argmax())
-            out.append(token)
-            pos += 1
-        return out, first

@@ -93,6 +93,15 @@ def _finish(model, config, out_dir: Path, dtype: torch.dtype, seed: int, std: fl
     return out_dir
 
 
+def _build(config_cls, model_cls, kw: dict, out_dir, dtype: torch.dtype, seed: int, std: float) -> Path:
+    """``model_cls`` from ``config_cls(**kw)`` with the tokenizer's special ids, seeded
+    weights, saved to ``out_dir``."""
+    config = config_cls(**kw, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                        tie_word_embeddings=False, architectures=[model_cls.__name__], dtype=dtype)
+    torch.manual_seed(seed)
+    return _finish(model_cls(config), config, Path(out_dir), dtype, seed, std)
+
+
 def build_tiny_llama(
     out_dir: str | os.PathLike,
     *,
@@ -106,18 +115,7 @@ def build_tiny_llama(
 
     kw = dict(LLAMA_DEFAULTS)
     kw.update(overrides)
-    config = LlamaConfig(
-        **kw,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-        dtype=dtype,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    return _finish(model, config, Path(out_dir), dtype, seed, std)
+    return _build(LlamaConfig, LlamaForCausalLM, kw, out_dir, dtype, seed, std)
 
 
 def build_tiny_mla(
@@ -177,18 +175,7 @@ def build_tiny_mla(
         },
     )
     kw.update(overrides)
-    config = DeepseekV3Config(
-        **kw,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
-        architectures=["DeepseekV3ForCausalLM"],
-        dtype=dtype,
-    )
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config)
-    return _finish(model, config, Path(out_dir), dtype, seed, std)
+    return _build(DeepseekV3Config, DeepseekV3ForCausalLM, kw, out_dir, dtype, seed, std)
 
 
 class Reference(NamedTuple):

@@ -71,6 +71,37 @@ def execute_segments(seg: Segments) -> None:
         ctypes.memmove(d, s, n)
 
 
+class PipePeer:
+    """A peer process driven over a Pipe: ``target(conn, spec, cfg)`` answers each command
+    with a tuple, ``("error", text)`` on failure; its first message says it is ready."""
+
+    def __init__(self, target, spec: dict, cfg: dict, *, ready_timeout: float = 60.0):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.spec = spec
+        self.proc = ctx.Process(target=target, args=(child, spec, cfg), daemon=True)
+        self.proc.start()
+        self.ready = self.call(timeout=ready_timeout)
+
+    def call(self, *cmd, timeout: float = 60.0):
+        """Send ``cmd`` (if any) and return the answer; a hung peer raises TimeoutError."""
+        if cmd:
+            self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {cmd[:1]} within {timeout} s (hung?)")
+        msg = self.conn.recv()
+        if msg[0] == "error":
+            raise AssertionError(msg[1])
+        return msg
+
+    call_raw = call
+
+    def stop(self) -> None:
+        stop_process(self.conn, self.proc)
+
+
 def stop_process(conn, proc, grace_s: float = 5.0) -> None:
     """Ask a peer process driven over ``conn`` to stop, then kill it if it does not."""
     if proc.is_alive():

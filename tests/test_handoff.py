@@ -7,44 +7,24 @@ else in its pool changed; block free-counts are checked on both sides.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
 import pytest
 
 import handoff_peers
-from kvhelpers import stop_process
+from kvhelpers import PipePeer
 
 CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20)
 
 
-class Peer:
-    """A peer process driven over a Pipe."""
+class Peer(PipePeer):
+    """A handoff peer process (tests/handoff_peers.py) driven over a Pipe."""
 
     def __init__(self, role: str, spec: dict, cfg: dict | None = None):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
         target = handoff_peers.prefill_main if role == "prefill" else handoff_peers.decode_main
-        self.spec = spec
-        self.proc = ctx.Process(target=target, args=(child, spec, {**CFG, **(cfg or {})}), daemon=True)
-        self.proc.start()
-        msg = self.call_raw(timeout=60)
-        assert msg[0] == "ready", msg
-        self.endpoint_or_session, self.free0 = msg[1], msg[2]
-
-    def call_raw(self, *cmd, timeout=60):
-        if cmd:
-            self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer did not answer {cmd[:1]} within {timeout} s")
-        msg = self.conn.recv()
-        if msg[0] == "error":
-            raise AssertionError(msg[1])
-        return msg
-
-    def stop(self):
-        stop_process(self.conn, self.proc)
+        super().__init__(target, spec, {**CFG, **(cfg or {})})
+        assert self.ready[0] == "ready", self.ready
+        self.endpoint_or_session, self.free0 = self.ready[1], self.ready[2]
 
 
 def spec(engine, *, layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=16, blocks=64, seed=1, mla=False):

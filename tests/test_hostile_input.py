@@ -22,8 +22,6 @@ hypothesis test here, e.g. ``KVBRIDGE_FUZZ_EXAMPLES=500 pytest tests/test_hostil
 from __future__ import annotations
 
 import itertools
-import math
-import multiprocessing as mp
 import os
 import time
 
@@ -38,7 +36,7 @@ from handoff_peers import build_pool
 from kvbridge.common import protocol as P
 from kvbridge.common.control import ControlChannel
 from kvbridge.layout import KVLayout, LayoutError
-from kvhelpers import stop_process
+from kvhelpers import PipePeer
 
 _N = int(os.environ.get("KVBRIDGE_FUZZ_EXAMPLES", "0"))
 settings.register_profile("kvbridge-fuzz-ci", max_examples=60, deadline=None, derandomize=False,
@@ -200,27 +198,8 @@ def test_control_channel_refuses_spoofed_routing_ids_and_oversized_frames():
 # -- (b) a hostile peer against real peers -----------------------------------------------------
 
 
-class Peer:
-    def __init__(self, target, spec, cfg):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.spec = spec
-        self.proc = ctx.Process(target=target, args=(child, spec, {**CFG, **cfg}), daemon=True)
-        self.proc.start()
-        self.ready = self.call(timeout=90)
-
-    def call(self, *cmd, timeout=60):
-        if cmd:
-            self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer did not answer {cmd[:1]} within {timeout} s (hung?)")
-        msg = self.conn.recv()
-        if msg[0] == "error":
-            raise AssertionError(msg[1])
-        return msg
-
-    def stop(self):
-        stop_process(self.conn, self.proc)
+def Peer(target, spec, cfg):
+    return PipePeer(target, spec, {**CFG, **cfg}, ready_timeout=90)
 
 
 def _spec(engine, tpb, seed, blocks=64):
@@ -398,7 +377,7 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
     tokens past the end, an inverted range or a broken layout: each is refused with the
     reason, the room fails and its prefill blocks come back; the decode pool is unchanged."""
     pre, dec = pair
-    endpoint, free0 = pre.ready[1], pre.ready[2]
+    endpoint = pre.ready[1]
     session, layout = dec.ready[1], dec.ready[3]
     dec.call("snap", "trusted")
     hostile = Hostile(endpoint)
@@ -510,7 +489,6 @@ def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
     rooms, garbage), the room ends with a reason or with success, its blocks come back
     once, and no byte of the decode pool outside the room's blocks changes."""
     _, dec = pair
-    dfree0 = dec.ready[2]
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
