@@ -29,14 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["DemoError", "STEPS", "run_demo", "model_cache_dir", "ensure_tiny_llama"]
+__all__ = ["DemoError", "STEPS", "run_demo", "model_cache_dir", "ensure_tiny_model", "MODELS"]
 
 log = logging.getLogger(__name__)
 
 STEPS = ("build model", "reference", "start server", "handoff", "decode")
 TOKENS_PER_BLOCK = 32  # the TensorRT-LLM side's block size (SGLang's page size is 1 here)
 NUM_BLOCKS = 64
-_MODEL_NAME = "tiny-llama-gqa-v1"  # bump when build_tiny_llama's defaults change
+# the demo's models: cache folder name (bump when the builder's defaults change) and builder
+MODELS = {"llama": ("tiny-llama-gqa-v1", "build_tiny_llama"), "mla": ("tiny-deepseek-mla-v1", "build_tiny_mla")}
 _rids = itertools.count(1)
 
 
@@ -68,19 +69,23 @@ def model_cache_dir() -> Path:
     return root / "demo"
 
 
-def ensure_tiny_llama(cache: Path | None = None) -> tuple[Path, bool]:
-    """The tiny GQA Llama (``build_tiny_llama``, seed 0) in the cache; built when absent
-    (into a temporary folder first, renamed into place, so a half-built folder is never
-    used). Returns (folder, whether it was built now)."""
-    from .models import build_tiny_llama
+def ensure_tiny_model(kind: str = "llama", cache: Path | None = None) -> tuple[Path, bool]:
+    """The demo's tiny model of ``kind`` (``MODELS``: "llama", a GQA Llama, or "mla", a
+    DeepSeek-V3-style MLA model; seed 0) in the cache; built when absent (into a temporary
+    folder first, renamed into place, so a half-built folder is never used). Returns
+    (folder, whether it was built now)."""
+    from . import models
 
+    if kind not in MODELS:
+        raise DemoError(f"unknown demo model {kind!r}; choose one of {sorted(MODELS)}")
+    name, builder = MODELS[kind]
     cache = cache or model_cache_dir()
-    target = cache / _MODEL_NAME
+    target = cache / name
     if (target / "kvbridge_tiny_model.json").exists():
         return target, False
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_MODEL_NAME}-", dir=cache))
-    build_tiny_llama(tmp)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+    getattr(models, builder)(tmp)
     try:
         os.replace(tmp, target)
     except OSError:  # another process finished first: use its copy
@@ -115,12 +120,23 @@ def _answer(res: Any, srv: Any, what: str) -> dict:
 
 
 def _model_info(model_dir: Path) -> dict:
+    """The demo model's shape, and what its KV holds per token (``kv_bytes_per_token``, float32)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads = int(cfg["num_attention_heads"])
-    return {"name": _MODEL_NAME, "dir": str(model_dir), "layers": int(cfg["num_hidden_layers"]), "heads": heads,
-            "kv_heads": int(cfg.get("num_key_value_heads", heads)),
-            "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), "dtype": "float32",
+    layers = int(cfg["num_hidden_layers"])
+    info = {"name": model_dir.name, "dir": str(model_dir), "layers": layers, "heads": heads, "dtype": "float32",
             "vocab": int(cfg["vocab_size"])}
+    if cfg.get("kv_lora_rank"):  # MLA: one latent row per token and layer
+        row = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+        info.update(attention="MLA", kv_heads=1, head_dim=row, kv_factor=1,
+                    kv="latent rows [kv_lora_rank {} | rope {}]".format(cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]))
+    else:
+        kv_heads = int(cfg.get("num_key_value_heads", heads))
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        info.update(attention="GQA" if kv_heads < heads else "MHA", kv_heads=kv_heads, head_dim=head_dim, kv_factor=2,
+                    kv=f"K and V, {kv_heads} KV heads x {head_dim}")
+    info["kv_bytes_per_token"] = layers * info["kv_factor"] * info["kv_heads"] * info["head_dim"] * 4
+    return info
 
 
 def _replan(src_desc: dict, dst_layout: Any, dst_blocks: Sequence[int], prompt_len: int) -> dict:
@@ -170,7 +186,7 @@ def _cost_verdict(model_dir: Path, link_spec: str, prompt_len: int, max_new: int
 
 def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, seed: int = 600,
              extra_prompt_lens: Sequence[int] = (), link: str = "tcp", model_dir: str | os.PathLike | None = None,
-             log_dir: str | os.PathLike | None = None, progress: Any = None,
+             model: str = "llama", log_dir: str | os.PathLike | None = None, progress: Any = None,
              start_timeout: float | None = None) -> dict:
     """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
     generated token equals transformers' reference).
@@ -179,8 +195,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
     ``extra_prompt_lens``: more requests through the same servers, checked likewise
     (``report["checks"]``). ``link``: the cost model's link (a preset or a ``kvbridge
-    bench link --out`` file). ``model_dir``: a tiny Llama folder (default: built into
-    the cache). ``progress``: an object with ``start(step, detail)`` / ``done(step,
+    bench link --out`` file). ``model``: "llama" (a GQA Llama) or "mla" (DeepSeek-style
+    MLA), built into the cache; ``model_dir``: a tiny model folder of either kind instead. ``progress``: an object with ``start(step, detail)`` / ``done(step,
     detail)``, called for each of ``STEPS``. Raises DemoError (with the server's log
     tail) or ServerError when a server or handoff fails; the SGLang server's process
     group is killed whatever happens."""
@@ -200,12 +216,12 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         pass
     prog.start("build model")
     if model_dir is None:
-        model_dir, built = ensure_tiny_llama()
+        model_dir, built = ensure_tiny_model(model)
     else:
         model_dir, built = Path(model_dir), False
         if not (model_dir / "config.json").is_file():
             raise DemoError(f"--model-dir {model_dir}: no config.json there (a model folder, e.g. from "
-                            "kvbridge.demo.models.build_tiny_llama, is needed)")
+                            "kvbridge.demo.models.build_tiny_llama or build_tiny_mla, is needed)")
     model_dir = Path(model_dir).resolve()
     info = _model_info(model_dir)
     prog.done("build model", f"{'built' if built else 'cached'}: {model_dir}")
@@ -216,9 +232,12 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     refs = [reference_generate(model_dir, p, max_new) for p in prompts]
     prog.done("reference", f"transformers generate(): {len(prompts)} prompt(s) x {max_new} tokens")
 
-    from .llama_runner import TinyLlamaRunner
+    if info["attention"] == "MLA":
+        from .mla_runner import TinyMLARunner as Runner
+    else:
+        from .llama_runner import TinyLlamaRunner as Runner
 
-    runner = TinyLlamaRunner(model_dir)
+    runner = Runner(model_dir)
     kw = dict(runner=runner, model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog,
               log_dir=log_dir, start_timeout=start_timeout or DEFAULT_START_TIMEOUT)
     results, extra = (_trt_to_sglang(**kw) if reverse else _sglang_to_trt(**kw))
@@ -226,7 +245,7 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     rec = main["record"]
     handoff_s = float(rec["seconds"])
     recompute_s = _measure_recompute(runner, prompts[0])
-    bytes_expected = info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * 4 * len(prompts[0])
+    bytes_expected = info["kv_bytes_per_token"] * len(prompts[0])
     report = {
         "direction": "trtllm->sglang" if reverse else "sglang->trtllm",
         "prefill_engine": "trtllm" if reverse else "sglang",

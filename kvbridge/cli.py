@@ -313,8 +313,8 @@ def _demo_report(r: dict) -> None:
         ("prefill", r["prefill_detail"]),
         ("decode", r["decode_detail"]),
         ("transport", r["transport"]),
-        ("model", f"{m['name']}: {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, "
-                  f"{m['dtype']} ({m['dir']})"),
+        ("model", f"{m['name']}: {m['attention']}, {m['layers']} layers, {m['heads']} heads; KV per token and layer: "
+                  f"{m['kv']}, {m['dtype']} ({m['dir']})"),
         ("prompt ids", f"{r['prompt_len']} tokens: {r['prompt_ids']}"),
         ("generated ids", str(r["generated_ids"])),
         ("transformers", str(r["reference_ids"])),
@@ -354,7 +354,7 @@ def _demo(args: argparse.Namespace) -> int:
     old = signal.signal(signal.SIGTERM, _term)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C even where SIGINT was ignored
     console = _console()
-    kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir,
+    kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir, model=args.model,
               extra_prompt_lens=tuple(int(x) for x in args.also.split(",") if x) if args.also else ())
     try:
         if args.json and not console.is_terminal:
@@ -561,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new", type=int, default=32, help="tokens to generate")
     demo.add_argument("--also", default="", help="more prompt lengths through the same servers, e.g. 7,300")
     demo.add_argument("--link", default="tcp", help="the cost model's link: a preset or a `kvbridge bench link --out` file")
-    demo.add_argument("--model-dir", help="a tiny Llama folder to use (default: built into ~/.cache/kvbridge/demo)")
+    demo.add_argument("--model", choices=("llama", "mla"), default="llama",
+                      help="the tiny model: llama (GQA, default) or mla (DeepSeek-V3-style multi-head latent attention)")
+    demo.add_argument("--model-dir", help="a tiny model folder to use instead (default: built into ~/.cache/kvbridge/demo)")
     demo.set_defaults(func=_demo)
     return p
 
