@@ -20,6 +20,7 @@ acknowledged, died, or ``quiesce_s`` passed, so its blocks are not reused under 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import time
@@ -37,7 +38,6 @@ from kvbridge.layout import (
     HeadMap,
     KVLayout,
     LayoutError,
-    LayoutMismatchError,
     PlanCosts,
     PlanKind,
     block_ranges,
@@ -505,12 +505,13 @@ class KVSender(_Side):
         # the guard: not one byte outside what this receiver set aside for this room
         check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
         if plan.kind is PlanKind.STAGED_SEND:
-            self._pipeline(r, req.session, plan, ring, deadline)
+            self._pipeline(r, t.peer, req.session, plan, ring, deadline)
         else:
             t0 = time.perf_counter()
-            h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline)
+            h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline,
+                                           guard=functools.partial(self._stop_reason, r, t.peer))
             try:
-                self._await(r, h)
+                self._await(r, h, peer=t.peer)
             finally:
                 self._settle_write(h)
             rec.transfer_s += time.perf_counter() - t0
@@ -524,18 +525,21 @@ class KVSender(_Side):
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
 
-    def _pipeline(self, r: _SendRoom, session: str, plan, ring: torch.Tensor, deadline_s: float) -> None:
+    def _pipeline(self, r: _SendRoom, peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float) -> None:
         """Staged send: gather the plan into the staging ring part by part, each part written
         as soon as it is gathered. Parts start at ``first_part_bytes`` and double up to
         ``part_bytes`` (bytes are on the wire after a tiny gather); a region of the ring is
         gathered into again only once the write that read it has completed, so up to
-        ``ring_parts`` writes are in flight while the next part is gathered."""
+        ``ring_parts`` writes are in flight while the next part is gathered. No part is
+        submitted once the decode peer has been silent for ``peer_timeout_s`` (it gives the
+        room up then; e.g. this process was stopped and has just resumed)."""
         cfg, rec = self.config, r.record
         regions = ring.numel() // cfg.part_bytes
         inflight: deque = deque()
         end = time.monotonic() + deadline_s
         want = cfg.first_part_bytes
         k = 0
+        guard = functools.partial(self._stop_reason, r, peer)
         try:
             # a small request in two chunks: its first row index is ready sooner
             for chunk in plan.chunks(min(cfg.chunk_bytes, max(cfg.part_bytes, plan.nbytes // 2))):
@@ -544,13 +548,14 @@ class KVSender(_Side):
                 rec.repack_s += time.perf_counter() - t0
                 rb, a = gather.row_bytes, 0
                 while a < gather.rows:
-                    if r.state in TERMINAL:
-                        raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
+                    why = self._stop_reason(r, peer)
+                    if why:
+                        raise HandoffFailed(why)
                     b = min(gather.rows, a + max(1, min(want, cfg.part_bytes) // rb))
                     want *= 2
                     if len(inflight) == regions:  # the region we are about to reuse must be sent
                         t0 = time.perf_counter()
-                        self._await(r, inflight[0], end - time.monotonic())
+                        self._await(r, inflight[0], end - time.monotonic(), peer)
                         inflight.popleft()
                         rec.transfer_s += time.perf_counter() - t0
                     region = ring[(k % regions) * cfg.part_bytes:]
@@ -558,31 +563,52 @@ class KVSender(_Side):
                     gather.run(region, rows=(a, b))
                     rec.repack_s += time.perf_counter() - t0
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
-                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic()))
+                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
+                                                               guard=guard))
                     rec.chunks += 1
                     k, a = k + 1, b
             t0 = time.perf_counter()
             while inflight:
-                self._await(r, inflight[0], end - time.monotonic())
+                self._await(r, inflight[0], end - time.monotonic(), peer)
                 inflight.popleft()
             rec.transfer_s += time.perf_counter() - t0
         finally:
             for h in inflight:  # on failure: no piece of ours may still be in the engine
                 self._settle_write(h)
 
-    def _await(self, r: _SendRoom, h, timeout_s: float | None = None) -> None:
+    def _await(self, r: _SendRoom, h, timeout_s: float | None = None, peer: str | None = None) -> None:
         """Wait for write ``h``, giving it up as soon as the room ends (an abort from either
-        side, a peer gone): nothing more of it may land in the peer's blocks after that."""
+        side, a peer gone) or ``peer`` has been silent for ``peer_timeout_s`` (checked
+        before each poll, which may submit more pieces): nothing more of it may land in the
+        peer's blocks after that."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         sleep = 50e-6
-        while not h.poll():
-            if r.state in TERMINAL:
-                raise HandoffFailed(f"room {r.room} ended during the transfer: {r.reason}")
+        while True:
+            why = self._stop_reason(r, peer)
+            if why:
+                raise HandoffFailed(why)
+            if h.poll():
+                return
             if end is not None and time.monotonic() > end:
                 h.wait(1e-6)  # raises TransportTimeout unless it just completed
                 return
             time.sleep(sleep)
             sleep = min(2 * sleep, 1e-3)
+
+    def _stop_reason(self, r: _SendRoom, peer: str | None) -> str | None:
+        """Why no further piece of room ``r`` may go to ``peer`` (None: it may): the room
+        ended, or the peer has been silent longer than ``peer_timeout_s``, so it has given
+        the room up and may reuse its blocks (e.g. this process was stopped and has just
+        resumed). Asked before each gather and, as the transport's write guard, right
+        before each piece is handed to the engine."""
+        if r.state in TERMINAL:
+            return f"room {r.room} ended during the transfer: {r.reason}"
+        if peer is not None:
+            silent = time.monotonic() - self._peers_seen.get(peer, time.monotonic())
+            if silent > self.config.peer_timeout_s:
+                return (f"decode peer silent for {silent:.1f} s (> {self.config.peer_timeout_s:.1f} s): "
+                        "it has given the room up; no more writes into its blocks")
+        return None
 
     def _settle_write(self, h) -> None:
         """After a write ended (or to end it): make sure the engine holds none of its pieces,

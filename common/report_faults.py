@@ -88,7 +88,10 @@ def _cell(r: dict | None) -> str:
     nxt = "next request byte-exact" if r.get("next_ok") else "NEXT REQUEST FAILED"
     if r.get("late_write_after_resume"):
         extra.append("**known gap: the piece the stopped prefill had under way landed in the decode's released "
-                     "pages when it resumed** (a peer timeout cannot tell stopped from dead; needs a write fence)")
+                     "pages when it resumed** (a peer timeout cannot tell stopped from dead. A resumed sender "
+                     "submits no further piece: each is guarded right before it goes to the transfer engine; "
+                     "what was already past that guard, here the piece the test's throttle held, still lands. "
+                     "Closing it needs a write fence on the receiver's memory)")
     elif r.get("late_write_after_resume") is False:
         extra.append("no write into the decode's released pages after the prefill resumed")
     head = "ok" if r.get("ok") else "FAIL"

@@ -52,7 +52,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Callable, Any, Sequence
 
 import numpy as np
 
@@ -144,8 +144,10 @@ class WriteHandle:
     from local memory: keep the source buffers alive until the transport is closed.
     """
 
-    def __init__(self, transport: "MooncakeTransport", peer: str, src, dst, lengths, segments: int, deadline_s: float):
+    def __init__(self, transport: "MooncakeTransport", peer: str, src, dst, lengths, segments: int, deadline_s: float,
+                 guard: Callable[[], str | None] | None = None):
         self._t = transport
+        self._guard = guard
         self.peer = peer
         self.segments = segments
         self.pieces = int(lengths.size)
@@ -284,6 +286,9 @@ class WriteHandle:
         used = 0
         try:
             for i in range(self._next, self._next + granted):
+                why = self._guard() if self._guard is not None else None
+                if why:  # checked right before each piece: the peer may have given the write up
+                    raise TransportError(self._describe(f"stopped before piece {i}: {why}"))
                 bid = engine.batch_transfer_async_write(peer, [self._src[i]], [self._dst[i]], [self._len[i]])
                 if bid <= 0 or bid >= 2**64 - 1:
                     raise TransportError(
@@ -445,10 +450,13 @@ class MooncakeTransport:
 
     # -- writes ------------------------------------------------------------------------
 
-    def write_async(self, session: str, src_addrs, dst_addrs, lengths, deadline_s: float = 30.0) -> WriteHandle:
+    def write_async(self, session: str, src_addrs, dst_addrs, lengths, deadline_s: float = 30.0,
+                    guard: Callable[[], str | None] | None = None) -> WriteHandle:
         """Start writing ``lengths[i]`` bytes from local ``src_addrs[i]`` to the peer's
         ``dst_addrs[i]``; returns a handle to poll or wait on. Pieces are submitted
-        at once up to the in-flight bound; a submit failure raises here."""
+        at once up to the in-flight bound; a submit failure raises here. ``guard``, when
+        given, is asked right before each piece is handed to the engine; a non-empty
+        answer (why not) fails the write there, with no further piece submitted."""
         self._check_open()
         src = _as_i64("src_addrs", src_addrs)
         dst = _as_i64("dst_addrs", dst_addrs)
@@ -466,7 +474,7 @@ class MooncakeTransport:
         if self.check_local:
             self._check_local(src[live], lens[live])
         ps, pd, pl = split_pieces(src, dst, lens, self.max_piece_bytes)
-        handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s)
+        handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s, guard)
         self._handles.add(handle)
         handle.poll()
         return handle

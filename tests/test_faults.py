@@ -127,7 +127,7 @@ def format_matrix() -> list[str]:
     """The fault matrix as text lines (printed at the end of the run)."""
     plugins = sorted({r["plugin"] for r in RESULTS})
     by = {(r["plugin"], r["fault"]): r for r in RESULTS}
-    lines = [f"{'fault':<18}" + "".join(f"{p:<44}" for p in plugins)]
+    rows = []
     for fault in FAULTS + ["link_cut", "gate_recompute"]:
         cells = []
         for p in plugins:
@@ -141,7 +141,10 @@ def format_matrix() -> list[str]:
                 sides = ", ".join(f"{s['side']} {s['seconds']:.1f}/{s['bound_s']:.1f}s" for s in r["sides"])
                 cells.append(("ok " if r["ok"] else "FAIL ") + sides + ("" if worst <= 1 else " LATE")
                              + (" GAP:write-after-resume" if r.get("late_write_after_resume") else ""))
-        lines.append(f"{fault:<18}" + "".join(f"{c:<44}" for c in cells))
+        rows.append((fault, cells))
+    width = max([44] + [len(c) + 2 for _, cells in rows for c in cells])
+    lines = [f"{'fault':<18}" + "".join(f"{p:<{width}}" for p in plugins)]
+    lines += [f"{fault:<18}" + "".join(f"{c:<{width}}" for c in cells) for fault, cells in rows]
     lines.append("cells: surviving side, fault -> terminal s / bound s; every block released once; next request byte-exact")
     return lines
 

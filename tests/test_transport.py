@@ -61,9 +61,21 @@ def _child(conn, nbytes: int, env: dict, transport_kw: dict) -> None:
 
     last = {}
 
-    def write(session, src_off, dst_addrs, lengths, deadline_s, overlap=False):
+    def write(session, src_off, dst_addrs, lengths, deadline_s, overlap=False, stop_after=None):
         t0 = time.monotonic()
+        asked = []
+
+        def guard():  # lets ``stop_after`` pieces through, then says why not
+            asked.append(1)
+            return "told to stop by the test" if len(asked) > stop_after else None
+
         try:
+            if stop_after is not None:
+                try:  # the first pieces are submitted inside write_async: it may raise there
+                    t.write_async(session, base + np.asarray(src_off), dst_addrs, lengths, deadline_s, guard=guard).wait()
+                except TransportError as e:
+                    return {"ok": False, "msg": str(e), "asked": len(asked)}
+                return {"ok": True, "asked": len(asked)}
             if overlap:
                 h = t.write_async(session, base + np.asarray(src_off), dst_addrs, lengths, deadline_s)
                 in_flight_after_submit = not h.done
@@ -213,6 +225,32 @@ def test_write_async_overlaps_with_work(pair):
     assert "aborted by the test" in msg and target.session in msg
     out = writer.call("write", session=target.session, src_off=src_off, dst_addrs=target.addr + dst_off, lengths=lengths, deadline_s=15.0)
     assert out["ok"], out
+
+
+def test_write_guard_stops_before_the_next_piece(pair):
+    """A write's guard is asked right before each piece goes to the engine: once it says
+    no, nothing more is submitted, the pieces already handed over land, the rest of the
+    target is untouched."""
+    writer, target = pair
+    n, piece = 12, 1 * MiB
+    src_off = np.arange(n, dtype=np.int64) * piece
+    dst_off = np.arange(n, dtype=np.int64) * (piece + 4096)
+    lengths = np.full(n, piece, dtype=np.int64)
+    target.call("fill", seed=31)
+    writer.call("fill", seed=32)
+    out = writer.call("write", session=target.session, src_off=src_off, dst_addrs=target.addr + dst_off,
+                      lengths=lengths, deadline_s=15.0, stop_after=3)
+    assert not out["ok"] and "stopped before piece 3: told to stop by the test" in out["msg"], out
+    assert out["asked"] == 4
+    k = 3  # exactly the first three pieces (they land), nothing of the others
+    end = time.monotonic() + 10
+    while True:
+        bad, first = target.call("verify", fill_seed=31, src_seed=32, src_nbytes=writer.nbytes, src_off=src_off[:k],
+                                 dst_off=dst_off[:k], lengths=lengths[:k])
+        if bad == 0 or time.monotonic() > end:
+            break
+        time.sleep(0.1)
+    assert bad == 0, f"{bad} wrong bytes on the target, first at offset {first}"
 
 
 def test_unregistered_remote_range_fails_cleanly(pair):
