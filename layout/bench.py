@@ -54,6 +54,8 @@ def bench_layout(
     repack_tokens: int = 4096,
     reps: int = 5,
     chunk_bytes: int = 16 << 20,
+    part_bytes: int = 4 << 20,
+    ring_parts: int = 8,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
@@ -96,16 +98,18 @@ def bench_layout(
     chunks = rplan.chunks(chunk_bytes)
     gathers = [c.gather() for c in chunks]
     prepare_s = time.perf_counter() - t0
-    ring = [torch.empty(max(g.nbytes for g in gathers), dtype=torch.uint8) for _ in range(2)]
+    ring = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
+    parts = [(g, a, min(g.rows, a + part_bytes // g.row_bytes)) for g in gathers
+             for a in range(0, g.rows, part_bytes // g.row_bytes)]
     whole = rplan.gather()
     whole_stage = torch.empty(nbytes, dtype=torch.uint8)
     a = torch.empty(nbytes, dtype=torch.uint8)
     b = torch.empty(nbytes, dtype=torch.uint8)
     b.random_(0, 255)
 
-    def chunked() -> None:
-        for i, g in enumerate(gathers):
-            g.run(ring[i % 2])
+    def chunked() -> None:  # as KVSender's pipeline: parts into the regions of its staging ring in turn
+        for k, (g, a, b) in enumerate(parts):
+            g.run(ring[(k % ring_parts) * part_bytes:], rows=(a, b))
 
     a.copy_(b)  # warm-up: first touch of every page
     chunked()
@@ -137,7 +141,8 @@ def bench_layout(
         "segments_staged_contiguous_dst": int(contiguous.num_segments),
         "repack_tokens": repack_tokens,
         "repack_bytes": nbytes,
-        "repack_mode": f"gather into a 2 x {chunk_bytes >> 20} MiB staging ring, {len(chunks)} chunks (the sender's pipeline)",
+        "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
+                        f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline)"),
         "repack_gbps": round(nbytes / rep_s / 1e9, 3),
         "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
         "repack_ratio": round(copy_s / rep_s, 3),
