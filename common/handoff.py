@@ -562,9 +562,11 @@ class KVSender(_Side):
                     t0 = time.perf_counter()
                     gather.run(region, rows=(a, b))
                     rec.repack_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
                     inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
                                                                guard=guard))
+                    rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1
                     k, a = k + 1, b
             t0 = time.perf_counter()

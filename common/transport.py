@@ -356,6 +356,7 @@ class MooncakeTransport:
         self.check_local = check_local
         self._lock = threading.Lock()
         self._registry: dict[int, int] = {}
+        self._ranges: tuple[np.ndarray, np.ndarray] | None = None  # sorted (starts, ends), rebuilt on change
         self._inflight: dict[str, int] = {}
         self._zombies: deque[tuple[str, int, WriteHandle]] = deque()
         self._handles: weakref.WeakSet[WriteHandle] = weakref.WeakSet()
@@ -421,6 +422,7 @@ class MooncakeTransport:
             if ret != 0:
                 raise TransportError(f"Mooncake register_memory(0x{addr:x}, {nbytes}) returned {ret}")
             self._registry[addr] = nbytes
+            self._ranges = None
         log.debug("registered 0x%x (+%d B)", addr, nbytes)
 
     def register_tensor(self, t: Any) -> tuple[int, int]:
@@ -440,6 +442,7 @@ class MooncakeTransport:
                 return
             ret = self._engine.unregister_memory(addr)
             del self._registry[addr]
+            self._ranges = None
         if ret != 0:
             log.warning("Mooncake unregister_memory(0x%x) returned %d", addr, ret)
 
@@ -536,11 +539,13 @@ class MooncakeTransport:
         if src.size == 0:
             return
         with self._lock:
-            items = sorted(self._registry.items())
-        if not items:
+            if self._ranges is None:
+                items = sorted(self._registry.items())
+                starts = np.array([a for a, _ in items], dtype=np.int64)
+                self._ranges = starts, starts + np.array([n for _, n in items], dtype=np.int64)
+            starts, ends = self._ranges
+        if not starts.size:
             raise TransportError("no local memory is registered; register the source buffers first (or check_local=False)")
-        starts = np.array([a for a, _ in items], dtype=np.int64)
-        ends = starts + np.array([n for _, n in items], dtype=np.int64)
         idx = np.searchsorted(starts, src, side="right") - 1
         ok = (idx >= 0) & (src + lens <= ends[np.clip(idx, 0, None)])
         if not ok.all():
