@@ -151,7 +151,7 @@ def _breakdown_chart(rows: list[dict], path: str, what: str) -> str:
     fig, ax = plt.subplots(figsize=(8.2, 5.0))
     parts = [("plan", "plan: build the transfer plan", "#8172b3"),
              ("repack", "repack: gather into staging (earlier parts are on the wire meanwhile)", "#dd8452"),
-             ("transfer", "transfer: wait for Mooncake writes to complete", "#4c72b0"),
+             ("transfer", "transfer: submit Mooncake writes and wait for them", "#4c72b0"),
              ("notify", "notify: control messages, completion, the rest of the wall time", "#55a868")]
     plan_ms = [r["breakdown_ms"]["plan"] for r in rows]
     parts[0] = ("plan", f"plan: build the transfer plan ({min(plan_ms):.1f}-{max(plan_ms):.1f} ms)", parts[0][2])
