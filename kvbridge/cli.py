@@ -55,6 +55,14 @@ def _stash(args: argparse.Namespace, name: str, res: dict) -> None:
     args.results[name] = res
 
 
+def _print_json(args: argparse.Namespace, name: str, res: dict) -> None:
+    """A suite's ``--json`` output: one JSON object on stdout; under ``bench all`` kept
+    instead, and printed with the others as one object keyed by suite."""
+    _stash(args, name, res)
+    if not getattr(args, "all_json", False):
+        print(json.dumps(res))
+
+
 def _print_table(title: str, result: dict, keys: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -79,7 +87,7 @@ def _bench_layout(args: argparse.Namespace) -> int:
         args.json,
     )
     if args.json:
-        print(json.dumps(res))
+        _print_json(args, "layout", res)
         return 0
     _print_table(
         "layout: SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 32 layers x 8 heads x 128, bf16",
@@ -108,7 +116,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     if args.plot and args.suite != "all":  # `bench all` draws them once every suite ran
         res["plots"] = _plot_suites(args.plot, res, None)
     if args.json:
-        print(json.dumps(res))
+        _print_json(args, "transfer", res)
         return 0
     _print_table(
         f"transfer: {res['geometry']['tokens']} tokens, SGLang page 64 -> TensorRT-LLM block 32, Mooncake TCP loopback",
@@ -132,7 +140,7 @@ def _bench_link(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             json.dump(res["link"], f, indent=1)
     if args.json:
-        print(json.dumps(res))
+        _print_json(args, "link", res)
     else:
         _print_table("link: Mooncake TCP on 127.0.0.1 (measured)", res["link"], list(res["link"]))
         if args.out:
@@ -168,7 +176,7 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     if args.plot and args.suite != "all":
         res["plots"] = _plot_suites(args.plot, None, res)
     if args.json:
-        print(json.dumps(res))
+        _print_json(args, "sglang", res)
         return 0
     g = res["geometry"]
     _print_table(
@@ -237,7 +245,7 @@ def _bench_load(args: argparse.Namespace) -> int:
     if args.markdown:
         write_section(args.markdown, "load", "Load: concurrent handoffs", render_load(res), res)
     if args.json:
-        print(json.dumps(res))
+        _print_json(args, "load", res)
     else:
         _print_table(f"load: {args.count} handoffs, {args.inflight} in flight, {args.min_tokens}..{args.max_tokens} tokens, "
                      "Mooncake TCP loopback", res,
@@ -265,17 +273,18 @@ BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_
 
 
 def _bench_all(args: argparse.Namespace) -> int:
+    """Every suite in turn; ``--json``: one object keyed by suite (plus ``plots``)."""
     rc = 0
+    args.all_json = args.json
     for name, fn in BENCHES.items():
         rc |= fn(args)
-    if args.plot:
-        res = getattr(args, "results", {})
-        files = _plot_suites(args.plot, res.get("transfer"), res.get("sglang"))
-        if args.json:
-            print(json.dumps({"plots": files}))
-        else:
-            for f in files:
-                print(f"chart: {f}")
+    res = getattr(args, "results", {})
+    files = _plot_suites(args.plot, res.get("transfer"), res.get("sglang")) if args.plot else []
+    if args.json:
+        print(json.dumps({**res, "plots": files}))
+    else:
+        for f in files:
+            print(f"chart: {f}")
     return rc
 
 

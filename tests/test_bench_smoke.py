@@ -89,3 +89,23 @@ def test_bench_load_checksum_sees_one_changed_byte():
     assert _digest(read_room(dst, db[[1, 0, 2, 3, 4, 5, 6]], n)) != _digest(data)
     dst.tensors[0].view(torch.uint8).reshape(16, -1)[12, 77] ^= 1
     assert _digest(read_room(dst, db, n)) != _digest(data)
+
+
+def test_bench_all_json_is_one_object_keyed_by_suite(monkeypatch, capsys):
+    """`bench all --json` prints ONE JSON object (each suite's result under its name), not
+    one object per suite; the suites themselves are replaced here by instant stand-ins
+    that report the way the real ones do (each suite runs for real in its own test)."""
+    from kvbridge import cli
+
+    def suite(name):
+        def run(args):
+            cli._print_json(args, name, {"suite": name, "value": len(name)})
+            return 0
+        return run
+
+    monkeypatch.setattr(cli, "BENCHES", {n: suite(n) for n in ("layout", "transfer", "link")})
+    assert cli.main(["bench", "all", "--json"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0, out
+    assert json.loads(out) == {"layout": {"suite": "layout", "value": 6}, "transfer": {"suite": "transfer", "value": 8},
+                               "link": {"suite": "link", "value": 4}, "plots": []}
