@@ -97,28 +97,6 @@ def ensure_tiny_model(kind: str = "llama", cache: Path | None = None) -> tuple[P
     return target, True
 
 
-def _body(prompt: Sequence[int], max_new: int, boot_port: int, room: int) -> dict:
-    from .sglang_server import HOST
-
-    return {"input_ids": [int(t) for t in prompt], "bootstrap_host": HOST, "bootstrap_port": int(boot_port),
-            "bootstrap_room": int(room),
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new), "ignore_eos": True}}
-
-
-def _answer(res: Any, srv: Any, what: str) -> dict:
-    """The JSON of an SGLang /generate answer; DemoError (with the log tail) otherwise."""
-    if isinstance(res, BaseException):
-        raise DemoError(f"{what}: request failed: {type(res).__name__}: {res}\n--- {srv.log_path} ---\n"
-                        f"{srv.log_tail(40)}")
-    if res.status_code != 200:
-        raise DemoError(f"{what}: HTTP {res.status_code}: {res.text[:500]}\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
-    out = res.json()
-    fr = (out.get("meta_info") or {}).get("finish_reason")
-    if "output_ids" not in out or (isinstance(fr, dict) and fr.get("type") == "abort"):
-        raise DemoError(f"{what}: no output ({json.dumps(out)[:500]})\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
-    return out
-
-
 def _model_info(model_dir: Path) -> dict:
     """The demo model's shape, and what its KV holds per token (``kv_bytes_per_token``, float32)."""
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -290,7 +268,7 @@ def _sglang_to_trt(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, 
     from kvbridge.adapters.trtllm.handle import Handle
     from kvbridge.common.bootstrap import fetch_ranks
 
-    from .sglang_server import HOST, new_room, post_json, sglang_server
+    from .sglang_server import HOST, generate_body, generate_output, new_room, post_json, sglang_server
     from .trt_engine import TRTEngine
 
     prog.start("start server", "SGLang prefill server (kvbridge backend)")
@@ -306,10 +284,10 @@ def _sglang_to_trt(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, 
                 prog.start("handoff", f"{len(prompt)}-token prompt, room {room}")
                 handle = Handle("recv", room, bootstrap=f"{HOST}:{boot}", on_failure="fail").to_json()
                 with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(post_json, srv.url + "/generate", _body(prompt, max_new, boot, room), 120)
+                    fut = ex.submit(post_json, srv.url + "/generate", generate_body(prompt, max_new, boot, room), 120)
                     req, done = eng.load(rid, prompt, max_new, handle, timeout_s=90)
                     res = fut.result()
-                out = _answer(res, srv, "SGLang prefill")
+                out = generate_output(res, srv, "SGLang prefill")
                 if not done.get("ok"):
                     raise DemoError(f"handoff of room {room} failed: {done.get('reason') or done}\n"
                                     f"--- {srv.log_path} ---\n{srv.log_tail(40)}")
@@ -348,7 +326,7 @@ def _trt_to_sglang(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, 
     from kvbridge.adapters.trtllm.handle import Handle
     from kvbridge.common.bootstrap import parse_address
 
-    from .sglang_server import new_room, post_json, sglang_server
+    from .sglang_server import generate_body, generate_output, new_room, post_json, sglang_server
     from .trt_engine import TRTEngine
 
     prog.start("start server", "SGLang decode server (kvbridge backend)")
@@ -364,7 +342,7 @@ def _trt_to_sglang(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, 
                 room, rid = new_room(), next(_rids)
                 prog.start("handoff", f"{len(prompt)}-token prompt computed by the TensorRT-LLM side, room {room}")
                 with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(post_json, srv.url + "/generate", _body(prompt, max_new, boot, room), 120)
+                    fut = ex.submit(post_json, srv.url + "/generate", generate_body(prompt, max_new, boot, room), 120)
                     try:
                         first, logits, _ = eng.serve_prefill(rid, prompt, Handle("send", room).to_json(), timeout_s=90)
                     except TimeoutError as e:
@@ -373,7 +351,7 @@ def _trt_to_sglang(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, 
                     prog.done("handoff", "served; SGLang decoding")
                     prog.start("decode", f"{max_new} tokens by the SGLang decode server")
                     res = fut.result()
-                out = _answer(res, srv, "SGLang decode")
+                out = generate_output(res, srv, "SGLang decode")
                 saved = eng.worker.finished_saves.get(rid) or {}
                 rec = saved.get("record") or {}
                 if not saved.get("ok") or rec.get("result") != "success":

@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import requests
 
@@ -256,6 +256,31 @@ def post_json(url: str, body: dict, timeout: float):
             return http.post(url, json=body, timeout=timeout)
     except BaseException as e:  # returned, so both halves are always collected
         return e
+
+
+def generate_body(input_ids: Sequence[int], max_new_tokens: int, bootstrap_port: int, room: int,
+                  sampling_params: dict | None = None) -> dict:
+    """A disaggregated ``/generate`` request: greedy (temperature 0, ignore_eos) unless
+    ``sampling_params`` says otherwise, naming the prefill's bootstrap server and the room."""
+    sp = {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True, **(sampling_params or {})}
+    return {"input_ids": [int(t) for t in input_ids], "sampling_params": sp, "bootstrap_host": HOST,
+            "bootstrap_port": int(bootstrap_port), "bootstrap_room": int(room)}
+
+
+def generate_output(res: Any, srv: "Server", what: str) -> dict:
+    """The JSON of a ``/generate`` answer (``post_json``'s result) that has ``output_ids``;
+    ServerError naming ``what``, with the server's log tail, for an exception, a non-200
+    status, an abort or an answer without output."""
+    where = f"\n--- {srv.log_path} ---\n{srv.log_tail(40)}"
+    if isinstance(res, BaseException):
+        raise ServerError(f"{what}: request failed: {type(res).__name__}: {res}{where}")
+    if res.status_code != 200:
+        raise ServerError(f"{what}: HTTP {res.status_code}: {res.text[:500]}{where}")
+    out = res.json()
+    fr = (out.get("meta_info") or {}).get("finish_reason")
+    if "output_ids" not in out or (isinstance(fr, dict) and fr.get("type") == "abort"):
+        raise ServerError(f"{what}: no output ({json.dumps(out)[:500]}){where}")
+    return out
 
 
 def server_argv(

@@ -42,6 +42,7 @@ from kvbridge.demo.sglang_server import (  # noqa: F401  (re-exported for the te
     Server,
     ServerError,
     fatal_line,
+    generate_body,
     free_port,
     free_ports,
     is_mla_model,
@@ -130,16 +131,8 @@ class Pair:
         room: int | None = None,
         sampling_params: Mapping[str, Any] | None = None,
     ) -> dict:
-        sp = {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True}
-        if sampling_params:
-            sp.update(sampling_params)
-        return {
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": sp,
-            "bootstrap_host": HOST,
-            "bootstrap_port": self.bootstrap_port,
-            "bootstrap_room": int(room) if room is not None else new_room(),
-        }
+        return generate_body(input_ids, max_new_tokens, self.bootstrap_port, room if room is not None else new_room(),
+                             dict(sampling_params or {}))
 
     def generate_full(
         self,
