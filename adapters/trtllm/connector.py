@@ -106,6 +106,17 @@ log = logging.getLogger(__name__)
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(dict)
+
+
+def _decode_bus(who: str, peer: str, payload: bytes) -> dict | None:
+    """A scheduler/worker bus message, or None (logged) when it does not decode."""
+    try:
+        return _dec.decode(payload)
+    except msgspec.DecodeError as e:
+        log.warning("kvbridge %s: bad bus message from %s: %s", who, peer, e)
+        return None
+
+
 _LOG_KEEP = 4096  # orders kept for replay to a (re)joining worker
 
 # Rank 0 runs the scheduler and a worker in one process; the worker finds the bus there.
@@ -348,10 +359,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self.bus.send(ident, payload)
 
     def _on_bus(self, peer: str, payload: bytes) -> None:
-        try:
-            msg = _dec.decode(payload)
-        except msgspec.DecodeError as e:
-            log.warning("kvbridge scheduler: bad bus message from %s: %s", peer, e)
+        msg = _decode_bus("scheduler", peer, payload)
+        if msg is None:
             return
         t = msg.get("t")
         with self._lock:
@@ -614,10 +623,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
 
     # -- orders ---------------------------------------------------------------------------
     def _on_bus(self, peer: str, payload: bytes) -> None:
-        try:
-            msg = _dec.decode(payload)
-        except msgspec.DecodeError as e:
-            log.warning("kvbridge worker: bad bus message from %s: %s", peer, e)
+        msg = _decode_bus("worker", peer, payload)
+        if msg is None:
             return
         if msg.get("t") == "orders":
             self._apply(msg.get("orders", []))
