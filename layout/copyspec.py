@@ -140,6 +140,12 @@ class CopySpec:
                 raise LayoutError(f"{side} block list names a block twice: {used.tolist()[:16]}")
 
     @cached_property
+    def derived(self) -> dict:
+        """Arrays derived from this spec, computed once by whoever needs them first
+        (e.g. ``side_boxes``: the plan's wire and the sender's gather share them)."""
+        return {}
+
+    @cached_property
     def runs(self) -> TokenRuns:
         """The token range cut at both sides' block boundaries (vectorized)."""
         tpb_s, tpb_d = self.src.tokens_per_block, self.dst.tokens_per_block

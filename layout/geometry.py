@@ -13,6 +13,7 @@ these numbers. Nothing here touches an engine or a network.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Sequence
 
 import numpy as np
@@ -134,6 +135,12 @@ class KVLayout:
         self._check()
 
     # -- derived geometry -------------------------------------------------------------
+    @cached_property
+    def derived(self) -> dict:
+        """Objects derived from this layout, computed once by whoever needs them first
+        (e.g. the row view of its memory that repacks index into)."""
+        return {}
+
     @property
     def itemsize(self) -> int:
         """Bytes per element."""

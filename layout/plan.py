@@ -126,6 +126,8 @@ class TransferPlan:
         own staging, so a sender can gather chunk i+1 into a small reused staging ring
         while chunk i is on the wire."""
         spec = self.spec
+        if spec.nbytes <= max_bytes:
+            return [PlanChunk(self.kind, spec, self.wire)]
         align = math.lcm(spec.src.tokens_per_block, spec.dst.tokens_per_block)
         per_token = max(spec.nbytes // spec.num_tokens, 1)
         step = max(align, (max_bytes // per_token) // align * align)

@@ -199,9 +199,21 @@ class SideBoxes:
     ntok: np.ndarray
     addr: np.ndarray
 
+    def take(self, sel) -> "SideBoxes":
+        """The boxes ``sel`` (a slice or index array) of these, in that order."""
+        return SideBoxes(self.lk[sel], self.block_pos[sel], self.slot[sel], self.ntok[sel], self.addr[sel])
+
 
 def side_boxes(spec: CopySpec, side: str) -> SideBoxes:
-    """The boxes of ``side`` ('src' or 'dst'), sorted by address."""
+    """The boxes of ``side`` ('src' or 'dst'), sorted by address (computed once per spec)."""
+    key = ("side_boxes", side)
+    boxes = spec.derived.get(key)
+    if boxes is None:
+        boxes = spec.derived[key] = _side_boxes(spec, side)
+    return boxes
+
+
+def _side_boxes(spec: CopySpec, side: str) -> SideBoxes:
     lay, blocks, first = (
         (spec.src, spec.src_blocks, spec.src_first_token) if side == "src" else (spec.dst, spec.dst_blocks, spec.dst_first_token)
     )

@@ -96,7 +96,10 @@ def run_plan(plan, chunk_bytes=None):
         if plan.kind is PlanKind.DIRECT:
             execute_segments(part.wire)
         elif plan.kind is PlanKind.STAGED_SEND:
-            part.gather().run(stage)
+            g = part.gather()
+            step = max(1, g.rows // 3 + 1)  # in row parts (as the sender pipelines), each index built lazily
+            for a in range(0, g.rows, step):
+                g.run(stage[a * g.row_bytes:], rows=(a, min(g.rows, a + step)))
             execute_segments(part.wire.shifted(src_by=stage.data_ptr()))
         else:
             execute_segments(part.wire.shifted(dst_by=stage.data_ptr()))

@@ -277,3 +277,31 @@ def test_staged_send_in_row_parts_is_exact():
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
     with pytest.raises(LayoutError, match="row range"):
         g.run(region, rows=(0, g.rows + 1))
+
+
+def test_gather_parts_and_cpu_copy_split_match_one_whole_gather(monkeypatch):
+    """A gather run part by part (each part's row index built lazily, from the boxes that
+    hold it) and in CPU copies of a few elements each writes the same staging bytes as one
+    whole gather with its index built at once."""
+    import sys
+
+    from kvbridge.layout import allocate_pool
+
+    repack_mod = sys.modules["kvbridge.layout.repack"]
+    src = allocate_pool("sglang", layers=3, total_heads=4, head_dim=16, dtype="bf16", tokens_per_block=16, num_blocks=20, seed=3)
+    dst = allocate_pool("trtllm", layers=3, total_heads=4, head_dim=16, dtype="bf16", tokens_per_block=32, num_blocks=12, seed=4)
+    plan = plan_transfer(src, [7, 2, 9, 11, 3, 5, 14, 8], dst, [4, 1, 9, 6], (5, 120), kinds=(PlanKind.STAGED_SEND,))
+    whole = plan.gather()
+    assert whole.index.numel() == whole.rows  # built at once
+    ref = torch.zeros(whole.nbytes, dtype=torch.uint8)
+    whole.run(ref)
+    monkeypatch.setattr(repack_mod, "CPU_COPY_ELEMENTS", 8)  # 2 rows of 32 B per copy
+    parted = plan.gather()
+    out = torch.zeros_like(ref)
+    rb = parted.row_bytes
+    for a in range(0, parted.rows, 37):  # parts cut boxes mid-way
+        b = min(parted.rows, a + 37)
+        parted.run(out[a * rb:], rows=(a, b))
+    assert parted._index is None  # no part needed the whole index
+    assert torch.equal(out, ref)
+    assert parted._copies(parted.rows)[1] == (2, 4)
