@@ -70,6 +70,7 @@ class RoomState(enum.IntEnum):
 
 TERMINAL = (RoomState.FAILED, RoomState.SUCCESS)
 MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
+MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ class KVSender(_Side):
         self._rooms: dict[int, _SendRoom] = {}
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
+        self._peer_layouts: dict[str, tuple[dict, KVLayout]] = {}  # peer -> its last layout (description, parsed)
         super().__init__(layout, transport, config, metrics, bind_host=host)
         if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
@@ -377,8 +379,7 @@ class KVSender(_Side):
                 self._refuse(peer, req.room, f"room already pulled by {len(r.targets)} decode rank(s)", "conflict")
                 return
         try:
-            remote = KVLayout.from_description(req.layout)
-            check_compatible(self.layout, remote)
+            remote = self._remote_layout(peer, req.layout)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             if blocks.size and ((blocks < remote.first_block) | (blocks >= remote.num_blocks)).any():
                 raise LayoutError("receiver block ids outside its own pool")
@@ -395,6 +396,21 @@ class KVSender(_Side):
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING
         self._kick(r)
+
+    def _remote_layout(self, peer: str, desc: dict) -> KVLayout:
+        """The decode peer's layout, checked against ours; a warm peer's is reused while it
+        describes the same layout (raises LayoutError naming the mismatch)."""
+        known = self._peer_layouts.get(peer)
+        if known is not None and known[0] == desc:
+            return known[1]
+        remote = KVLayout.from_description(desc)
+        check_compatible(self.layout, remote)
+        with self._lock:
+            self._peer_layouts.pop(peer, None)
+            self._peer_layouts[peer] = (desc, remote)
+            while len(self._peer_layouts) > MAX_PEER_LAYOUTS:
+                self._peer_layouts.pop(next(iter(self._peer_layouts)))
+        return remote
 
     def _on_tick(self) -> None:
         now = time.monotonic()
@@ -541,10 +557,9 @@ class KVSender(_Side):
         k = 0
         guard = functools.partial(self._stop_reason, r, peer)
         try:
-            # a small request in two chunks: its first row index is ready sooner
-            for chunk in plan.chunks(min(cfg.chunk_bytes, max(cfg.part_bytes, plan.nbytes // 2))):
+            for chunk in plan.chunks(cfg.chunk_bytes):
                 t0 = time.perf_counter()
-                gather = chunk.gather()  # this chunk's row index, prepared once
+                gather = chunk.gather()  # builds each part's row index as that part is gathered
                 rec.repack_s += time.perf_counter() - t0
                 rb, a = gather.row_bytes, 0
                 while a < gather.rows:
@@ -756,7 +771,7 @@ class KVReceiver(_Side):
                 first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
                 sent_at=time.time(), receivers=receivers,
             )
-            P.encode(base)
+            payload = P.encode(base)  # checked as the peer will check it; sent as is where nothing changes
         except P.ProtocolError as e:
             raise ValueError(f"room {room}: {e}") from None
         with self._lock:
@@ -787,7 +802,10 @@ class KVReceiver(_Side):
             if self.config.secret:
                 msg = P.sign(msg, self.config.secret)
             self._peers_seen[ep] = now  # a fresh request starts a fresh liveness window
-            self._send(ep, msg)
+            if msg is base:
+                self.channel.send(ep, payload)
+            else:
+                self._send(ep, msg)
         with self._lock:
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING
