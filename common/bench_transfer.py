@@ -13,6 +13,7 @@ pool (NHD, page 64) and a decode peer with a TensorRT-LLM-format pool (HND, bloc
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import statistics
@@ -245,7 +246,10 @@ def bench_transfer(
             raws = [raw(n) for _ in range(reps)]
             mid = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
             measured, parts = mid
-            pred = predict_handoff_s(parts["bytes"], parts["segments"], link,
+            # the link as it is now (loopback bandwidth drifts up to 2x over a run): the raw
+            # writes of this length, taken beside its handoffs, give the bandwidth
+            now = dataclasses.replace(link, bandwidth_bytes_per_s=n * bytes_per_token / statistics.median(raws))
+            pred = predict_handoff_s(parts["bytes"], parts["segments"], now,
                                      staged=parts["plan"] == "staged_send")
             # the sender's own time: plan, the repack not overlapped... the rest is control and notify
             wire = parts["transfer_s"]

@@ -85,6 +85,7 @@ class HandoffConfig:
     part_bytes: int = 4 << 20  # one gather + one write of a staged send (the ring's region size)
     ring_parts: int = 8  # regions of a sender worker's staging ring: parts gathered ahead of the wire
     first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
+    inline_gather: bool = False  # CPU pools: True keeps every gather on its send worker; False only parts up to 1 MiB
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
@@ -575,7 +576,7 @@ class KVSender(_Side):
                         rec.transfer_s += time.perf_counter() - t0
                     region = ring[(k % regions) * cfg.part_bytes:]
                     t0 = time.perf_counter()
-                    gather.run(region, rows=(a, b))
+                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None)
                     rec.repack_s += time.perf_counter() - t0
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())

@@ -96,7 +96,7 @@ def bench_layout(
     nbytes = rplan.nbytes
     t0 = time.perf_counter()
     chunks = rplan.chunks(chunk_bytes)
-    gathers = [c.gather() for c in chunks]
+    gathers = [c.gather().prepare() for c in chunks]  # every row index up front: prepare_ms, not repack time
     prepare_s = time.perf_counter() - t0
     ring = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
     parts = [(g, a, min(g.rows, a + part_bytes // g.row_bytes)) for g in gathers
@@ -107,19 +107,21 @@ def bench_layout(
     b = torch.empty(nbytes, dtype=torch.uint8)
     b.random_(0, 255)
 
-    def chunked() -> None:  # as KVSender's pipeline: parts into the regions of its staging ring in turn
+    def chunked(inline: bool | None = None) -> None:  # as KVSender's pipeline: parts into the regions of its ring in turn
         for k, (g, a, b) in enumerate(parts):
-            g.run(ring[(k % ring_parts) * part_bytes:], rows=(a, b))
+            g.run(ring[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline)
 
     a.copy_(b)  # warm-up: first touch of every page
     chunked()
     whole.run(whole_stage)
-    t_copy, t_rep, t_whole = [], [], []
+    t_copy, t_rep, t_whole, t_inline = [], [], [], []
     for _ in range(reps):
         t_copy.append(_timed(lambda: a.copy_(b)))
         t_rep.append(_timed(chunked))
         t_whole.append(_timed(lambda: whole.run(whole_stage)))
+        t_inline.append(_timed(lambda: chunked(inline=True)))
     copy_s, rep_s, whole_s = statistics.median(t_copy), statistics.median(t_rep), statistics.median(t_whole)
+    inline_s = statistics.median(t_inline)
     # the bytes are right: staging row i is the destination's i-th row, read from the source
     check = _check_gather(rplan, whole_stage)
 
@@ -142,10 +144,13 @@ def bench_layout(
         "repack_tokens": repack_tokens,
         "repack_bytes": nbytes,
         "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
-                        f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline)"),
+                        f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
+                        "torch's threads spreading each part; repack_inline_gbps: on the calling thread only, "
+                        "as KVSender does with inline_gather"),
         "repack_gbps": round(nbytes / rep_s / 1e9, 3),
         "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
         "repack_ratio": round(copy_s / rep_s, 3),
+        "repack_inline_gbps": round(nbytes / inline_s / 1e9, 3),  # on the calling thread only (HandoffConfig.inline_gather)
         "repack_whole_gbps": round(nbytes / whole_s / 1e9, 3),
         "repack_whole_ratio": round(copy_s / whole_s, 3),
         "repack_prepare_ms": round(prepare_s * 1e3, 2),

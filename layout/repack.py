@@ -32,6 +32,7 @@ __all__ = ["Gather", "Scatter", "row_addresses", "repack"]
 
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 CPU_COPY_ELEMENTS = 32768  # ATen's GRAIN_SIZE: a CPU copy this small runs on the calling thread (_PoolRows._copies)
+CPU_INLINE_BYTES = 1 << 20  # CPU copies up to this size are kept on the calling thread (_PoolRows._copies)
 
 
 def row_addresses(spec: CopySpec, order: str, want: str = "both"):
@@ -188,6 +189,11 @@ class _PoolRows:
             self._index = self._rows_index(self._boxes)
         return self._index
 
+    def prepare(self) -> "_PoolRows":
+        """Build the whole row index now (for a repack that will run many times); returns self."""
+        self.index
+        return self
+
     def _rows_index(self, boxes: SideBoxes, a: int = 0, b: int | None = None) -> torch.Tensor:
         """Rows ``[a, b)`` (counted from the first of ``boxes``) of ``boxes`` as indices."""
         units = _box_rows(self.spec, self._order, self._pool, boxes, self._space.base, self._space.unit)
@@ -208,14 +214,14 @@ class _PoolRows:
         first = int(self._box_end[i - 1]) if i else 0
         return self._rows_index(self._boxes.take(slice(i, j)), a - first, b - first)
 
-    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None) -> int:
+    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None) -> int:
         a, b = rows if rows is not None else (0, self.rows)
         if not 0 <= a <= b <= self.rows:
             raise LayoutError(f"row range [{a}, {b}) outside the {self.rows} rows of this repack")
         nbytes = (b - a) * self.row_bytes
         out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
         index = self._index_of(a, b)
-        for i, j in self._copies(b - a):
+        for i, j in self._copies(b - a, inline):
             torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
         self._complete()
         return nbytes
@@ -235,14 +241,16 @@ class _PoolRows:
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
-    def _copies(self, rows: int) -> list[tuple[int, int]]:
-        """Row ranges of one indexed copy each: all rows at once on a GPU; on CPU at most
-        ``CPU_COPY_ELEMENTS`` elements per copy, which ATen runs on the calling thread.
-        A larger one enters torch's OpenMP pool, whose threads sleep between our copies
-        and must be woken on cores the transfer engine keeps busy: measured on the 2-core
-        CI machine after 10 ms idle, 2048 rows of 256 B took 5.6 ms that way against
-        0.17 ms for 1024 rows inline (torch 2.14.1)."""
-        if self._device.type != "cpu" or not CPU_COPY_ELEMENTS:
+    def _copies(self, rows: int, inline: bool | None = None) -> list[tuple[int, int]]:
+        """Row ranges of one indexed copy each. On CPU, an ``inline`` copy is cut into
+        copies of at most ``CPU_COPY_ELEMENTS`` elements, which ATen runs on the calling
+        thread; one copy of it all enters torch's OpenMP pool (faster when cores are free,
+        but its threads sleep after idle and take milliseconds to wake on this 2-core
+        host: after 10 ms idle a 1 MiB part took 5.3 ms that way, 0.46 ms inline; torch
+        2.14.1). ``inline=None``: inline up to ``CPU_INLINE_BYTES``. GPU copies go as one."""
+        if inline is None:
+            inline = rows * self.row_bytes <= CPU_INLINE_BYTES
+        if self._device.type != "cpu" or not inline or not CPU_COPY_ELEMENTS:
             return [(0, rows)]
         step = max(1, CPU_COPY_ELEMENTS // (self.row_bytes // self._space.unit))
         return [(i, min(rows, i + step)) for i in range(0, rows, step)]
@@ -261,12 +269,14 @@ class Gather(_PoolRows):
     def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None):
         super().__init__(spec, "src", "dst", src_addr)
 
-    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None) -> int:
+    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns
         bytes once they are all in place (on a GPU too), so ``staging`` may be sent at once.
         With ``rows=(a, b)``, only staging rows ``[a, b)``, written at the START of ``staging``
-        (``(b - a) * row_bytes`` bytes): one part of a pipelined gather."""
-        return self._gather_into(staging, rows)
+        (``(b - a) * row_bytes`` bytes): one part of a pipelined gather. ``inline=True`` keeps
+        a CPU gather on the calling thread (torch's intra-op threads stay out of it), False
+        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline."""
+        return self._gather_into(staging, rows, inline)
 
 
 class Scatter(_PoolRows):

@@ -81,11 +81,13 @@ def test_cross_format_handoff_chunked_with_prefix(peers, src_engine, src_tpb, ds
     assert res["free"] == dec.free0
 
 
-def test_staged_plan_overlapped_and_scattered_destination(peers):
-    """NHD -> HND at a size where staging wins; decode blocks scattered over its pool."""
+@pytest.mark.parametrize("inline_gather", [False, True])
+def test_staged_plan_overlapped_and_scattered_destination(peers, inline_gather):
+    """NHD -> HND at a size where staging wins; decode blocks scattered over its pool; the
+    sender's gathers left to torch's threads past the first part, or all on its worker."""
     ps = spec("sglang", layers=4, total_heads=8, head_dim=64, tpb=64, blocks=20, seed=5)
     ds = spec("trtllm", layers=4, total_heads=8, head_dim=64, tpb=32, blocks=80, seed=6)
-    pre, dec = peers("prefill", ps, {"chunk_bytes": 2 << 20}), peers("decode", ds)
+    pre, dec = peers("prefill", ps, {"chunk_bytes": 2 << 20, "inline_gather": inline_gather}), peers("decode", ds)
     blocks = pre.call_raw("serve", 5, 1024, 1024)[1]
     res = pull(dec, 5, [pre], 0, 1024, [(ps, blocks)], scattered=True)
     w = pre.call_raw("wait", 5, 30)

@@ -305,3 +305,8 @@ def test_gather_parts_and_cpu_copy_split_match_one_whole_gather(monkeypatch):
     assert parted._index is None  # no part needed the whole index
     assert torch.equal(out, ref)
     assert parted._copies(parted.rows)[1] == (2, 4)
+    assert parted._copies(parted.rows, inline=False) == [(0, parted.rows)]
+    for inline in (True, False):  # the whole gather forced onto the calling thread, or left to torch
+        out.zero_()
+        plan.gather().run(out, inline=inline)
+        assert torch.equal(out, ref)
