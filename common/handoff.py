@@ -86,7 +86,6 @@ class HandoffConfig:
     ring_parts: int = 8  # regions of a sender worker's staging ring: parts gathered ahead of the wire
     first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
     inline_gather: bool = False  # CPU pools: True keeps every gather on its send worker; False only parts up to 1 MiB
-    io_send_bytes: int = 32 << 20  # sender: a request this small is sent by the control thread that took it (0: never)
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
@@ -223,7 +222,7 @@ class KVSender(_Side):
             transport.register_tensor(t)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
-        for _ in range(workers + (cfg.io_send_bytes > 0)):  # one more for the control thread's own sends
+        for _ in range(workers):
             ring = torch.empty(max(2, cfg.ring_parts) * cfg.part_bytes, dtype=torch.uint8, device=layout.device or "cpu")
             transport.register_tensor(ring)
             self._rings.append(ring)
@@ -317,7 +316,7 @@ class KVSender(_Side):
     # -- control plane (I/O thread) -----------------------------------------------------
     def _on_message(self, peer: str, msg) -> None:
         if isinstance(msg, P.TransferRequest):
-            self._accept(peer, msg, io=True)
+            self._accept(peer, msg)
         elif isinstance(msg, P.Heartbeat):
             self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint))
         elif isinstance(msg, P.Abort):
@@ -354,7 +353,7 @@ class KVSender(_Side):
         log.warning("sender: refused room %s from %s: %s", room, peer, reason)
         self._send(peer, P.TransferFailed(room=room, reason=reason, code=code))
 
-    def _accept(self, peer: str, req: P.TransferRequest, io: bool = False) -> None:
+    def _accept(self, peer: str, req: P.TransferRequest) -> None:
         cfg = self.config
         if cfg.secret and not P.verify(req, cfg.secret):
             self._refuse(peer, req.room, "authentication failed: bad or missing auth tag", "auth")
@@ -397,7 +396,7 @@ class KVSender(_Side):
             r.expected = max(r.expected, req.receivers)
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING
-        self._kick(r, io=io)
+        self._kick(r)
 
     def _remote_layout(self, peer: str, desc: dict) -> KVLayout:
         """The decode peer's layout, checked against ours; a warm peer's is reused while it
@@ -446,39 +445,15 @@ class KVSender(_Side):
                 return t, r.chunks[t.sent]
         return None
 
-    def _kick(self, r: _SendRoom, io: bool = False) -> None:
-        """Start the room's pending sends on a worker. From the control thread (``io``), a
-        send of at most ``io_send_bytes`` runs right there instead: no thread wake-up between
-        the request and its first byte (on a busy 2-core host a worker's wake-up and its
-        cold core cost about as much as the plan); the control thread is busy meanwhile,
-        for as long as such a send takes on the wire."""
+    def _kick(self, r: _SendRoom) -> None:
         with self._lock:
-            work = None if r.busy or r.state in TERMINAL else self._next_work(r)
-            if work is None:
+            if r.busy or r.state in TERMINAL or self._next_work(r) is None:
                 return
             r.busy = True
-            ring = None
-            try:
-                small = io and self._payload(*work) <= self.config.io_send_bytes
-            except LayoutError:
-                small = False  # the worker's plan will name what is wrong
-            if small and self._rings:
-                ring = self._rings.popleft()
-        if ring is not None:
-            self._drain(r, ring, once=True)
-        else:
-            self._pool.submit(self._drain, r)
+        self._pool.submit(self._drain, r)
 
-    def _payload(self, t: _Target, c: _Chunk) -> int:
-        """Bytes chunk ``c`` puts on the wire for target ``t``."""
-        lay = self.layout
-        start, stop = max(c.start, t.request.token_start), min(c.stop, t.request.token_stop)
-        return lay.num_layers * lay.kv_factor * max(0, stop - start) * HeadMap.between(lay, t.remote).count * lay.head_bytes
-
-    def _drain(self, r: _SendRoom, ring: torch.Tensor | None = None, once: bool = False) -> None:
-        """Send the room's pending work (``once``: one chunk to one target, the rest left to
-        a worker) through ``ring`` (default: a free one)."""
-        ring = ring if ring is not None else self._rings.popleft()
+    def _drain(self, r: _SendRoom) -> None:
+        ring = self._rings.popleft()
         try:
             while True:
                 with self._lock:
@@ -501,8 +476,6 @@ class KVSender(_Side):
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if complete:
                     self._succeed(r)
-                if once:
-                    break
         except (TransportError, LayoutError, HandoffFailed) as e:
             with self._lock:
                 r.busy = False
@@ -528,7 +501,8 @@ class KVSender(_Side):
         cfg = self.config
         # receiver staging is an option only while this chunk's payload still fits in it
         lay = self.layout
-        fits = self._payload(t, c) <= req.staging_bytes - t.staged_bytes
+        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, t.remote).count * lay.head_bytes
+        fits = payload <= req.staging_bytes - t.staged_bytes
         kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
         t_plan = time.perf_counter()
         plan = plan_transfer(lay, c.blocks, t.remote, req.block_ids, (start, stop),
@@ -1024,9 +998,9 @@ class KVReceiver(_Side):
             r.record.finished, r.record.result = time.monotonic(), "success"
         self._free_staging(r)
         r.lease.release(True)
-        r.done.set()  # waiters first: the metrics below are bookkeeping
         self.metrics.inflight.labels(self.role).dec()
         self.metrics.observe(r.record)
+        r.done.set()
 
     def _begin_fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
         """Start failing: tell the senders, then wait for them to stop writing."""
