@@ -11,7 +11,7 @@ import torch
 
 from conftest_sglang import tiny_llama_dir  # noqa: F401
 from mixed_trt_engine import TinyLlamaRunner, pool_kv
-from tiny_models import random_prompt, reference_generate
+from tiny_models import assert_paged_decode_matches, random_prompt
 
 MAX_NEW = 32
 TPB = 32
@@ -24,16 +24,7 @@ def runner(tiny_llama_dir):
 
 @pytest.mark.parametrize("n", [5, 45])
 def test_runner_prefill_and_paged_decode_match_transformers(runner, tiny_llama_dir, n):
-    prompt = random_prompt(n, seed=1000 + n)
-    ref = reference_generate(tiny_llama_dir, prompt, MAX_NEW)
-    lay = runner.allocate_pool(tokens_per_block=TPB, num_blocks=16)
-    pool = lay.tensors[0]
-    blocks = [11, 3, 7]  # out of order, not from 0: the runner must address blocks, not slots
-    first, logits = runner.prefill(prompt, pool, TPB, blocks)
-    rest, _ = runner.decode(first, n, MAX_NEW - 1, pool, TPB, blocks)
-    got = [first] + rest
-    assert got == ref.token_ids, f"runner {got} != transformers {ref.token_ids}"
-    torch.testing.assert_close(logits, ref.first_logits, rtol=1e-4, atol=1e-4)
+    assert_paged_decode_matches(runner, tiny_llama_dir, n, MAX_NEW, TPB)
 
 
 def test_pool_holds_what_transformers_cache_holds(runner, tiny_llama_dir):

@@ -13,7 +13,8 @@ import torch
 
 from conftest_sglang import tiny_mla_dir  # noqa: F401
 from kvbridge.demo.mla_runner import TinyMLARunner
-from kvbridge.demo.models import load_model, random_prompt, reference_generate
+from kvbridge.demo.models import load_model, random_prompt
+from tiny_models import assert_paged_decode_matches
 
 MAX_NEW = 32
 TPB = 32
@@ -37,15 +38,7 @@ def test_pool_geometry_is_trtllm_mla(runner):
 
 @pytest.mark.parametrize("n", [5, 45])
 def test_mla_runner_prefill_and_paged_decode_match_transformers(runner, tiny_mla_dir, n):
-    prompt = random_prompt(n, seed=1000 + n)
-    ref = reference_generate(tiny_mla_dir, prompt, MAX_NEW)
-    pool = runner.allocate_pool(tokens_per_block=TPB, num_blocks=16).tensors[0]
-    blocks = [11, 3, 7]  # out of order, not from 0: the runner must address blocks, not slots
-    first, logits = runner.prefill(prompt, pool, TPB, blocks)
-    rest, _ = runner.decode(first, n, MAX_NEW - 1, pool, TPB, blocks)
-    got = [first] + rest
-    assert got == ref.token_ids, f"runner {got} != transformers {ref.token_ids}"
-    torch.testing.assert_close(logits, ref.first_logits, rtol=1e-4, atol=1e-4)
+    assert_paged_decode_matches(runner, tiny_mla_dir, n, MAX_NEW, TPB)
 
 
 def test_decode_reads_only_the_pool(runner):
