@@ -998,9 +998,9 @@ class KVReceiver(_Side):
             r.record.finished, r.record.result = time.monotonic(), "success"
         self._free_staging(r)
         r.lease.release(True)
-        r.done.set()  # waiters first: the metrics below are bookkeeping
         self.metrics.inflight.labels(self.role).dec()
         self.metrics.observe(r.record)
+        r.done.set()
 
     def _begin_fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
         """Start failing: tell the senders, then wait for them to stop writing."""
