@@ -8,7 +8,8 @@ sends more frames (which could name another peer's routing id) or a frame larger
 hostile peer can neither speak for another one nor make us buffer gigabytes. Any thread may ``send``;
 only the I/O thread touches sockets (others wake it through an inproc pair). Received
 messages go to ``on_message(peer, payload)`` on the I/O thread, and ``on_tick()`` runs
-there at least every ``tick_s`` for deadlines and heartbeats.
+there at least every ``tick_s`` for deadlines and heartbeats, each time before the
+messages that arrived since the last one are read.
 """
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ class ControlChannel:
         try:
             while not self._stop.is_set():
                 events = dict(self._poller.poll(self._tick_ms))
+                # deadlines and silences first, on what was seen before this poll: a process
+                # resuming from a stall (SIGSTOP, a long pause) judges its peers by that, not
+                # by the frames they queued while it was stopped
+                try:
+                    self._on_tick()
+                except Exception:
+                    log.exception("control tick failed")
                 if self._wake_rx in events:
                     while True:
                         try:
@@ -159,10 +167,6 @@ class ControlChannel:
                                 log.warning("control message from %s refused: %d frames, expected 1", ep, len(frames))
                                 continue
                             self._dispatch(ep, frames[0])
-                try:
-                    self._on_tick()
-                except Exception:
-                    log.exception("control tick failed")
         finally:
             for s in self._dealers.values():
                 s.close(0)
