@@ -211,7 +211,7 @@ class KVSender(_Side):
         self._rooms: dict[int, _SendRoom] = {}
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
-        self._peer_layouts: dict[str, tuple[dict, KVLayout]] = {}  # peer -> its last layout (description, parsed)
+        self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
         super().__init__(layout, transport, config, metrics, bind_host=host)
         if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
@@ -401,14 +401,15 @@ class KVSender(_Side):
     def _remote_layout(self, peer: str, desc: dict) -> KVLayout:
         """The decode peer's layout, checked against ours; a warm peer's is reused while it
         describes the same layout (raises LayoutError naming the mismatch)."""
+        key = msgspec.msgpack.encode(desc)  # type-exact: 1, 1.0 and True differ here, not under ==
         known = self._peer_layouts.get(peer)
-        if known is not None and known[0] == desc:
+        if known is not None and known[0] == key:
             return known[1]
         remote = KVLayout.from_description(desc)
         check_compatible(self.layout, remote)
         with self._lock:
             self._peer_layouts.pop(peer, None)
-            self._peer_layouts[peer] = (desc, remote)
+            self._peer_layouts[peer] = (key, remote)
             while len(self._peer_layouts) > MAX_PEER_LAYOUTS:
                 self._peer_layouts.pop(next(iter(self._peer_layouts)))
         return remote
