@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import cached_property
 
 import numpy as np
 
@@ -90,8 +91,13 @@ class TransferPlan:
     spec: CopySpec
     wire: Segments
     estimates: dict[PlanKind, KindEstimate]
-    reason: str
     costs: PlanCosts = field(default_factory=PlanCosts)
+    forced: bool = False  # chosen by ``force``, not by cost
+
+    @cached_property
+    def reason(self) -> str:
+        """Why this kind: every candidate's segments and estimated time (built when first asked)."""
+        return _reason(self.spec, self.estimates[self.kind], self.estimates, self.costs, self.forced)
 
     @property
     def nbytes(self) -> int:
@@ -256,8 +262,7 @@ def plan_transfer(
     chosen = est[force] if force is not None else ranked[0]
 
     wire = wires[chosen.kind] if chosen.kind in wires else _wire(chosen.kind, spec)
-    reason = _reason(spec, chosen, est, costs, forced=force is not None)
-    return TransferPlan(chosen.kind, spec, wire, est, reason, costs)
+    return TransferPlan(chosen.kind, spec, wire, est, costs, forced=force is not None)
 
 
 def _reason(spec: CopySpec, chosen: KindEstimate, est: dict, costs: PlanCosts, forced: bool) -> str:

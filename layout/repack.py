@@ -296,7 +296,7 @@ class Scatter(_PoolRows):
 
 
 def _staging_rows(staging: torch.Tensor, nbytes: int, row_bytes: int, unit: int) -> torch.Tensor:
-    flat = staging.reshape(-1).view(torch.uint8)
+    flat = staging if staging.dtype == torch.uint8 and staging.dim() == 1 else staging.reshape(-1).view(torch.uint8)
     if flat.numel() < nbytes:
         raise LayoutError(f"staging buffer of {flat.numel()} B is smaller than the {nbytes} B needed")
     if flat.data_ptr() % unit:

@@ -11,6 +11,7 @@ token, block or segment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +152,9 @@ def count_segments(spec: CopySpec, exact_limit: int = 1 << 15) -> int:
 def count_or_compile(spec: CopySpec, exact_limit: int = 1 << 15) -> tuple[int, Segments | None]:
     """``count_segments``, plus the compiled segments when counting needed them (small
     plans), so a caller that then wants them does not compile twice."""
+    total = _unmerged_if_token_bound(spec)
+    if total is not None and total > exact_limit:  # large and one piece per token or finer: no runs needed
+        return total, None
     total = 0
     for sel, _, dims in _classes(spec):
         total += sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))
@@ -158,6 +162,18 @@ def count_or_compile(spec: CopySpec, exact_limit: int = 1 << 15) -> tuple[int, S
         seg = compile_segments(spec)
         return seg.count, seg
     return total, None
+
+
+def _unmerged_if_token_bound(spec: CopySpec) -> int | None:
+    """The unmerged segment count when no run's tokens fold into one piece (then every
+    token contributes the same pieces, whatever the runs): from the geometry alone,
+    without cutting the range into runs. None when tokens fold on both sides."""
+    s, d, h = spec.src, spec.dst, spec.heads
+    _, dims = _fold([(2, s.token_stride, d.token_stride), (h.count, s.head_stride, d.head_stride)], s.head_bytes)
+    if not any(dim[0] == 2 and dim[1] == s.token_stride and dim[2] == d.token_stride for dim in dims):
+        return None
+    per_token = math.prod(dim[0] for dim in dims) // 2
+    return s.num_layers * s.kv_factor * spec.num_tokens * per_token
 
 
 def compile_segments(spec: CopySpec) -> Segments:
@@ -245,23 +261,28 @@ def side_runs(spec: CopySpec, side: str) -> tuple[np.ndarray, np.ndarray]:
     lay = spec.src if side == "src" else spec.dst
     bx = side_boxes(spec, side)
     nh = spec.heads.count
+    if bx.ntok.size and (bx.ntok == bx.ntok[0]).all():  # every box alike (whole blocks): one class, in order
+        classes = [(bx.ntok[0], slice(None))]
+    else:
+        classes = [(n, np.flatnonzero(bx.ntok == n)) for n in np.unique(bx.ntok)]
     parts_addr, parts_len, parts_key = [], [], []
-    for n in np.unique(bx.ntok):
-        sel = np.flatnonzero(bx.ntok == n)
+    for n, sel in classes:
         run, dims = _side_dims(lay, int(n), nh)
         a = bx.addr[sel]
-        k = sel.astype(np.int64)
+        k = sel
         if dims:
             grid = np.indices([d[0] for d in dims], dtype=np.int64).reshape(len(dims), -1)
             off = (np.array([d[1] for d in dims], dtype=np.int64)[:, None] * grid).sum(0)
             a = (a[:, None] + off[None, :]).reshape(-1)
-            k = np.repeat(k, off.size)
+            if len(classes) > 1:
+                k = np.repeat(k, off.size)
         parts_addr.append(a)
         parts_len.append(np.full(a.size, run, dtype=np.int64))
         parts_key.append(k)
-    addr = np.concatenate(parts_addr)
-    length = np.concatenate(parts_len)
-    if len(parts_addr) > 1:
+    if len(classes) == 1:
+        addr, length = parts_addr[0], parts_len[0]
+    else:  # back to box order (the boxes are in address order)
+        addr, length = np.concatenate(parts_addr), np.concatenate(parts_len)
         order = np.argsort(np.concatenate(parts_key), kind="stable")
         addr, length = addr[order], length[order]
     seg = coalesce(addr, addr, length)
@@ -277,6 +298,9 @@ def check_segments_inside(addrs: np.ndarray, lengths: np.ndarray, allowed: np.nd
     rng = np.asarray(allowed, dtype=np.int64).reshape(-1, 2)
     if rng.size == 0:
         raise LayoutError(f"{what}: no memory is allowed")
+    if rng.shape[0] == 1 and int(addrs.min()) >= rng[0, 0] and int((addrs + lengths).max()) <= rng[0, 1] \
+            and int(lengths.min()) > 0:
+        return  # one allowed range (contiguous blocks) and all inside: the common case, in a few calls
     idx = np.searchsorted(rng[:, 0], addrs, side="right") - 1
     ok = (idx >= 0) & (lengths > 0)
     idx = np.clip(idx, 0, None)

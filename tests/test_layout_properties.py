@@ -24,6 +24,7 @@ from kvbridge.layout import (
     tp_head_slice,
     trtllm_pool_layout,
 )
+from kvbridge.layout.segments import _classes, count_segments
 from kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_offsets, written_mask
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -146,6 +147,12 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
         results[kind] = [a[m] for a, m in zip(after, mask)]
     for kind in (PlanKind.STAGED_SEND, PlanKind.STAGED_RECV):
         assert all(np.array_equal(x, y) for x, y in zip(results[kind], results[PlanKind.DIRECT]))
+    # a large plan's direct segment count (an upper bound), taken from the geometry alone
+    # where it can be, equals the count over the runs
+    spec = plan.spec
+    by_runs = sum(sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))
+                  for sel, _, dims in _classes(spec))
+    assert count_segments(spec, exact_limit=0) == by_runs
 
 
 @pytest.mark.cuda
