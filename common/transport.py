@@ -100,6 +100,8 @@ class BatchResult:
 
 
 def _as_i64(name: str, a: Any) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1:  # what plans hand over: as is
+        return a
     arr = np.asarray(a)
     if arr.ndim != 1:
         raise TransportError(f"{name} must be a 1-d array, got shape {arr.shape}")
@@ -466,17 +468,25 @@ class MooncakeTransport:
         lens = _as_i64("lengths", lengths)
         if not (src.shape == dst.shape == lens.shape):
             raise TransportError(f"src_addrs, dst_addrs and lengths differ in length: {src.size}, {dst.size}, {lens.size}")
-        if lens.size and int(lens.min()) < 0:
-            raise TransportError(f"negative segment length {int(lens.min())}")
-        live = lens > 0
-        if (src[live] <= 0).any() or (dst[live] <= 0).any():
+        shortest = int(lens.min()) if lens.size else 0
+        if shortest < 0:
+            raise TransportError(f"negative segment length {shortest}")
+        if shortest > 0:  # the usual case: no empty segment to leave out
+            ls, ld, ll = src, dst, lens
+        else:
+            live = lens > 0
+            ls, ld, ll = src[live], dst[live], lens[live]
+        if ls.size and (int(ls.min()) <= 0 or int(ld.min()) <= 0):
             raise TransportError("segment addresses must be positive")
         if not deadline_s > 0:
             raise TransportError(f"deadline_s must be positive, got {deadline_s}")
-        segments = int(live.sum())
+        segments = int(ll.size)
         if self.check_local:
-            self._check_local(src[live], lens[live])
-        ps, pd, pl = split_pieces(src, dst, lens, self.max_piece_bytes)
+            self._check_local(ls, ll)
+        if shortest > 0 and int(lens.max()) <= self.max_piece_bytes:
+            ps, pd, pl = src, dst, lens
+        else:
+            ps, pd, pl = split_pieces(src, dst, lens, self.max_piece_bytes)
         handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s, guard)
         self._handles.add(handle)
         handle.poll()
