@@ -90,6 +90,7 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
             return ("ok", time.perf_counter() - t0)
         if cmd[0] == "record":
             rec = sender.record(cmd[1])
+            sender.forget(cmd[1])  # as an engine does once a room is over
             return ("ok", rec.as_dict() if rec else None)
         raise ValueError(cmd[0])
 

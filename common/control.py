@@ -9,7 +9,7 @@ hostile peer can neither speak for another one nor make us buffer gigabytes. Any
 only the I/O thread touches sockets (others wake it through an inproc pair). Received
 messages go to ``on_message(peer, payload)`` on the I/O thread, and ``on_tick()`` runs
 there at least every ``tick_s`` for deadlines and heartbeats, each time before the
-messages that arrived since the last one are read.
+messages that arrived since the last one are read (and after queued sends are flushed).
 """
 
 from __future__ import annotations
@@ -74,11 +74,17 @@ class ControlChannel:
         self._thread.start()
 
     # -- any thread ---------------------------------------------------------------------
-    def send(self, peer: str, payload: bytes) -> None:
-        """Queue ``payload`` for ``peer``: a ROUTER identity (hex) or a ``tcp://`` endpoint."""
-        self._out.put((peer, payload))
+    def send(self, peer: str, payload: bytes, *, wait_s: float = 0.0) -> None:
+        """Queue ``payload`` for ``peer``: a ROUTER identity (hex) or a ``tcp://`` endpoint.
+        With ``wait_s`` > 0, a thread other than the I/O thread blocks until the I/O thread
+        has handed the message to ZMQ (at most ``wait_s``): a latency-critical message then
+        leaves before the caller's further work, which would otherwise hold the GIL first."""
+        sent = threading.Event() if wait_s > 0 and threading.get_ident() != self._thread.ident else None
+        self._out.put((peer, payload, sent))
         with self._wake_lock:
             self._wake_tx.send(b"", zmq.NOBLOCK)
+        if sent is not None:
+            sent.wait(wait_s)
 
     def close(self) -> None:
         """Stop the I/O thread and close every socket."""
@@ -110,7 +116,7 @@ class ControlChannel:
     def _flush(self) -> None:
         while True:
             try:
-                peer, payload = self._out.get_nowait()
+                peer, payload, sent = self._out.get_nowait()
             except queue.Empty:
                 return
             try:
@@ -120,6 +126,9 @@ class ControlChannel:
                     self._router.send_multipart([bytes.fromhex(peer), payload], zmq.NOBLOCK)
             except zmq.ZMQError as e:  # peer gone or queue full: deadlines handle the rest
                 log.warning("control message to %s dropped: %s", peer, e)
+            finally:
+                if sent is not None:
+                    sent.set()
 
     def _loop(self) -> None:
         self._poller = zmq.Poller()
@@ -129,26 +138,20 @@ class ControlChannel:
         try:
             while not self._stop.is_set():
                 events = dict(self._poller.poll(self._tick_ms))
-                # deadlines and silences first, on what was seen before this poll: a process
+                if self._wake_rx in events:
+                    for _ in self._waiting(self._wake_rx):
+                        pass
+                self._flush()  # what other threads queued leaves first (a Done is on someone's critical path)
+                # deadlines and silences next, on what was seen before this poll: a process
                 # resuming from a stall (SIGSTOP, a long pause) judges its peers by that, not
                 # by the frames they queued while it was stopped
                 try:
                     self._on_tick()
                 except Exception:
                     log.exception("control tick failed")
-                if self._wake_rx in events:
-                    while True:
-                        try:
-                            self._wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                self._flush()
+                self._flush()  # what the tick queued
                 if self._router is not None and self._router in events:
-                    while True:
-                        try:
-                            frames = self._router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                    for frames in self._waiting(self._router):
                         if len(frames) != 2:  # [routing id, payload]; more frames could name another peer's id
                             self.refused_frames += 1
                             log.warning("control message from %s refused: %d frames, expected 1",
@@ -157,11 +160,7 @@ class ControlChannel:
                         self._dispatch(frames[0].hex(), frames[1])
                 for ep, s in list(self._dealers.items()):
                     if s in events:
-                        while True:
-                            try:
-                                frames = s.recv_multipart(zmq.NOBLOCK)
-                            except zmq.Again:
-                                break
+                        for frames in self._waiting(s):
                             if len(frames) != 1:
                                 self.refused_frames += 1
                                 log.warning("control message from %s refused: %d frames, expected 1", ep, len(frames))
@@ -173,6 +172,16 @@ class ControlChannel:
             if self._router is not None:
                 self._router.close(0)
             self._wake_rx.close(0)
+
+    @staticmethod
+    def _waiting(sock: zmq.Socket):
+        """The messages waiting on ``sock``, each as its list of frames, until none is left
+        (asked through ZMQ_EVENTS: no exception raised per wake-up on the way out)."""
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                yield sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def _dispatch(self, peer: str, payload: bytes) -> None:
         try:

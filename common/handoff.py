@@ -40,6 +40,7 @@ from kvbridge.layout import (
     LayoutError,
     PlanCosts,
     PlanKind,
+    TransferPlan,
     block_ranges,
     check_compatible,
     check_segments_inside,
@@ -71,6 +72,7 @@ class RoomState(enum.IntEnum):
 TERMINAL = (RoomState.FAILED, RoomState.SUCCESS)
 MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
 MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
+DONE_FLUSH_S = 0.005  # a sender worker waits this long at most for its TransferDone to leave before its bookkeeping
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,12 @@ class _SendRoom:
     chunks: list[_Chunk] = field(default_factory=list)
     busy: bool = False
     reason: str = ""
+    plan: TransferPlan | None = None  # the latest chunk's plan; the record takes its reason when the room ends
+
+    def note_plan_reason(self) -> None:
+        """Put the latest plan's explanation into the record (built off the send's critical path)."""
+        if self.plan is not None and not self.record.plan_reason:
+            self.record.plan_reason = self.plan.explain()
 
 
 class _Side:
@@ -167,12 +175,13 @@ class _Side:
                                       name=f"kvbridge-{self.role}")
 
     def _count_blocks(self, n: int) -> None:
-        self.metrics.blocks_held.labels(self.role).inc(n)
+        self.metrics.child(self.metrics.blocks_held, self.role).inc(n)
 
-    def _send(self, peer: str, msg) -> None:
+    def _send(self, peer: str, msg, wait_s: float = 0.0) -> None:
+        """Send a control message; ``wait_s``: see ``ControlChannel.send``."""
         if isinstance(msg, (P.TransferFailed, P.Abort)) and len(msg.reason) > 4000:
             msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
-        self.channel.send(peer, P.encode(msg))
+        self.channel.send(peer, P.encode(msg), wait_s=wait_s)
 
     def _on_frame(self, peer: str, payload: bytes) -> None:
         self._peers_seen[peer] = time.monotonic()
@@ -244,7 +253,7 @@ class KVSender(_Side):
             r = _SendRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec)
             r.lease = BlockLease(room, blocks, release, self._count_blocks)
             self._rooms[room] = r
-            self.metrics.inflight.labels(self.role).inc()
+            self.metrics.child(self.metrics.inflight, self.role).inc()
             early = self._early.pop(room, {})
             declined = self._declined.pop(room, None)
         if declined is not None:  # the decode side decided to compute this prompt itself (or gave it up)
@@ -468,13 +477,14 @@ class KVSender(_Side):
                     if r.state in TERMINAL:  # aborted or failed while writing: no TransferDone for it
                         break
                     target.sent += 1
-                    if chunk.last:
-                        self._send(target.peer, P.TransferDone(
-                            room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
-                            seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
-                            src_layout=self.layout.describe() if target.staged else {}))
+                    done = P.TransferDone(
+                        room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
+                        seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
+                        src_layout=self.layout.describe() if target.staged else {}) if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
+                if done is not None:  # the decode side waits on it: out before our own bookkeeping
+                    self._send(target.peer, done, wait_s=DONE_FLUSH_S)
                 if complete:
                     self._succeed(r)
         except (TransportError, LayoutError, HandoffFailed) as e:
@@ -511,7 +521,7 @@ class KVSender(_Side):
                              kinds=kinds, costs=cfg.costs)
         rec = r.record
         rec.plan_s += time.perf_counter() - t_plan
-        rec.plan, rec.plan_reason = plan.kind.value, plan.explain()
+        rec.plan, rec.plan_reason, r.plan = plan.kind.value, "", plan
         deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
         if plan.kind is PlanKind.STAGED_RECV:
             # into the staging this receiver set aside for this sender, after what is there
@@ -642,11 +652,12 @@ class KVSender(_Side):
         with self._lock:
             if r.state in TERMINAL:
                 return
+            r.note_plan_reason()
             r.state = RoomState.SUCCESS
             rec = r.record
             rec.finished, rec.result = time.monotonic(), "success"
         r.lease.release(True)
-        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(rec)
 
     def _fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
@@ -654,12 +665,13 @@ class KVSender(_Side):
             r = self._rooms.get(room)
             if r is None or r.state in TERMINAL:
                 return
+            r.note_plan_reason()
             r.state, r.reason = RoomState.FAILED, reason
             r.record.finished, r.record.result, r.record.reason = time.monotonic(), (
                 code if code in ("aborted", "declined") else "failed"), reason
             busy = r.busy
         log.warning("sender: room %s failed: %s", room, reason)
-        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(r.record)
         if busy:  # tell the peer and release only once no write of ours can still land
             threading.Thread(target=self._settle_when_idle, args=(r, notify, code), daemon=True).start()
@@ -741,6 +753,7 @@ class KVReceiver(_Side):
         self._rooms: dict[int, _RecvRoom] = {}
         self._declined: deque = deque(maxlen=4096)  # rooms declined lately (their acks are expected)
         self._last_ping = 0.0
+        self._layout_desc = layout.describe()  # what every request carries (the layout never changes)
         super().__init__(layout, transport, config, metrics, bind_host=None)
         for t in layout.tensors or ():
             transport.register_tensor(t)
@@ -765,11 +778,11 @@ class KVReceiver(_Side):
             raise ValueError("at least one prefill endpoint is needed")
         ids = np.asarray(blocks, dtype=np.int64)
         lay = self.layout
-        if ids.size and ((ids < lay.first_block) | (ids >= lay.num_blocks)).any():
+        if ids.size and (int(ids.min()) < lay.first_block or int(ids.max()) >= lay.num_blocks):
             raise ValueError(f"room {room}: block ids outside this pool's {lay.first_block}..{lay.num_blocks - 1}")
         try:  # validate everything before the room exists, so a bad request leaks nothing
             base = P.TransferRequest(
-                room=room, model=self.config.model, layout=lay.describe(), block_ids=ids.tolist(),
+                room=room, model=self.config.model, layout=self._layout_desc, block_ids=ids.tolist(),
                 first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
                 sent_at=time.time(), receivers=receivers,
             )
@@ -784,7 +797,7 @@ class KVReceiver(_Side):
             r = _RecvRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec, lease,
                           {ep: "pending" for ep in eps})
             self._rooms[room] = r
-            self.metrics.inflight.labels(self.role).inc()
+            self.metrics.child(self.metrics.inflight, self.role).inc()
         r.first_token = first_token
         # staging for staged_recv plans: one slice per sender, or none at all
         if self._staging is not None:
@@ -999,7 +1012,7 @@ class KVReceiver(_Side):
             r.record.finished, r.record.result = time.monotonic(), "success"
         self._free_staging(r)
         r.lease.release(True)
-        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(r.record)
         r.done.set()
 
@@ -1026,6 +1039,6 @@ class KVReceiver(_Side):
             r.record.finished = time.monotonic()
         self._free_staging(r)
         r.lease.release(False)
-        self.metrics.inflight.labels(self.role).dec()
+        self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(r.record)
         r.done.set()

@@ -87,12 +87,23 @@ class KVBridgeMetrics:
         self.fallbacks = Counter("kvbridge_fallbacks", "Requests whose KV was not moved (decode side computes it)",
                                  ["role", "reason"], registry=r)
 
+        self._children: dict = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once per label set (a finished handoff
+        touches several on its critical path)."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
     def observe(self, rec: HandoffRecord) -> None:
         """Account one finished handoff."""
         plan = rec.plan or "none"
-        self.handoffs.labels(rec.role, rec.result, plan).inc()
+        self.child(self.handoffs, rec.role, rec.result, plan).inc()
         if rec.result == "success":
-            self.bytes.labels(rec.role, plan).inc(rec.bytes)
-            self.segments.labels(rec.role, plan).inc(rec.segments)
-            self.seconds.labels(rec.role, plan).observe(rec.seconds)
-            self.gbps.labels(rec.role, plan).observe(rec.gbps)
+            self.child(self.bytes, rec.role, plan).inc(rec.bytes)
+            self.child(self.segments, rec.role, plan).inc(rec.segments)
+            self.child(self.seconds, rec.role, plan).observe(rec.seconds)
+            self.child(self.gbps, rec.role, plan).observe(rec.gbps)
