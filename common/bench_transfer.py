@@ -232,8 +232,9 @@ def bench_transfer(
             big["handoff"].append(dt)
             dt, sinfo = handoff(tokens, scattered=True)
             big["scattered"].append(dt)
-        # the small request is cheap and its medians are noisy here: many interleaved pairs
-        for i in range(max(15, 5 * reps)):
+        # the small request is cheap and one 16 MiB write here takes 6-16 ms from one try to
+        # the next: many interleaved pairs, so that the medians hold still
+        for i in range(max(60, 12 * reps)):
             big["small_raw"].append(raw(small_tokens))
             big["small"].append(handoff(small_tokens)[0])
         med = {k: statistics.median(v) for k, v in big.items()}
@@ -281,6 +282,9 @@ def bench_transfer(
             "small_handoff_ms": round(med["small"] * 1e3, 3),
             "small_raw_ms": round(med["small_raw"] * 1e3, 3),
             "small_overhead_ms": round((med["small"] - med["small_raw"]) * 1e3, 3),
+            # the same from each handoff and the raw write just before it (drift cancels)
+            "small_overhead_paired_ms": round(statistics.median(
+                h - r for h, r in zip(big["small"], big["small_raw"])) * 1e3, 3),
             "plan": info.get("plan"),
             "segments": info.get("segments"),
             "scattered_segments": sinfo.get("segments"),

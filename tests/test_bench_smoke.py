@@ -14,7 +14,7 @@ def test_bench_transfer_reports_its_keys(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
-    for key in ("handoff_gbps", "raw_gbps", "ratio", "small_handoff_ms", "small_raw_ms", "scattered_ratio",
+    for key in ("handoff_gbps", "raw_gbps", "ratio", "small_handoff_ms", "small_raw_ms", "small_overhead_paired_ms", "scattered_ratio",
                 "model_error_max", "link"):
         assert key in res, key
     assert res["bytes"] == 256 * 32 * 2 * 8 * 128 * 2 and res["plan"] == "staged_send"
