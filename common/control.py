@@ -1,15 +1,20 @@
-"""The control channel: ZMQ ROUTER/DEALER sockets owned by one I/O thread.
+"""The control channel: ZMQ ROUTER/DEALER sockets, read by one I/O thread.
 
 The prefill side binds a ROUTER (its endpoint is what discovery hands out, e.g. through
 SGLang's bootstrap server); each decode side connects a DEALER per prefill endpoint.
 Messages are kvbridge protocol frames (``protocol.encode``), one frame each: a peer that
 sends more frames (which could name another peer's routing id) or a frame larger than
 ``max_message_bytes`` (ZMQ drops its connection before buffering it) is refused, so a
-hostile peer can neither speak for another one nor make us buffer gigabytes. Any thread may ``send``;
-only the I/O thread touches sockets (others wake it through an inproc pair). Received
-messages go to ``on_message(peer, payload)`` on the I/O thread, and ``on_tick()`` runs
-there at least every ``tick_s`` for deadlines and heartbeats, each time before the
-messages that arrived since the last one are read (and after queued sends are flushed).
+hostile peer can neither speak for another one nor make us buffer gigabytes.
+
+Any thread may ``send``: at once, on the caller's thread, when the peer's socket exists
+(every use of a socket holds one lock, which is what ZMQ asks of a socket shared between
+threads), else through the I/O thread, which connects the DEALER first; a peer's
+messages keep their order either way. The I/O thread waits on the sockets' ZMQ_FD (not
+on the sockets, which other threads may be using), reads them, hands each message to
+``on_message(peer, payload)`` and runs ``on_tick()`` at least every ``tick_s`` for
+deadlines and heartbeats, each time before the messages that arrived since the last one
+are read (and after queued sends are flushed).
 """
 
 from __future__ import annotations
@@ -69,36 +74,70 @@ class ControlChannel:
                 self._router.bind(f"tcp://{bind_host}:*")
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dealers: dict[str, zmq.Socket] = {}
+        self._sock_lock = threading.Lock()  # held for every use of the router and the dealers
+        self._closed = False
+        self._poller = zmq.Poller()  # the I/O thread's; it alone registers and polls
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+        if self._router is not None:
+            self._poller.register(self._router.getsockopt(zmq.FD), zmq.POLLIN)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     # -- any thread ---------------------------------------------------------------------
-    def send(self, peer: str, payload: bytes, *, wait_s: float = 0.0) -> None:
-        """Queue ``payload`` for ``peer``: a ROUTER identity (hex) or a ``tcp://`` endpoint.
-        With ``wait_s`` > 0, a thread other than the I/O thread blocks until the I/O thread
-        has handed the message to ZMQ (at most ``wait_s``): a latency-critical message then
-        leaves before the caller's further work, which would otherwise hold the GIL first."""
-        sent = threading.Event() if wait_s > 0 and threading.get_ident() != self._thread.ident else None
-        self._out.put((peer, payload, sent))
-        with self._wake_lock:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        if sent is not None:
-            sent.wait(wait_s)
+    def send(self, peer: str, payload: bytes) -> None:
+        """Send ``payload`` to ``peer``: a ROUTER identity (hex) or a ``tcp://`` endpoint.
+        Handed to ZMQ before this returns when the peer's socket exists (the usual case: a
+        reply, or a request to a prefill rank asked before); a first message to an endpoint
+        goes through the I/O thread, which connects to it."""
+        wake = False
+        with self._sock_lock:
+            if self._closed:
+                log.debug("control message to %s dropped: the channel is closed", peer)
+                return
+            if peer.startswith("tcp://"):
+                sock = self._dealers.get(peer)
+                if sock is None:  # the I/O thread connects it, then sends everything queued, in order
+                    self._out.put((peer, payload))
+                    wake = True
+                else:
+                    self._send_on(sock, peer, payload)
+            elif self._router is not None:
+                sock = self._router
+                self._send_on(sock, peer, payload)
+            else:
+                return
+            # a send may take the edge of the socket's ZMQ_FD that the I/O thread waits on
+            wake = wake or bool(sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        if wake:
+            self._wake()
 
     def close(self) -> None:
         """Stop the I/O thread and close every socket."""
         if self._stop.is_set():
             return
         self._stop.set()
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self._wake()
         self._thread.join(timeout=5)
         with self._wake_lock:
             self._wake_tx.close(0)
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:  # closed, or plenty of wake-ups already queued
+                pass
+
+    def _send_on(self, sock: zmq.Socket, peer: str, payload: bytes) -> None:
+        """Hand one message to ZMQ (the socket lock held)."""
+        try:
+            if sock is self._router:
+                sock.send_multipart([bytes.fromhex(peer), payload], zmq.NOBLOCK)
+            else:
+                sock.send(payload, zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError) as e:  # peer gone, queue full, bad id: deadlines handle the rest
+            log.warning("control message to %s dropped: %s", peer, e)
 
     # -- I/O thread ---------------------------------------------------------------------
     def _dealer(self, endpoint: str) -> zmq.Socket:
@@ -110,38 +149,42 @@ class ControlChannel:
             s.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             s.connect(endpoint)
             self._dealers[endpoint] = s
-            self._poller.register(s, zmq.POLLIN)
+            self._poller.register(s.getsockopt(zmq.FD), zmq.POLLIN)
         return s
 
     def _flush(self) -> None:
+        """Send what waited for a DEALER to be connected (all of it under the lock, so that
+        no direct send to the same endpoint overtakes it)."""
+        with self._sock_lock:
+            while True:
+                try:
+                    peer, payload = self._out.get_nowait()
+                except queue.Empty:
+                    return
+                self._send_on(self._dealer(peer), peer, payload)
+
+    def _read(self, sock: zmq.Socket):
+        """The messages waiting on ``sock``, each as its list of frames, until none is left
+        (asked through ZMQ_EVENTS, which also re-arms its ZMQ_FD); the lock is held only
+        while reading, never while a message is handled."""
         while True:
-            try:
-                peer, payload, sent = self._out.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if peer.startswith("tcp://"):
-                    self._dealer(peer).send(payload, zmq.NOBLOCK)
-                elif self._router is not None:
-                    self._router.send_multipart([bytes.fromhex(peer), payload], zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # peer gone or queue full: deadlines handle the rest
-                log.warning("control message to %s dropped: %s", peer, e)
-            finally:
-                if sent is not None:
-                    sent.set()
+            with self._sock_lock:
+                if self._closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+            yield frames
 
     def _loop(self) -> None:
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        if self._router is not None:
-            self._poller.register(self._router, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(self._poller.poll(self._tick_ms))
                 if self._wake_rx in events:
-                    for _ in self._waiting(self._wake_rx):
-                        pass
-                self._flush()  # what other threads queued leaves first (a Done is on someone's critical path)
+                    while self._wake_rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self._wake_rx.recv(zmq.NOBLOCK)
+                self._flush()
                 # deadlines and silences next, on what was seen before this poll: a process
                 # resuming from a stall (SIGSTOP, a long pause) judges its peers by that, not
                 # by the frames they queued while it was stopped
@@ -149,9 +192,9 @@ class ControlChannel:
                     self._on_tick()
                 except Exception:
                     log.exception("control tick failed")
-                self._flush()  # what the tick queued
-                if self._router is not None and self._router in events:
-                    for frames in self._waiting(self._router):
+                self._flush()  # what the tick queued for a new endpoint
+                if self._router is not None:
+                    for frames in self._read(self._router):
                         if len(frames) != 2:  # [routing id, payload]; more frames could name another peer's id
                             self.refused_frames += 1
                             log.warning("control message from %s refused: %d frames, expected 1",
@@ -159,29 +202,20 @@ class ControlChannel:
                             continue
                         self._dispatch(frames[0].hex(), frames[1])
                 for ep, s in list(self._dealers.items()):
-                    if s in events:
-                        for frames in self._waiting(s):
-                            if len(frames) != 1:
-                                self.refused_frames += 1
-                                log.warning("control message from %s refused: %d frames, expected 1", ep, len(frames))
-                                continue
-                            self._dispatch(ep, frames[0])
+                    for frames in self._read(s):
+                        if len(frames) != 1:
+                            self.refused_frames += 1
+                            log.warning("control message from %s refused: %d frames, expected 1", ep, len(frames))
+                            continue
+                        self._dispatch(ep, frames[0])
         finally:
-            for s in self._dealers.values():
-                s.close(0)
-            if self._router is not None:
-                self._router.close(0)
+            with self._sock_lock:
+                self._closed = True
+                for s in self._dealers.values():
+                    s.close(0)
+                if self._router is not None:
+                    self._router.close(0)
             self._wake_rx.close(0)
-
-    @staticmethod
-    def _waiting(sock: zmq.Socket):
-        """The messages waiting on ``sock``, each as its list of frames, until none is left
-        (asked through ZMQ_EVENTS: no exception raised per wake-up on the way out)."""
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                yield sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     def _dispatch(self, peer: str, payload: bytes) -> None:
         try:

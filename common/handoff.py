@@ -72,7 +72,6 @@ class RoomState(enum.IntEnum):
 TERMINAL = (RoomState.FAILED, RoomState.SUCCESS)
 MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
 MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
-DONE_FLUSH_S = 0.005  # a sender worker waits this long at most for its TransferDone to leave before its bookkeeping
 
 
 @dataclass(frozen=True)
@@ -177,11 +176,10 @@ class _Side:
     def _count_blocks(self, n: int) -> None:
         self.metrics.child(self.metrics.blocks_held, self.role).inc(n)
 
-    def _send(self, peer: str, msg, wait_s: float = 0.0) -> None:
-        """Send a control message; ``wait_s``: see ``ControlChannel.send``."""
+    def _send(self, peer: str, msg) -> None:
         if isinstance(msg, (P.TransferFailed, P.Abort)) and len(msg.reason) > 4000:
             msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
-        self.channel.send(peer, P.encode(msg), wait_s=wait_s)
+        self.channel.send(peer, P.encode(msg))
 
     def _on_frame(self, peer: str, payload: bytes) -> None:
         self._peers_seen[peer] = time.monotonic()
@@ -484,7 +482,7 @@ class KVSender(_Side):
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if done is not None:  # the decode side waits on it: out before our own bookkeeping
-                    self._send(target.peer, done, wait_s=DONE_FLUSH_S)
+                    self._send(target.peer, done)
                 if complete:
                     self._succeed(r)
         except (TransportError, LayoutError, HandoffFailed) as e:
