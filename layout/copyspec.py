@@ -27,7 +27,7 @@ def as_block_ids(blocks, name: str) -> np.ndarray:
     arr = np.asarray(blocks)
     if arr.ndim != 1:
         raise LayoutError(f"{name} must be a 1-d list of block ids, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise LayoutError(f"{name} must hold integers, got {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
@@ -136,7 +136,8 @@ class CopySpec:
                     f"{side} block ids {used[bad][:8].tolist()} outside the pool's valid ids "
                     f"{lay.first_block}..{lay.num_blocks - 1}"
                 )
-            if np.unique(used).size != used.size:
+            srt = np.sort(used)
+            if (srt[1:] == srt[:-1]).any():
                 raise LayoutError(f"{side} block list names a block twice: {used.tolist()[:16]}")
 
     @cached_property

@@ -244,8 +244,7 @@ def _side_boxes(spec: CopySpec, side: str) -> SideBoxes:
     lk_n = lay.num_layers * lay.kv_factor
     addr = (lay.base.reshape(-1, 1) + per_block[None, :]).reshape(-1)
     order = np.argsort(addr, kind="stable")
-    lk = np.repeat(np.arange(lk_n, dtype=np.int64), pos.size)[order]
-    j = np.tile(np.arange(pos.size, dtype=np.int64), lk_n)[order]
+    lk, j = np.divmod(order, pos.size)  # box k of the flat [lk, block] grid is (k // blocks, k % blocks)
     return SideBoxes(lk=lk, block_pos=pos[j], slot=a[j], ntok=(b - a)[j], addr=addr[order])
 
 
