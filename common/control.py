@@ -155,6 +155,8 @@ class ControlChannel:
     def _flush(self) -> None:
         """Send what waited for a DEALER to be connected (all of it under the lock, so that
         no direct send to the same endpoint overtakes it)."""
+        if self._out.empty():  # the usual case: nothing waits (no exception raised to find out)
+            return
         with self._sock_lock:
             while True:
                 try:
