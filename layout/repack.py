@@ -75,7 +75,8 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
             x_addr, x_tok, x_head = (x_addr - origin) // unit, x_tok // unit, x_head // unit
         else:
             y_tok, y_head, y_base = y_tok // unit, y_head // unit, (y_base - origin) // unit
-    classes = np.unique(bx.ntok)
+    # box lengths: usually one (whole blocks), at most three (a partial first and last block)
+    classes = bx.ntok[:1] if bx.ntok.size and (bx.ntok == bx.ntok[0]).all() else np.unique(bx.ntok)
     xs, ys, keys = [], [], []
     for n in classes:
         n = int(n)
