@@ -75,13 +75,10 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
             x_addr, x_tok, x_head = (x_addr - origin) // unit, x_tok // unit, x_head // unit
         else:
             y_tok, y_head, y_base = y_tok // unit, y_head // unit, (y_base - origin) // unit
-    # box lengths: usually one (whole blocks), at most three (a partial first and last block)
-    classes = bx.ntok[:1] if bx.ntok.size and (bx.ntok == bx.ntok[0]).all() else np.unique(bx.ntok)
+    classes = bx.by_length()
     xs, ys, keys = [], [], []
-    for n in classes:
-        n = int(n)
-        sel = np.flatnonzero(bx.ntok == n) if classes.size > 1 else slice(None)
-        count = bx.ntok.size if classes.size == 1 else sel.size
+    for n, sel in classes:
+        count = bx.ntok.size if len(classes) == 1 else sel.size
         t = np.arange(n, dtype=np.int64)
 
         def grid(per_box, per_tok, per_head):  # [count, nh, n] (head-major) or [count, n, nh], flattened
@@ -94,8 +91,8 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
             xs.append(grid(x_addr[sel], np.broadcast_to(t * x_tok, (count, n)), np.arange(nh, dtype=np.int64) * x_head))
         if need_y:
             ys.append(grid(y_base[bx.lk[sel]], y_tok[first_tok[sel][:, None] + t[None, :]], y_head))
-        if classes.size > 1:
-            keys.append(np.repeat(sel.astype(np.int64), n * nh))
+        if len(classes) > 1:
+            keys.append(np.repeat(sel, n * nh))
     order_idx = np.argsort(np.concatenate(keys), kind="stable") if keys else None
 
     def join(parts):

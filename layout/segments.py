@@ -215,6 +215,14 @@ class SideBoxes:
     ntok: np.ndarray
     addr: np.ndarray
 
+    def by_length(self) -> list[tuple[int, slice | np.ndarray]]:
+        """The boxes grouped by token count, as ``(ntok, selection)`` in increasing ntok: one
+        group selecting all (``slice(None)``, box order kept) when every box is alike (whole
+        blocks), else at most three (a partial first and last block), each an index array."""
+        if self.ntok.size and (self.ntok == self.ntok[0]).all():
+            return [(int(self.ntok[0]), slice(None))]
+        return [(int(n), np.flatnonzero(self.ntok == n)) for n in np.unique(self.ntok)]
+
     def take(self, sel) -> "SideBoxes":
         """The boxes ``sel`` (a slice or index array) of these, in that order."""
         return SideBoxes(self.lk[sel], self.block_pos[sel], self.slot[sel], self.ntok[sel], self.addr[sel])
@@ -241,7 +249,6 @@ def _side_boxes(spec: CopySpec, side: str) -> SideBoxes:
     a = np.maximum(spec.start, tok0) - tok0
     b = np.minimum(spec.stop, tok0 + tpb) - tok0
     per_block = blocks[pos] * lay.block_stride + a * lay.token_stride + h0 * lay.head_stride
-    lk_n = lay.num_layers * lay.kv_factor
     addr = (lay.base.reshape(-1, 1) + per_block[None, :]).reshape(-1)
     order = np.argsort(addr, kind="stable")
     lk, j = np.divmod(order, pos.size)  # box k of the flat [lk, block] grid is (k // blocks, k % blocks)
@@ -260,24 +267,21 @@ def side_runs(spec: CopySpec, side: str) -> tuple[np.ndarray, np.ndarray]:
     lay = spec.src if side == "src" else spec.dst
     bx = side_boxes(spec, side)
     nh = spec.heads.count
-    if bx.ntok.size and (bx.ntok == bx.ntok[0]).all():  # every box alike (whole blocks): one class, in order
-        classes = [(bx.ntok[0], slice(None))]
-    else:
-        classes = [(n, np.flatnonzero(bx.ntok == n)) for n in np.unique(bx.ntok)]
+    classes = bx.by_length()
     parts_addr, parts_len, parts_key = [], [], []
     for n, sel in classes:
-        run, dims = _side_dims(lay, int(n), nh)
+        run, dims = _side_dims(lay, n, nh)
         a = bx.addr[sel]
-        k = sel
+        per_box = 1
         if dims:
             grid = np.indices([d[0] for d in dims], dtype=np.int64).reshape(len(dims), -1)
             off = (np.array([d[1] for d in dims], dtype=np.int64)[:, None] * grid).sum(0)
             a = (a[:, None] + off[None, :]).reshape(-1)
-            if len(classes) > 1:
-                k = np.repeat(k, off.size)
+            per_box = off.size
         parts_addr.append(a)
         parts_len.append(np.full(a.size, run, dtype=np.int64))
-        parts_key.append(k)
+        if len(classes) > 1:
+            parts_key.append(np.repeat(sel, per_box))
     if len(classes) == 1:
         addr, length = parts_addr[0], parts_len[0]
     else:  # back to box order (the boxes are in address order)
