@@ -108,7 +108,7 @@ class ControlChannel:
             else:
                 return
             # a send may take the edge of the socket's ZMQ_FD that the I/O thread waits on
-            wake = wake or bool(sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            wake = wake or bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         if wake:
             self._wake()
 
