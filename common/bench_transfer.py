@@ -105,6 +105,8 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("trtllm", tokens, True, None)  # its contents are overwritten anyway
+    for t in lay.tensors:  # but touched once, as a serving engine's pool is: no timed write pays first-touch page faults
+        t.zero_()
     transport = MooncakeTransport("127.0.0.1")
     recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
     conn.send(("ready", transport.session_id, lay.regions[0].addr))

@@ -87,6 +87,8 @@ class HandoffConfig:
     ring_parts: int = 8  # regions of a sender worker's staging ring: parts gathered ahead of the wire
     first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
     inline_gather: bool = False  # CPU pools: True keeps every gather on its send worker; False only parts up to 1 MiB
+    prestage_slots: int = 8  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
+    prestage_bytes: int = 4 << 20  # that first part (one slot of the sender's prestage buffer)
     write_timeout_s: float = 30.0  # bound on one chunk's write
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
@@ -130,6 +132,7 @@ class _Target:
     request: P.TransferRequest
     remote: KVLayout
     allowed: np.ndarray
+    blocks: np.ndarray  # the receiver's block ids for the room, in token order
     sent: int = 0  # chunks of the room already written to this target
     staged_bytes: int = 0  # bytes written into the receiver's staging so far
     bytes: int = 0  # payload written to this target
@@ -150,11 +153,33 @@ class _SendRoom:
     busy: bool = False
     reason: str = ""
     plan: TransferPlan | None = None  # the latest chunk's plan; the record takes its reason when the room ends
+    prestaged: "_Prestaged | None" = None  # its first part, gathered before any request came
+    prestage_tried: bool = False
 
     def note_plan_reason(self) -> None:
         """Put the latest plan's explanation into the record (built off the send's critical path)."""
         if self.plan is not None and not self.record.plan_reason:
             self.record.plan_reason = self.plan.explain()
+
+
+@dataclass(frozen=True)
+class _Prestaged:
+    """A room's first staged part, gathered after its last chunk and before any request
+    came, for ``remote`` (the layout of the decode peer served last) and the request an
+    engine usually sends: every token ``[0, chunk.stop)``, into ascending block ids.
+
+    Valid for a request that matches: a staged send's staging rows are in the
+    destination's address order, which block ids change only through their order, so
+    any ascending block list gives the same rows as ``remote``'s first ``nblk`` blocks."""
+
+    chunk: _Chunk
+    remote: KVLayout
+    nblk: int  # destination blocks the request needs
+    nbytes: int  # the whole plan's payload
+    rows: int  # staging rows gathered: rows [0, rows) of the plan's first chunk
+    row_bytes: int
+    slot: int  # which slot of the sender's prestage buffer holds them
+    addr: int  # where it starts
 
 
 class _Side:
@@ -219,6 +244,7 @@ class KVSender(_Side):
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
         self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
+        self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
         super().__init__(layout, transport, config, metrics, bind_host=host)
         if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
@@ -233,6 +259,14 @@ class KVSender(_Side):
             ring = torch.empty(max(2, cfg.ring_parts) * cfg.part_bytes, dtype=torch.uint8, device=layout.device or "cpu")
             transport.register_tensor(ring)
             self._rings.append(ring)
+        # first parts gathered ahead of their requests (see _prestage): one slot per room
+        self._slot_bytes = max(0, cfg.prestage_bytes)
+        self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
+        self._prestage_buf = None
+        if self._prestage_free:
+            self._prestage_buf = torch.empty(len(self._prestage_free) * self._slot_bytes, dtype=torch.uint8,
+                                             device=layout.device or "cpu")
+            transport.register_tensor(self._prestage_buf)
 
     @property
     def endpoint(self) -> str:
@@ -399,7 +433,7 @@ class KVSender(_Side):
             self._fail(req.room, reason, code="incompatible", notify=True)
             return
         with self._lock:
-            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks))
+            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks), blocks)
             r.expected = max(r.expected, req.receivers)
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING
@@ -455,14 +489,93 @@ class KVSender(_Side):
 
     def _kick(self, r: _SendRoom) -> None:
         with self._lock:
-            if r.busy or r.state in TERMINAL or self._next_work(r) is None:
+            if r.busy or r.state in TERMINAL or (self._next_work(r) is None and not self._prestage_due(r)):
                 return
             r.busy = True
         self._pool.submit(self._drain, r)
 
+    def _prestage_due(self, r: _SendRoom) -> bool:
+        """Whether ``r``'s first part should be gathered now: its prompt is prefilled in one
+        chunk, no decode rank has asked for it yet, the last one served got a staged send,
+        and a slot is free. Call under the lock."""
+        return (not r.prestage_tried and not r.targets and len(r.chunks) == 1 and r.chunks[0].last
+                and r.chunks[0].start == 0 and self._last_pull is not None and self._last_pull[1]
+                and bool(self._prestage_free))
+
+    def _prestage(self, r: _SendRoom) -> None:
+        """Send worker, after a room's last chunk when no request has come yet (TensorRT-LLM's
+        order: the context finishes, then the generation side asks): gather its first part
+        for the decode layout served last, so that a matching request has bytes on the
+        wire without waiting for a gather (``_usable_prestage`` decides). Best effort."""
+        with self._lock:
+            if not self._prestage_due(r) or r.state in TERMINAL:
+                return
+            r.prestage_tried = True
+            slot = self._prestage_free.popleft()
+            remote, c = self._last_pull[0], r.chunks[0]
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            nblk = -(-c.stop // remote.tokens_per_block)
+            if remote.first_block + nblk > remote.num_blocks:
+                raise LayoutError(f"{c.stop} tokens need more blocks than the decode pool has")
+            plan = plan_transfer(self.layout, c.blocks, remote, np.arange(remote.first_block, remote.first_block + nblk),
+                                 (0, c.stop), src_first_token=c.first_token, dst_first_token=0,
+                                 kinds=tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV), costs=cfg.costs)
+            if plan.kind is not PlanKind.STAGED_SEND:
+                raise LayoutError(f"a {plan.kind.value} plan has nothing to gather")
+            gather = plan.chunks(cfg.chunk_bytes)[0].gather()
+            rb = gather.row_bytes
+            limit = min(gather.rows, max(1, self._slot_bytes // rb))
+            step = max(1, min(cfg.first_part_bytes, self._slot_bytes) // rb)
+            buf = self._prestage_buf[slot * self._slot_bytes:]
+            rows = 0
+            while rows < limit:  # a step at a time: a request that comes meanwhile takes what is ready
+                b = min(limit, rows + step)
+                gather.run(buf[rows * rb:], rows=(rows, b), inline=True)
+                rows = b
+                if r.targets or r.state in TERMINAL:
+                    break
+        except Exception as e:  # never fails the room: the request is served the usual way
+            if isinstance(e, (LayoutError, ValueError)):
+                log.debug("sender: room %s not prestaged: %s", r.room, e)
+            else:
+                log.exception("sender: prestaging room %s failed", r.room)
+            with self._lock:
+                self._prestage_free.append(slot)
+            return
+        with self._lock:
+            r.prestaged = _Prestaged(c, remote, nblk, plan.nbytes, rows, rb, slot, buf.data_ptr())
+            r.record.repack_s += time.perf_counter() - t0
+
+    def _usable_prestage(self, r: _SendRoom, t: _Target, c: _Chunk, plan: TransferPlan) -> _Prestaged | None:
+        """``r``'s prestaged first part if it is exactly the start of what ``plan`` would
+        gather for target ``t`` (else it is given up)."""
+        pre = r.prestaged
+        if pre is None:
+            return None
+        req = t.request
+        if (plan.kind is PlanKind.STAGED_SEND and pre.chunk is c and pre.remote is t.remote and req.token_start == 0
+                and req.first_token == 0 and req.token_stop == c.stop and plan.nbytes == pre.nbytes
+                and t.blocks.size >= pre.nblk and bool(np.all(t.blocks[1:pre.nblk] > t.blocks[:pre.nblk - 1]))):
+            return pre
+        self._drop_prestage(r, used=False)
+        return None
+
+    def _drop_prestage(self, r: _SendRoom, *, used: bool) -> None:
+        """Give the room's prestage slot back (once, whoever calls first), when no write
+        can still read it."""
+        with self._lock:
+            pre, r.prestaged = r.prestaged, None
+            if pre is None:
+                return
+            self._prestage_free.append(pre.slot)
+        self.metrics.child(self.metrics.prestaged, "used" if used else "unused").inc()
+
     def _drain(self, r: _SendRoom) -> None:
         ring = self._rings.popleft()
         try:
+            self._prestage(r)
             while True:
                 with self._lock:
                     work = self._next_work(r) if r.state not in TERMINAL else None
@@ -496,6 +609,8 @@ class KVSender(_Side):
             self._fail(r.room, f"internal error: {e!r}", code="internal", notify=True)
         finally:
             self._rings.append(ring)
+            if r.state in TERMINAL:
+                self._drop_prestage(r, used=False)
             with self._lock:
                 r.busy = False
         self._kick(r)
@@ -520,6 +635,8 @@ class KVSender(_Side):
         rec = r.record
         rec.plan_s += time.perf_counter() - t_plan
         rec.plan, rec.plan_reason, r.plan = plan.kind.value, "", plan
+        # what the next room may be prestaged for: this layout, if this request had the usual shape
+        self._last_pull = (t.remote, plan.kind is PlanKind.STAGED_SEND and req.token_start == 0 and req.first_token == 0)
         deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
         if plan.kind is PlanKind.STAGED_RECV:
             # into the staging this receiver set aside for this sender, after what is there
@@ -531,8 +648,14 @@ class KVSender(_Side):
         # the guard: not one byte outside what this receiver set aside for this room
         check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
         if plan.kind is PlanKind.STAGED_SEND:
-            self._pipeline(r, t.peer, req.session, plan, ring, deadline)
+            pre = self._usable_prestage(r, t, c, plan)
+            try:
+                self._pipeline(r, t.peer, req.session, plan, ring, deadline, pre)
+            finally:
+                if pre is not None:  # every write that read it has settled
+                    self._drop_prestage(r, used=True)
         else:
+            self._drop_prestage(r, used=False)
             t0 = time.perf_counter()
             h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline,
                                            guard=functools.partial(self._stop_reason, r, t.peer))
@@ -551,14 +674,16 @@ class KVSender(_Side):
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
 
-    def _pipeline(self, r: _SendRoom, peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float) -> None:
+    def _pipeline(self, r: _SendRoom, peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float,
+                  pre: _Prestaged | None = None) -> None:
         """Staged send: gather the plan into the staging ring part by part, each part written
         as soon as it is gathered. Parts start at ``first_part_bytes`` and double up to
         ``part_bytes`` (bytes are on the wire after a tiny gather); a region of the ring is
         gathered into again only once the write that read it has completed, so up to
         ``ring_parts`` writes are in flight while the next part is gathered. No part is
         submitted once the decode peer has been silent for ``peer_timeout_s`` (it gives the
-        room up then; e.g. this process was stopped and has just resumed)."""
+        room up then; e.g. this process was stopped and has just resumed). With ``pre``, the
+        first part was gathered before the request came and goes out first."""
         cfg, rec = self.config, r.record
         regions = ring.numel() // cfg.part_bytes
         inflight: deque = deque()
@@ -567,11 +692,20 @@ class KVSender(_Side):
         k = 0
         guard = functools.partial(self._stop_reason, r, peer)
         try:
-            for chunk in plan.chunks(cfg.chunk_bytes):
+            for i, chunk in enumerate(plan.chunks(cfg.chunk_bytes)):
+                a = 0
+                if i == 0 and pre is not None:
+                    t0 = time.perf_counter()
+                    w = chunk.wire.window(0, pre.rows * pre.row_bytes).shifted(src_by=pre.addr)
+                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
+                                                               guard=guard))
+                    rec.transfer_s += time.perf_counter() - t0
+                    rec.chunks += 1
+                    k, a, want = k + 1, pre.rows, max(want, 2 * pre.rows * pre.row_bytes)
                 t0 = time.perf_counter()
                 gather = chunk.gather()  # builds each part's row index as that part is gathered
                 rec.repack_s += time.perf_counter() - t0
-                rb, a = gather.row_bytes, 0
+                rb = gather.row_bytes
                 while a < gather.rows:
                     why = self._stop_reason(r, peer)
                     if why:
@@ -654,6 +788,7 @@ class KVSender(_Side):
             r.state = RoomState.SUCCESS
             rec = r.record
             rec.finished, rec.result = time.monotonic(), "success"
+        self._drop_prestage(r, used=False)
         r.lease.release(True)
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(rec)
@@ -680,6 +815,8 @@ class KVSender(_Side):
         if notify:
             for peer in r.targets:
                 self._send(peer, P.TransferFailed(room=r.room, reason=r.reason, code=code))
+        if not r.busy:  # else the worker gives it back once its writes settled
+            self._drop_prestage(r, used=False)
         r.lease.release(False)
 
     def _settle_when_idle(self, r: _SendRoom, notify: bool, code: str) -> None:

@@ -86,6 +86,8 @@ class KVBridgeMetrics:
         self.blocks_held = Gauge("kvbridge_blocks_held", "Blocks leased to handoffs", ["role"], registry=r)
         self.fallbacks = Counter("kvbridge_fallbacks", "Requests whose KV was not moved (decode side computes it)",
                                  ["role", "reason"], registry=r)
+        self.prestaged = Counter("kvbridge_prestaged_parts", "First parts a sender gathered before the request came, "
+                                 "by whether the request could use them", ["outcome"], registry=r)
 
         self._children: dict = {}
 

@@ -132,6 +132,13 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             return ("aborted",)
         if op == "free":
             return ("free", alloc.free_count, alloc.double_frees)
+        if op == "prestage":  # prestage slots free now, and first parts used / given up so far
+            from prometheus_client import REGISTRY
+
+            def count(outcome):
+                return REGISTRY.get_sample_value("kvbridge_prestaged_parts_total", {"outcome": outcome}) or 0.0
+
+            return ("prestage", len(sender._prestage_free), count("used"), count("unused"))
         raise ValueError(op)
 
     try:
@@ -161,6 +168,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
             opts = args[6] if len(args) > 6 else {}
             nblk = -(-stop // lay.tokens_per_block)
             blocks = alloc.alloc_every_other(nblk) if opts.get("scattered") else alloc.alloc(nblk)
+            if opts.get("descending"):
+                blocks = np.sort(blocks)[::-1].copy()
             before = snapshot(lay)
             t0 = time.perf_counter()
             recv.request(room, endpoints, blocks, start, stop, release=lambda b, ok: None if ok else alloc.free(b),
