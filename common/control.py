@@ -112,6 +112,17 @@ class ControlChannel:
         if wake:
             self._wake()
 
+    def pending(self) -> bool:
+        """Whether a message waits to be read on the bound (ROUTER) socket; any thread, e.g.
+        a worker deciding whether to stop optional work and let it be handled."""
+        if self._router is None:
+            return False
+        with self._sock_lock:
+            waiting = not self._closed and bool(self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        if waiting:  # asking took the ZMQ_FD edge the I/O thread may be waiting on
+            self._wake()
+        return waiting
+
     def close(self) -> None:
         """Stop the I/O thread and close every socket."""
         if self._stop.is_set():

@@ -46,7 +46,7 @@ from kvbridge.layout import (
     check_segments_inside,
     plan_transfer,
 )
-from kvbridge.layout.repack import Scatter
+from kvbridge.layout.repack import Gather, Scatter
 
 from . import protocol as P
 from .blocks import BlockLease
@@ -170,10 +170,12 @@ class _Prestaged:
 
     Valid for a request that matches: a staged send's staging rows are in the
     destination's address order, which block ids change only through their order, so
-    any ascending block list gives the same rows as ``remote``'s first ``nblk`` blocks."""
+    any ascending block list gives the same rows as ``remote``'s first ``nblk`` blocks
+    (and ``gather`` goes on with the rest of the first chunk's rows for it)."""
 
     chunk: _Chunk
     remote: KVLayout
+    gather: Gather  # of the plan's first chunk, its index built for rows [0, rows)
     nblk: int  # destination blocks the request needs
     nbytes: int  # the whole plan's payload
     rows: int  # staging rows gathered: rows [0, rows) of the plan's first chunk
@@ -264,8 +266,8 @@ class KVSender(_Side):
         self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
         self._prestage_buf = None
         if self._prestage_free:
-            self._prestage_buf = torch.empty(len(self._prestage_free) * self._slot_bytes, dtype=torch.uint8,
-                                             device=layout.device or "cpu")
+            self._prestage_buf = torch.zeros(len(self._prestage_free) * self._slot_bytes, dtype=torch.uint8,
+                                             device=layout.device or "cpu")  # touched now: no page faults on a room's time
             transport.register_tensor(self._prestage_buf)
 
     @property
@@ -511,7 +513,7 @@ class KVSender(_Side):
             if not self._prestage_due(r) or r.state in TERMINAL:
                 return
             r.prestage_tried = True
-            slot = self._prestage_free.popleft()
+            slot = self._prestage_free.pop()  # the slot freed last: still in cache
             remote, c = self._last_pull[0], r.chunks[0]
         cfg = self.config
         t0 = time.perf_counter()
@@ -534,7 +536,7 @@ class KVSender(_Side):
                 b = min(limit, rows + step)
                 gather.run(buf[rows * rb:], rows=(rows, b), inline=True)
                 rows = b
-                if r.targets or r.state in TERMINAL:
+                if r.targets or r.state in TERMINAL or self.channel.pending():  # perhaps its request: serve it
                     break
         except Exception as e:  # never fails the room: the request is served the usual way
             if isinstance(e, (LayoutError, ValueError)):
@@ -545,7 +547,7 @@ class KVSender(_Side):
                 self._prestage_free.append(slot)
             return
         with self._lock:
-            r.prestaged = _Prestaged(c, remote, nblk, plan.nbytes, rows, rb, slot, buf.data_ptr())
+            r.prestaged = _Prestaged(c, remote, gather, nblk, plan.nbytes, rows, rb, slot, buf.data_ptr())
             r.record.repack_s += time.perf_counter() - t0
 
     def _usable_prestage(self, r: _SendRoom, t: _Target, c: _Chunk, plan: TransferPlan) -> _Prestaged | None:
@@ -701,9 +703,10 @@ class KVSender(_Side):
                                                                guard=guard))
                     rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1
-                    k, a, want = k + 1, pre.rows, max(want, 2 * pre.rows * pre.row_bytes)
+                    k, a, want = k + 1, pre.rows, max(want, pre.rows * pre.row_bytes)
                 t0 = time.perf_counter()
-                gather = chunk.gather()  # builds each part's row index as that part is gathered
+                # builds each part's row index as that part is gathered
+                gather = pre.gather if i == 0 and pre is not None else chunk.gather()
                 rec.repack_s += time.perf_counter() - t0
                 rb = gather.row_bytes
                 while a < gather.rows:

@@ -105,7 +105,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
 
     sweep = _lengths(args.sweep, "--sweep")
-    reps = args.reps or 5  # loopback TCP here varies up to 2x between writes: medians of 5
+    reps = args.reps or 7  # loopback TCP here varies up to 2x between writes: medians of 7
     res = _run_with_bar(
         "kvbridge bench transfer",
         lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=reps, sweep=sweep,
@@ -518,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--json", action="store_true", help="print one JSON object")
         b.add_argument("--plan-tokens", type=int, default=32768)
         b.add_argument("--repack-tokens", type=int, default=4096)
-        b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout and transfer, 3 link and sglang)")
+        b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 7 transfer, 3 link and sglang)")
         b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
         b.add_argument("--sweep", default="1024,2048,4096,8192,16384",

@@ -82,3 +82,35 @@ def test_send_after_close_is_dropped_quietly():
     ch.close()
     ch.send("tcp://127.0.0.1:1", b"late")  # neither raises nor blocks
     ch.send("00ff", b"late")
+
+
+def test_pending_sees_an_unread_message_and_loses_none():
+    """``pending()`` (asked by a sender worker to decide whether to stop optional work) is
+    True while a message waits unread, and asking does not strand it: with ticks 30 s
+    apart, the I/O thread must still read it as soon as it is free."""
+    got: list[bytes] = []
+    first_in, release = threading.Event(), threading.Event()
+
+    def on_server(peer: str, payload: bytes) -> None:
+        got.append(payload)
+        if payload == b"first":  # keep the I/O thread busy while the second message arrives
+            first_in.set()
+            release.wait(10)
+
+    server = ControlChannel(on_server, bind_host="127.0.0.1", tick_s=TICK_S, name="test-pending")
+    client = ControlChannel(lambda p, m: None, tick_s=TICK_S, name="test-pending-client")
+    try:
+        assert not client.pending()  # no bound socket: nothing can wait there
+        assert not server.pending()
+        client.send(server.endpoint, b"first")
+        assert first_in.wait(10)
+        client.send(server.endpoint, b"second")
+        assert _wait_for(server.pending, 10), "the unread message was not seen"
+        assert server.pending()  # asking again changes nothing
+        release.set()
+        assert _wait_for(lambda: got == [b"first", b"second"], 10), got
+        assert not server.pending()
+    finally:
+        release.set()
+        client.close()
+        server.close()
