@@ -169,9 +169,10 @@ class _Prestaged:
     engine usually sends: every token ``[0, chunk.stop)``, into ascending block ids.
 
     Valid for a request that matches: a staged send's staging rows are in the
-    destination's address order, which block ids change only through their order, so
-    any ascending block list gives the same rows as ``remote``'s first ``nblk`` blocks
-    (and ``gather`` goes on with the rest of the first chunk's rows for it)."""
+    destination's address order, which block ids change only through their order (and
+    a shift of all addresses not at all), so any ascending block list of any peer whose
+    layout has ``remote``'s ``relative_key`` gives the same rows as ``remote``'s first
+    ``nblk`` blocks (and ``gather`` goes on with the rest of the first chunk's rows)."""
 
     chunk: _Chunk
     remote: KVLayout
@@ -557,7 +558,8 @@ class KVSender(_Side):
         if pre is None:
             return None
         req = t.request
-        if (plan.kind is PlanKind.STAGED_SEND and pre.chunk is c and pre.remote is t.remote and req.token_start == 0
+        if (plan.kind is PlanKind.STAGED_SEND and pre.chunk is c and req.token_start == 0
+                and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key)
                 and req.first_token == 0 and req.token_stop == c.stop and plan.nbytes == pre.nbytes
                 and t.blocks.size >= pre.nblk and bool(np.all(t.blocks[1:pre.nblk] > t.blocks[:pre.nblk - 1]))):
             return pre
@@ -662,7 +664,7 @@ class KVSender(_Side):
             h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline,
                                            guard=functools.partial(self._stop_reason, r, t.peer))
             try:
-                self._await(r, h, peer=t.peer)
+                self._await(r, h, peer=t.peer, last=True)
             finally:
                 self._settle_write(h)
             rec.transfer_s += time.perf_counter() - t0
@@ -733,18 +735,21 @@ class KVSender(_Side):
                     k, a = k + 1, b
             t0 = time.perf_counter()
             while inflight:
-                self._await(r, inflight[0], end - time.monotonic(), peer)
+                self._await(r, inflight[0], end - time.monotonic(), peer, last=len(inflight) == 1)
                 inflight.popleft()
             rec.transfer_s += time.perf_counter() - t0
         finally:
             for h in inflight:  # on failure: no piece of ours may still be in the engine
                 self._settle_write(h)
 
-    def _await(self, r: _SendRoom, h, timeout_s: float | None = None, peer: str | None = None) -> None:
+    def _await(self, r: _SendRoom, h, timeout_s: float | None = None, peer: str | None = None,
+               last: bool = False) -> None:
         """Wait for write ``h``, giving it up as soon as the room ends (an abort from either
         side, a peer gone) or ``peer`` has been silent for ``peer_timeout_s`` (checked
         before each poll, which may submit more pieces): nothing more of it may land in the
-        peer's blocks after that."""
+        peer's blocks after that. Sleeps between polls double up to 1 ms, or only up to
+        the transport's short cap once ``h`` is the ``last`` write of the room and only
+        its last piece is left (then the room's end waits on it)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         sleep = 50e-6
         while True:
@@ -757,7 +762,7 @@ class KVSender(_Side):
                 h.wait(1e-6)  # raises TransportTimeout unless it just completed
                 return
             time.sleep(sleep)
-            sleep = min(2 * sleep, 1e-3)
+            sleep = min(2 * sleep, h.sleep_cap() if last else 1e-3)
 
     def _stop_reason(self, r: _SendRoom, peer: str | None) -> str | None:
         """Why no further piece of room ``r`` may go to ``peer`` (None: it may): the room

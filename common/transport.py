@@ -40,7 +40,9 @@ So every piece is its own one-piece batch, submitted through
 against 1-2 us per piece inside one large batch), with at most
 ``max_inflight_per_peer`` pieces in flight per peer across all writes of this
 transport, and completion is read with ``transfer_check_status`` oldest first,
-sleeping 50 us and backing off to 1 ms while nothing completes.
+sleeping 50 us and backing off to 1 ms while nothing completes (to 100 us once only the
+last piece is in flight: the caller waits on its completion, and 1 ms would be added
+latency).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ _DONE, _PENDING, _FAILED, _MC_TIMEOUT = 1, 0, -1, -2
 _SCAN_MISSES = 16
 _SLEEP_MIN_S = 50e-6
 _SLEEP_MAX_S = 1e-3
+_SLEEP_LAST_S = 100e-6  # the longest sleep while only the last piece is left: its completion is waited on
 
 
 class TransportError(RuntimeError):
@@ -214,8 +217,13 @@ class WriteHandle:
             if self.poll():
                 assert self._result is not None
                 return self._result
-            sleep = _SLEEP_MIN_S if self._done_pieces != before else min(sleep * 2, _SLEEP_MAX_S)
+            sleep = _SLEEP_MIN_S if self._done_pieces != before else min(sleep * 2, self.sleep_cap())
             time.sleep(max(0.0, min(sleep, self._deadline - time.monotonic())))
+
+    def sleep_cap(self) -> float:
+        """The longest a waiter should sleep between polls now: short once only the last
+        piece is in flight (its completion is what the caller waits for), else 1 ms."""
+        return _SLEEP_LAST_S if self._next == self.pieces and len(self._inflight) <= 1 else _SLEEP_MAX_S
 
     def settle(self, timeout_s: float) -> bool:
         """After the write completed, failed or was aborted: wait up to ``timeout_s``

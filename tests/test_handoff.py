@@ -99,9 +99,10 @@ def test_staged_plan_overlapped_and_scattered_destination(peers, inline_gather):
 def test_first_part_gathered_before_the_request(peers):
     """TensorRT-LLM's order (the prefill is done before the decode side asks): the sender
     gathers a room's first part for the decode layout it served last. A request of the
-    usual shape (all tokens, ascending blocks) sends it first; any other is served the
-    usual way. Every byte verified; every prestage slot comes back, also from a room
-    aborted before its request."""
+    usual shape (all tokens, ascending blocks) sends it first, also to another decode
+    process whose pool has the same geometry; any other is served the usual way. Every
+    byte verified; every prestage slot comes back, also from a room aborted before its
+    request."""
     ps = spec("sglang", layers=4, total_heads=8, head_dim=64, tpb=64, blocks=40, seed=5)
     ds = spec("trtllm", layers=4, total_heads=8, head_dim=64, tpb=32, blocks=200, seed=6)
     cfg = {"chunk_bytes": 2 << 20, "first_part_bytes": 64 << 10, "prestage_bytes": 256 << 10, "prestage_slots": 2}
@@ -114,15 +115,15 @@ def test_first_part_gathered_before_the_request(peers):
             assert time.monotonic() < end, "no room was prestaged"
             time.sleep(0.005)
 
-    def handoff(room, start=0, descending=False, prestaged=True):
+    def handoff(room, start=0, descending=False, prestaged=True, to=dec):
         blocks = pre.call_raw("serve", room, n, n)[1]
         if prestaged:
             prestage_taken()
-        res = pull(dec, room, [pre], start, n, [(ps, blocks)], scattered=True, descending=descending)
+        res = pull(to, room, [pre], start, n, [(ps, blocks)], scattered=True, descending=descending)
         w = pre.call_raw("wait", room, 30)
         check_ok(res, [w])
         assert res["record"]["plan"] == "staged_send"
-        assert w[4] == pre.free0 and res["free"] == dec.free0
+        assert w[4] == pre.free0 and res["free"] == to.free0
         return pre.call_raw("prestage")[1:]
 
     assert handoff(1, prestaged=False) == (2, 0, 0)  # nothing served yet: no layout to prestage for
@@ -130,13 +131,15 @@ def test_first_part_gathered_before_the_request(peers):
     assert handoff(3, descending=True) == (2, 1, 1)  # blocks in descending order: given up
     assert handoff(4, start=64) == (2, 1, 2)  # the decode side holds a prefix: given up
     assert handoff(5, prestaged=False) == (2, 1, 2)  # the last request had a prefix: not prestaged
+    other = peers("decode", {**ds, "seed": 9}, cfg)  # another decode process, its pool elsewhere in memory
+    assert handoff(7, to=other) == (2, 2, 2)  # prestaged for `dec`'s layout, used by `other`'s request
     pre.call_raw("serve", 6, n, n)
     prestage_taken()
     pre.call_raw("abort", 6)
     w = pre.call_raw("wait", 6, 30)
     assert w[1] == "FAILED" and w[4] == pre.free0 and w[5] == 0
     end = time.monotonic() + 10
-    while pre.call_raw("prestage")[1:] != (2, 1, 3):
+    while pre.call_raw("prestage")[1:] != (2, 2, 3):
         assert time.monotonic() < end, f"the aborted room kept its prestage slot: {pre.call_raw('prestage')}"
         time.sleep(0.005)
 

@@ -310,3 +310,21 @@ def test_gather_parts_and_cpu_copy_split_match_one_whole_gather(monkeypatch):
         out.zero_()
         plan.gather().run(out, inline=inline)
         assert torch.equal(out, ref)
+
+
+def test_relative_key_is_the_same_pool_anywhere_in_memory():
+    """Equal for a pool shifted as a whole (another process), different as soon as the
+    order of its (layer, K/V) buffers or its geometry differs: rows would be ordered
+    differently."""
+    a = fake_trtllm(blocks=10)
+    assert trtllm_layout_from_geometry(0x7F_0000_0000, 10, 2, 2, 2, 32, 8, "bf16").relative_key == a.relative_key
+    assert fake_trtllm(blocks=10, tpb=16).relative_key != a.relative_key
+    s = fake_sglang()
+    page_bytes = 16 * 2 * 8 * 2
+
+    def sglang_at(ptrs):
+        return sglang_layout_from_buffers(ptrs, [10 * page_bytes] * 4, [page_bytes] * 4, 16, 2, 2, "bf16")
+
+    shifted = [0x30_0000_0000 + i * (1 << 24) for i in range(4)]
+    assert sglang_at(shifted).relative_key == s.relative_key
+    assert sglang_at(shifted[::-1]).relative_key != s.relative_key  # buffers in another order
