@@ -698,6 +698,9 @@ class KVSender(_Side):
         try:
             for i, chunk in enumerate(plan.chunks(cfg.chunk_bytes)):
                 a = 0
+                if i == 0 and pre is not None and pre.gather.nbytes != chunk.nbytes:
+                    log.error("sender: room %s: prestaged part does not fit its first chunk; not used", r.room)
+                    pre = None
                 if i == 0 and pre is not None:
                     t0 = time.perf_counter()
                     w = chunk.wire.window(0, pre.rows * pre.row_bytes).shifted(src_by=pre.addr)
