@@ -120,6 +120,8 @@ def split_pieces(
     segments are dropped. Returns int64 (src, dst, length) arrays."""
     if max_piece_bytes <= 0:
         raise ValueError(f"max_piece_bytes must be positive, got {max_piece_bytes}")
+    if lengths.size and int(lengths.min()) > 0 and int(lengths.max()) <= max_piece_bytes:
+        return src, dst, lengths  # the usual case: nothing to drop or cut (no copies made)
     keep = lengths > 0
     src, dst, lengths = src[keep], dst[keep], lengths[keep]
     counts = (lengths + (max_piece_bytes - 1)) // max_piece_bytes
@@ -491,10 +493,7 @@ class MooncakeTransport:
         segments = int(ll.size)
         if self.check_local:
             self._check_local(ls, ll)
-        if shortest > 0 and int(lens.max()) <= self.max_piece_bytes:
-            ps, pd, pl = src, dst, lens
-        else:
-            ps, pd, pl = split_pieces(src, dst, lens, self.max_piece_bytes)
+        ps, pd, pl = split_pieces(src, dst, lens, self.max_piece_bytes)
         handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s, guard)
         self._handles.add(handle)
         handle.poll()
