@@ -180,7 +180,6 @@ class _Prestaged:
     nblk: int  # destination blocks the request needs
     nbytes: int  # the whole plan's payload
     rows: int  # staging rows gathered: rows [0, rows) of the plan's first chunk
-    row_bytes: int
     slot: int  # which slot of the sender's prestage buffer holds them
     addr: int  # where it starts
 
@@ -548,7 +547,7 @@ class KVSender(_Side):
                 self._prestage_free.append(slot)
             return
         with self._lock:
-            r.prestaged = _Prestaged(c, remote, gather, nblk, plan.nbytes, rows, rb, slot, buf.data_ptr())
+            r.prestaged = _Prestaged(c, remote, gather, nblk, plan.nbytes, rows, slot, buf.data_ptr())
             r.record.repack_s += time.perf_counter() - t0
 
     def _usable_prestage(self, r: _SendRoom, t: _Target, c: _Chunk, plan: TransferPlan) -> _Prestaged | None:
@@ -703,12 +702,13 @@ class KVSender(_Side):
                     pre = None
                 if i == 0 and pre is not None:
                     t0 = time.perf_counter()
-                    w = chunk.wire.window(0, pre.rows * pre.row_bytes).shifted(src_by=pre.addr)
+                    pre_bytes = pre.rows * pre.gather.row_bytes
+                    w = chunk.wire.window(0, pre_bytes).shifted(src_by=pre.addr)
                     inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
                                                                guard=guard))
                     rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1
-                    k, a, want = k + 1, pre.rows, max(want, pre.rows * pre.row_bytes)
+                    k, a, want = k + 1, pre.rows, max(want, pre_bytes)
                 t0 = time.perf_counter()
                 # builds each part's row index as that part is gathered
                 gather = pre.gather if i == 0 and pre is not None else chunk.gather()

@@ -146,7 +146,7 @@ class KVLayout:
         """Equal for two layouts whose addresses all differ by one constant (the same pool
         geometry in another process): the same geometry, strides and ``base`` relative to
         its lowest entry. Rows of such layouts are in the same address order."""
-        rel = (self.base - self.base.min()).ravel() if self.base.size else self.base.ravel()
+        rel = (self.base - self.base.min()).ravel()  # never empty: _check wants num_layers >= 1
         return (self.engine, self.num_layers, self.layer_offset, self.kv_factor, self.num_heads, self.head_offset,
                 self.total_heads, self.head_dim, self.dtype, self.tokens_per_block, self.num_blocks, self.first_block,
                 self.block_stride, self.token_stride, self.head_stride, tuple(rel.tolist()))
