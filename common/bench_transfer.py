@@ -8,6 +8,8 @@ pool (NHD, page 64) and a decode peer with a TensorRT-LLM-format pool (HND, bloc
   round trip, plan, gather, write, done message: everything);
 - ``raw``: one Mooncake batch write of the same total bytes as 4 MiB segments;
 - ``scattered``: the handoff into every-other destination block;
+- ``same_layout``: the same tokens into a second SGLang pool of the prefill's own geometry
+  (no repack: a direct plan), which shows what the protocol costs apart from the repack;
 - ``small``: a 128-token handoff to a warm peer, against a raw write of its bytes.
 """
 
@@ -27,6 +29,19 @@ __all__ = ["bench_transfer", "transfer_steps"]
 
 GEOM = dict(layers=32, total_heads=8, head_dim=128, dtype="bf16")
 SRC_PAGE, DST_BLOCK = 64, 32
+
+
+def _cpu_seconds(pids) -> float | None:
+    """User + system CPU seconds the processes ``pids`` have used so far (None off Linux)."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _bytes_per_token() -> int:
@@ -105,16 +120,19 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("trtllm", tokens, True, None)  # its contents are overwritten anyway
-    for t in lay.tensors:  # but touched once, as a serving engine's pool is: no timed write pays first-touch page faults
+    same = _pool("sglang", tokens, False, None)  # the prefill's own geometry: nothing to repack
+    for t in lay.tensors + same.tensors:  # but touched once, as a serving engine's pool is: no timed write pays first-touch page faults
         t.zero_()
     transport = MooncakeTransport("127.0.0.1")
-    recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
+    receivers = {False: KVReceiver(lay, transport, config=HandoffConfig(**cfg)),
+                 True: KVReceiver(same, transport, config=HandoffConfig(**cfg))}
     conn.send(("ready", transport.session_id, lay.regions[0].addr))
 
     def handle(cmd):
-        _, room, endpoint, n, scattered = cmd
-        nblk = -(-n // DST_BLOCK)
-        blocks = np.arange(0, 2 * nblk, 2) if scattered else np.arange(nblk)
+        _, room, endpoint, n, scattered, same_layout = cmd
+        recv = receivers[same_layout]
+        nblk = -(-n // (SRC_PAGE if same_layout else DST_BLOCK))
+        blocks = recv.layout.first_block + (np.arange(0, 2 * nblk, 2) if scattered else np.arange(nblk))
         t0 = time.perf_counter()
         recv.request(room, endpoint, blocks, 0, n)
         state = recv.wait(room, 120)
@@ -124,7 +142,8 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, recv.failure_reason(room))
 
     _serve(conn, handle)
-    recv.close()
+    for recv in receivers.values():
+        recv.close()
     transport.close()
 
 
@@ -180,22 +199,33 @@ def bench_transfer(
         bytes_per_token = _bytes_per_token()
         room = iter(range(1, 1 << 30))
 
-        def handoff(n: int, scattered: bool = False) -> tuple[float, dict]:
+        peers = (pre.pid, dec.pid)
+        cpu = {"handoff": [], "raw": [], "same_layout": []}  # both peers' CPU seconds per headline sample
+
+        def handoff(n: int, scattered: bool = False, same_layout: bool = False) -> tuple[float, dict]:
             r = next(room)
             pc.send(("serve", r, n))
             _recv(pc, pre)
-            dc.send(("pull", r, endpoint, n, scattered))
+            c0 = _cpu_seconds(peers)
+            dc.send(("pull", r, endpoint, n, scattered, same_layout))
             _, ok, dt, nbytes, segs, plan, reason = _recv(dc, dec)
+            c1 = _cpu_seconds(peers)
             if not ok:
                 raise RuntimeError(f"handoff failed: {reason}")
             pc.send(("record", r))
             rec = _recv(pc, pre)[1]
             return dt, {"bytes": nbytes, "segments": segs, "plan": plan, "repack_s": rec["repack_s"], "chunks": rec["chunks"],
-                        "plan_s": rec["plan_s"], "transfer_s": rec["transfer_s"]}
+                        "plan_s": rec["plan_s"], "transfer_s": rec["transfer_s"],
+                        "cpu_s": None if c0 is None or c1 is None else c1 - c0}
 
-        def raw(n: int) -> float:
+        def raw(n: int, cpu_into: list | None = None) -> float:
+            c0 = _cpu_seconds(peers)
             pc.send(("raw", session, dst_base, n * bytes_per_token, 4 << 20))
-            return _recv(pc, pre)[1]
+            dt = _recv(pc, pre)[1]
+            c1 = _cpu_seconds(peers)
+            if cpu_into is not None and c0 is not None and c1 is not None:
+                cpu_into.append(c1 - c0)
+            return dt
 
         def raw_pieces(n: int, size: int) -> float:
             pc.send(("raw_pieces", session, dst_base, n, size, 2 * size))
@@ -225,15 +255,22 @@ def bench_transfer(
             return {"link": link_fig}
 
         # -- the headline handoff against raw writes ---------------------------------
-        big = {"handoff": [], "raw": [], "scattered": [], "small": [], "small_raw": []}
-        info, sinfo = {}, {}
+        big = {"handoff": [], "raw": [], "scattered": [], "same_layout": [], "small": [], "small_raw": []}
+        info, sinfo, linfo = {}, {}, {}
         for i in range(reps):
             say(f"rep {i + 1}/{reps}")
-            big["raw"].append(raw(tokens))
-            dt, info = handoff(tokens)
-            big["handoff"].append(dt)
+            dt, linfo = handoff(tokens, same_layout=True)
+            big["same_layout"].append(dt)
+            # after a pull into the TensorRT-LLM pool, so the handoffs below find the first
+            # part prestaged as every one did before (the sender prestages for its last pull)
             dt, sinfo = handoff(tokens, scattered=True)
             big["scattered"].append(dt)
+            big["raw"].append(raw(tokens, cpu["raw"]))
+            dt, info = handoff(tokens)
+            big["handoff"].append(dt)
+            for k, got in (("handoff", info), ("same_layout", linfo)):
+                if got["cpu_s"] is not None:
+                    cpu[k].append(got["cpu_s"])
         # the small request is cheap and one 16 MiB write here takes 5-25 ms from one try to
         # the next: many interleaved pairs, so that the medians hold still
         for i in range(25 * reps):
@@ -280,6 +317,13 @@ def bench_transfer(
             "ratio": round(med["raw"] / med["handoff"], 3),
             "scattered_gbps": round(nbytes / med["scattered"] / 1e9, 3),
             "scattered_ratio": round(med["handoff"] / med["scattered"], 3),
+            # the protocol apart from the repack: the same tokens between two pools of one geometry
+            "same_layout_gbps": round(nbytes / med["same_layout"] / 1e9, 3),
+            "same_layout_ratio": round(med["raw"] / med["same_layout"], 3),
+            "same_layout_plan": linfo.get("plan"),
+            "same_layout_segments": linfo.get("segments"),
+            # both peers' user + system CPU seconds per GiB moved (medians; empty off Linux)
+            "cpu_s_per_gib": {k: round(statistics.median(v) * (1 << 30) / nbytes, 3) for k, v in cpu.items() if v},
             "small_tokens": small_tokens,
             "small_handoff_ms": round(med["small"] * 1e3, 3),
             "small_raw_ms": round(med["small_raw"] * 1e3, 3),

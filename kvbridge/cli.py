@@ -121,10 +121,13 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     _print_table(
         f"transfer: {res['geometry']['tokens']} tokens, SGLang page 64 -> TensorRT-LLM block 32, Mooncake TCP loopback",
         res,
-        ["bytes", "handoff_gbps", "raw_gbps", "ratio", "scattered_gbps", "scattered_ratio", "small_handoff_ms",
+        ["bytes", "handoff_gbps", "raw_gbps", "ratio", "scattered_gbps", "scattered_ratio", "same_layout_gbps",
+         "same_layout_ratio", "small_handoff_ms",
          "small_raw_ms", "small_overhead_ms", "small_overhead_paired_ms", "plan", "segments", "scattered_segments",
          "chunks", "model_error_max"],
     )
+    if res["cpu_s_per_gib"]:
+        print("CPU s per GiB (both peers): " + ", ".join(f"{k} {v}" for k, v in res["cpu_s_per_gib"].items()))
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
     for f in res.get("plots", []):

@@ -18,6 +18,9 @@ def test_bench_transfer_reports_its_keys(tmp_path):
                 "model_error_max", "link"):
         assert key in res, key
     assert res["bytes"] == 256 * 32 * 2 * 8 * 128 * 2 and res["plan"] == "staged_send"
+    # the same tokens between two SGLang pools: no repack, one run per layer and K/V
+    assert res["same_layout_plan"] == "direct" and res["same_layout_segments"] == 32 * 2 and res["same_layout_ratio"] > 0
+    assert set(res["cpu_s_per_gib"]) == {"raw", "handoff", "same_layout"}
     assert [p["tokens"] for p in res["model_check"]] == [128, 256]
     assert res["link"]["bandwidth_bytes_per_s"] > 0
     for p in res["model_check"]:
