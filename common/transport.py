@@ -493,7 +493,7 @@ class MooncakeTransport:
         segments = int(ll.size)
         if self.check_local:
             self._check_local(ls, ll)
-        ps, pd, pl = split_pieces(src, dst, lens, self.max_piece_bytes)
+        ps, pd, pl = split_pieces(ls, ld, ll, self.max_piece_bytes)
         handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s, guard)
         self._handles.add(handle)
         handle.poll()
