@@ -202,30 +202,32 @@ def bench_transfer(
         peers = (pre.pid, dec.pid)
         cpu = {"handoff": [], "raw": [], "same_layout": []}  # both peers' CPU seconds per headline sample
 
-        def handoff(n: int, scattered: bool = False, same_layout: bool = False) -> tuple[float, dict]:
+        def ask(conn, proc, cmd: tuple, cpu_into: list | None = None):
+            """Send ``cmd`` to a peer and return its answer; with ``cpu_into``, both peers' CPU
+            seconds from the send to the answer go into it."""
+            c0 = _cpu_seconds(peers) if cpu_into is not None else None
+            conn.send(cmd)
+            answer = _recv(conn, proc)
+            c1 = _cpu_seconds(peers) if c0 is not None else None
+            if c1 is not None:
+                cpu_into.append(c1 - c0)
+            return answer
+
+        def handoff(n: int, scattered: bool = False, same_layout: bool = False,
+                    cpu_into: list | None = None) -> tuple[float, dict]:
             r = next(room)
             pc.send(("serve", r, n))
             _recv(pc, pre)
-            c0 = _cpu_seconds(peers)
-            dc.send(("pull", r, endpoint, n, scattered, same_layout))
-            _, ok, dt, nbytes, segs, plan, reason = _recv(dc, dec)
-            c1 = _cpu_seconds(peers)
+            _, ok, dt, nbytes, segs, plan, reason = ask(dc, dec, ("pull", r, endpoint, n, scattered, same_layout), cpu_into)
             if not ok:
                 raise RuntimeError(f"handoff failed: {reason}")
             pc.send(("record", r))
             rec = _recv(pc, pre)[1]
             return dt, {"bytes": nbytes, "segments": segs, "plan": plan, "repack_s": rec["repack_s"], "chunks": rec["chunks"],
-                        "plan_s": rec["plan_s"], "transfer_s": rec["transfer_s"],
-                        "cpu_s": None if c0 is None or c1 is None else c1 - c0}
+                        "plan_s": rec["plan_s"], "transfer_s": rec["transfer_s"]}
 
         def raw(n: int, cpu_into: list | None = None) -> float:
-            c0 = _cpu_seconds(peers)
-            pc.send(("raw", session, dst_base, n * bytes_per_token, 4 << 20))
-            dt = _recv(pc, pre)[1]
-            c1 = _cpu_seconds(peers)
-            if cpu_into is not None and c0 is not None and c1 is not None:
-                cpu_into.append(c1 - c0)
-            return dt
+            return ask(pc, pre, ("raw", session, dst_base, n * bytes_per_token, 4 << 20), cpu_into)[1]
 
         def raw_pieces(n: int, size: int) -> float:
             pc.send(("raw_pieces", session, dst_base, n, size, 2 * size))
@@ -259,18 +261,15 @@ def bench_transfer(
         info, sinfo, linfo = {}, {}, {}
         for i in range(reps):
             say(f"rep {i + 1}/{reps}")
-            dt, linfo = handoff(tokens, same_layout=True)
+            dt, linfo = handoff(tokens, same_layout=True, cpu_into=cpu["same_layout"])
             big["same_layout"].append(dt)
             # after a pull into the TensorRT-LLM pool, so the handoffs below find the first
             # part prestaged as every one did before (the sender prestages for its last pull)
             dt, sinfo = handoff(tokens, scattered=True)
             big["scattered"].append(dt)
             big["raw"].append(raw(tokens, cpu["raw"]))
-            dt, info = handoff(tokens)
+            dt, info = handoff(tokens, cpu_into=cpu["handoff"])
             big["handoff"].append(dt)
-            for k, got in (("handoff", info), ("same_layout", linfo)):
-                if got["cpu_s"] is not None:
-                    cpu[k].append(got["cpu_s"])
         # the small request is cheap and one 16 MiB write here takes 5-25 ms from one try to
         # the next: many interleaved pairs, so that the medians hold still
         for i in range(25 * reps):
