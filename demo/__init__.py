@@ -3,9 +3,11 @@
 - ``models``: tiny transformers models built offline from configs with seeded weights,
   and transformers' greedy ``generate()`` as the reference.
 - ``sglang_server``: SGLang's REAL server on CPU (launcher, health, log tail, kill).
-- ``llama_runner``: a tiny Llama forward whose K/V live only in a TensorRT-LLM-geometry pool.
-- ``trt_engine``: one TensorRT-LLM rank whose executor stand-in drives the kvbridge
-  TensorRT-LLM connector in ``PyExecutor``'s order.
+- ``llama_runner`` / ``mla_runner``: tiny Llama and DeepSeek-MLA forwards whose KV live only
+  in TensorRT-LLM-geometry pools (the stand-in's model).
+- ``trtllm``: a stand-in for TensorRT-LLM's PyTorch executor (1.2.x and main), built from
+  TensorRT-LLM's source fact by fact, that loads and drives the kvbridge connector as the
+  real executor does, one process per rank.
 - ``run``: the demo itself (``run_demo``) and its report.
 
 Nothing here is imported by the plugins; ``run_demo`` imports torch, transformers and

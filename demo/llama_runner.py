@@ -1,5 +1,5 @@
 """The model of the demo's "TensorRT-LLM side": a tiny Llama forward over a KV pool of
-TensorRT-LLM's exact geometry (``kvbridge.demo.trt_engine`` drives the connector with it).
+TensorRT-LLM's exact geometry (the model of ``kvbridge.demo.trtllm``, the TensorRT-LLM stand-in).
 
 ``TinyLlamaRunner`` implements the Llama forward (RMSNorm, GQA attention with
 non-interleaved "rotate half" RoPE, SiLU MLP) over the weights transformers loads from
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .paged_runner import PagedRunner
+from .paged_runner import PagedRunner, PoolStore, SeqStep
 
 
 # -- the model runner -------------------------------------------------------------------
@@ -86,38 +86,39 @@ class TinyLlamaRunner(PagedRunner):
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
 
-    @torch.no_grad()
-    def forward(self, token_ids: Sequence[int], start: int, pool: torch.Tensor, tpb: int,
-                blocks: Sequence[int]) -> torch.Tensor:
-        """Compute tokens at positions [start, start + T): write their K/V into the pool,
-        attend over K/V of [0, start + T) read from the pool. Returns logits [T, vocab]."""
-        w, T, D = self.w, len(token_ids), self.head_dim
-        pos = torch.arange(start, start + T)
-        n = start + T
-        x = w["model.embed_tokens.weight"][torch.as_tensor(list(token_ids), dtype=torch.long)]
-        causal = pos[:, None] >= torch.arange(n)[None, :]  # [T, n]
+    def _embed(self, seq: SeqStep) -> None:
+        ids = torch.as_tensor(list(seq.token_ids), dtype=torch.long)
+        seq.state["x"] = self.w["model.embed_tokens.weight"][ids]
+        seq.state["pos"] = torch.arange(seq.start, seq.start + len(ids))
+
+    def _layer(self, i: int, seq: SeqStep, store: PoolStore) -> None:
+        """Decoder layer ``i`` for ``seq``: its new tokens' K (after RoPE) and V into the
+        store, attention over K/V of ``[0, start)`` read from the store and of the new
+        tokens as stored."""
+        w, D, x, pos = self.w, self.head_dim, seq.state["x"], seq.state["pos"]
+        T, n = len(pos), seq.start + len(pos)
+        p = f"model.layers.{i}."
+        h = self._rms(x, w[p + "input_layernorm.weight"])
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, self.heads, D)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).view(T, self.kv_heads, D)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, self.kv_heads, D)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        fresh = store.write(i, seq.blocks, pos, torch.stack([k, v]))  # [2, T, kvh, D] as stored
+        kv = torch.cat([store.read(i, seq.blocks, seq.start), fresh], dim=1)  # [2, n, kvh, D]: only from the pool
         group = self.heads // self.kv_heads
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            h = self._rms(x, w[p + "input_layernorm.weight"])
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, self.heads, D)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(T, self.kv_heads, D)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, self.kv_heads, D)
-            q, k = self._rope(q, pos), self._rope(k, pos)
-            self.write_kv(pool, tpb, blocks, i, pos, k, v)
-            K, V = self.read_kv(pool, tpb, blocks, i, n)  # [n, kvh, D]: only from the pool
-            K = K.repeat_interleave(group, dim=1)
-            V = V.repeat_interleave(group, dim=1)
-            scores = torch.einsum("thd,nhd->htn", q, K) / math.sqrt(D)
-            scores = scores.masked_fill(~causal[None], float("-inf"))
-            attn = torch.einsum("htn,nhd->thd", scores.softmax(-1), V).reshape(T, self.heads * D)
-            x = x + attn @ w[p + "self_attn.o_proj.weight"].T
-            h = self._rms(x, w[p + "post_attention_layernorm.weight"])
-            gate = h @ w[p + "mlp.gate_proj.weight"].T
-            up = h @ w[p + "mlp.up_proj.weight"].T
-            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-        x = self._rms(x, w["model.norm.weight"])
-        return x @ w["lm_head.weight"].T
+        K, V = kv[0].repeat_interleave(group, dim=1), kv[1].repeat_interleave(group, dim=1)
+        causal = pos[:, None] >= torch.arange(n)[None, :]  # [T, n]
+        scores = torch.einsum("thd,nhd->htn", q, K) / math.sqrt(D)
+        scores = scores.masked_fill(~causal[None], float("-inf"))
+        attn = torch.einsum("htn,nhd->thd", scores.softmax(-1), V).reshape(T, self.heads * D)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        h = self._rms(x, w[p + "post_attention_layernorm.weight"])
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        up = h @ w[p + "mlp.up_proj.weight"].T
+        seq.state["x"] = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+
+    def _logits(self, seq: SeqStep) -> torch.Tensor:
+        return self._rms(seq.state["x"], self.w["model.norm.weight"]) @ self.w["lm_head.weight"].T
 
 
 def pool_kv(runner: TinyLlamaRunner, pool, tpb, blocks, n) -> list[tuple[np.ndarray, np.ndarray]]:

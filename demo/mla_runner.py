@@ -2,7 +2,7 @@
 
 ``TinyMLARunner`` is the multi-head latent attention counterpart of
 ``kvbridge.demo.llama_runner.TinyLlamaRunner``, with the same interface, so
-``kvbridge.demo.trt_engine.TRTEngine`` drives it unchanged: a greedy float32 forward (RMSNorm, MLA attention, SiLU MLP) over the weights
+the TensorRT-LLM stand-in (``kvbridge.demo.trtllm``) runs it alike: a greedy float32 forward (RMSNorm, MLA attention, SiLU MLP) over the weights
 transformers loads from a DeepSeek-V3 model folder, that keeps the attention cache ONLY
 in a TensorRT-LLM MLA pool::
 
@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from .paged_runner import PagedRunner
+from .paged_runner import PagedRunner, PoolStore, SeqStep
 
 __all__ = ["TinyMLARunner"]
 
@@ -140,42 +140,45 @@ class TinyMLARunner(PagedRunner):
         b = self.w.get(name + ".bias")
         return y if b is None else y + b
 
-    @torch.no_grad()
-    def forward(self, token_ids: Sequence[int], start: int, pool: torch.Tensor, tpb: int,
-                blocks: Sequence[int]) -> torch.Tensor:
-        """Compute tokens at positions [start, start + T): write their latent rows into the
-        pool, attend over the rows of [0, start + T) read from the pool. Returns logits [T, vocab]."""
-        w, T, H = self.w, len(token_ids), self.heads
+    def _embed(self, seq: SeqStep) -> None:
+        ids = torch.as_tensor(list(seq.token_ids), dtype=torch.long)
+        seq.state["x"] = self.w["model.embed_tokens.weight"][ids]
+        seq.state["pos"] = torch.arange(seq.start, seq.start + len(ids))
+
+    def _layer(self, i: int, seq: SeqStep, store: PoolStore) -> None:
+        """Decoder layer ``i`` for ``seq``: its new tokens' latent rows ``[ckv | k_pe]``
+        into the store (one "head"), attention over the rows of ``[0, start)`` read from
+        the store and of the new tokens as stored."""
+        w, H, x, pos = self.w, self.heads, seq.state["x"], seq.state["pos"]
         r, nope = self.kv_lora_rank, self.nope_dim
-        pos = torch.arange(start, start + T)
-        n = start + T
-        x = w["model.embed_tokens.weight"][torch.as_tensor(list(token_ids), dtype=torch.long)]
+        T, n = len(pos), seq.start + len(pos)
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        h = self._rms(x, w[p + "input_layernorm.weight"])
+        if self.q_lora_rank:
+            q = self._linear(self._rms(self._linear(h, a + "q_a_proj"), w[a + "q_a_layernorm.weight"]), a + "q_b_proj")
+        else:
+            q = self._linear(h, a + "q_proj")
+        q = q.view(T, H, nope + self.rope_dim)
+        q_nope, q_pe = q[..., :nope], self._rope(q[..., nope:], pos)
+        latent = self._linear(h, a + "kv_a_proj_with_mqa")  # [T, r + rope]
+        ckv = self._rms(latent[:, :r], w[a + "kv_a_layernorm.weight"])
+        k_pe = self._rope(latent[:, r:], pos)
+        fresh = store.write(i, seq.blocks, pos, torch.cat([ckv, k_pe], dim=-1)[None, :, None, :])  # [1, T, 1, row]
+        rows = torch.cat([store.read(i, seq.blocks, seq.start), fresh], dim=1)[0, :, 0, :]  # [n, row]: only from the pool
+        C, KPE = rows[:, :r], rows[:, r:]
+        kv = (C @ w[a + "kv_b_proj.weight"].T).view(n, H, nope + self.v_dim)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
         causal = pos[:, None] >= torch.arange(n)[None, :]  # [T, n]
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            h = self._rms(x, w[p + "input_layernorm.weight"])
-            if self.q_lora_rank:
-                q = self._linear(self._rms(self._linear(h, a + "q_a_proj"), w[a + "q_a_layernorm.weight"]), a + "q_b_proj")
-            else:
-                q = self._linear(h, a + "q_proj")
-            q = q.view(T, H, nope + self.rope_dim)
-            q_nope, q_pe = q[..., :nope], self._rope(q[..., nope:], pos)
-            latent = self._linear(h, a + "kv_a_proj_with_mqa")  # [T, r + rope]
-            ckv = self._rms(latent[:, :r], w[a + "kv_a_layernorm.weight"])
-            k_pe = self._rope(latent[:, r:], pos)
-            self.write_kv(pool, tpb, blocks, i, pos, ckv, k_pe)
-            C, KPE = self.read_kv(pool, tpb, blocks, i, n)  # only from the pool
-            kv = (C @ w[a + "kv_b_proj.weight"].T).view(n, H, nope + self.v_dim)
-            k_nope, v = kv[..., :nope], kv[..., nope:]
-            scores = (torch.einsum("thd,nhd->htn", q_nope, k_nope)
-                      + torch.einsum("thd,nd->htn", q_pe, KPE)) * self.scaling
-            scores = scores.masked_fill(~causal[None], float("-inf"))
-            attn = torch.einsum("htn,nhd->thd", scores.softmax(-1), v).reshape(T, H * self.v_dim)
-            x = x + self._linear(attn, a + "o_proj")
-            h = self._rms(x, w[p + "post_attention_layernorm.weight"])
-            gate = self._linear(h, p + "mlp.gate_proj")
-            up = self._linear(h, p + "mlp.up_proj")
-            x = x + self._linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
-        x = self._rms(x, w["model.norm.weight"])
-        return x @ w["lm_head.weight"].T
+        scores = (torch.einsum("thd,nhd->htn", q_nope, k_nope)
+                  + torch.einsum("thd,nd->htn", q_pe, KPE)) * self.scaling
+        scores = scores.masked_fill(~causal[None], float("-inf"))
+        attn = torch.einsum("htn,nhd->thd", scores.softmax(-1), v).reshape(T, H * self.v_dim)
+        x = x + self._linear(attn, a + "o_proj")
+        h = self._rms(x, w[p + "post_attention_layernorm.weight"])
+        gate = self._linear(h, p + "mlp.gate_proj")
+        up = self._linear(h, p + "mlp.up_proj")
+        seq.state["x"] = x + self._linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
+
+    def _logits(self, seq: SeqStep) -> torch.Tensor:
+        return self._rms(seq.state["x"], self.w["model.norm.weight"]) @ self.w["lm_head.weight"].T

@@ -2,14 +2,17 @@
 
 SGLang -> TensorRT-LLM (default): SGLang's REAL server (``sglang.launch_server`` on CPU,
 ``--disaggregation-mode prefill --disaggregation-transfer-backend kvbridge``) computes
-the prompt of a tiny GQA Llama; the TensorRT-LLM side (``kvbridge.demo.trt_engine``: the
-kvbridge TensorRT-LLM connector driven in ``PyExecutor``'s order, in this process) is
-given only the prefill's SGLang bootstrap address in its request handle, finds the
-prefill's ranks itself, pulls the prompt's KV into its own paged pool over Mooncake TCP
-and decodes from that pool alone. ``reverse=True`` runs TensorRT-LLM -> SGLang: the
-TensorRT-LLM side computes the prompt and serves it through the connector's
-SGLang-compatible bootstrap server (``sglang_bootstrap_port``); SGLang's REAL decode
-server on the kvbridge backend pulls it and decodes.
+the prompt of a tiny GQA Llama; the TensorRT-LLM side is the executor stand-in
+(``kvbridge.demo.trtllm``, TensorRT-LLM 1.2 or main as modelled from its source) with
+the kvbridge connector loaded from its ``kv_connector_config``, in its own process. The
+demo plays the router: it announces the request's handle (only the prefill's SGLang
+bootstrap address) to the TensorRT-LLM server under the prompt, then sends both halves;
+the connector finds the prefill's ranks itself, pulls the prompt's KV into the engine's
+own pool over Mooncake TCP and the engine decodes from that pool, computing only the
+last prompt token. ``reverse=True`` runs TensorRT-LLM -> SGLang: the stand-in computes
+the prompt and serves it through the connector's SGLang-compatible bootstrap server
+(``sglang_bootstrap_port``); SGLang's REAL decode server on the kvbridge backend pulls it
+and decodes.
 
 Either way the generated tokens must equal transformers' greedy ``generate()`` run in
 this process on the same weights, and the report says what moved (bytes, segments,
@@ -117,15 +120,16 @@ def _model_info(model_dir: Path) -> dict:
     return info
 
 
-def _replan(src_desc: dict, dst_layout: Any, dst_blocks: Sequence[int], prompt_len: int) -> dict:
-    """The plan the sender makes for this request, rebuilt here from the prefill's
-    published layout (the sender's own explanation stays in its process): SGLang page
-    ids of a fresh request are consecutive, the TensorRT-LLM blocks are the request's."""
+def _replan(src_desc: dict, dst_desc: dict, dst_blocks: Sequence[int], prompt_len: int) -> dict:
+    """The plan the sender makes for this request, rebuilt here from both sides' published
+    layouts (the sender's own explanation stays in its process): SGLang page ids of a
+    fresh request are consecutive, the TensorRT-LLM blocks are the request's."""
     import numpy as np
 
     from kvbridge.layout import KVLayout, plan_transfer
 
     src = KVLayout.from_description(src_desc)
+    dst_layout = KVLayout.from_description(dst_desc)
     pages = np.arange(1, 1 + -(-prompt_len // src.tokens_per_block), dtype=np.int64)
     plan = plan_transfer(src, pages, dst_layout, np.asarray(dst_blocks, dtype=np.int64), (0, prompt_len))
     return {"kind": plan.kind.value, "segments": plan.num_segments, "reason": plan.explain()}
@@ -165,11 +169,12 @@ def _cost_verdict(model_dir: Path, link_spec: str, prompt_len: int, max_new: int
 def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, seed: int = 600,
              extra_prompt_lens: Sequence[int] = (), link: str = "tcp", model_dir: str | os.PathLike | None = None,
              model: str = "llama", log_dir: str | os.PathLike | None = None, progress: Any = None,
-             start_timeout: float | None = None) -> dict:
+             start_timeout: float | None = None, trtllm_version: str = "1.2") -> dict:
     """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
     generated token equals transformers' reference).
 
     ``reverse``: TensorRT-LLM prefill -> SGLang decode instead of SGLang -> TensorRT-LLM.
+    ``trtllm_version``: which TensorRT-LLM the stand-in models ("1.2" or "main").
     ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
     ``extra_prompt_lens``: more requests through the same servers, checked likewise
     (``report["checks"]``). ``link``: the cost model's link (a preset or a ``kvbridge
@@ -215,9 +220,13 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     else:
         from .llama_runner import TinyLlamaRunner as Runner
 
+    from .trtllm import VERSIONS
+
+    if trtllm_version not in VERSIONS:
+        raise DemoError(f"unknown TensorRT-LLM version {trtllm_version!r}; the stand-in models {sorted(VERSIONS)}")
     runner = Runner(model_dir)
-    kw = dict(runner=runner, model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog,
-              log_dir=log_dir, start_timeout=start_timeout or DEFAULT_START_TIMEOUT)
+    kw = dict(model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog, log_dir=log_dir,
+              start_timeout=start_timeout or DEFAULT_START_TIMEOUT, trtllm_version=trtllm_version)
     results, extra = (_trt_to_sglang(**kw) if reverse else _sglang_to_trt(**kw))
     main = results[0]
     rec = main["record"]
@@ -228,6 +237,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         "direction": "trtllm->sglang" if reverse else "sglang->trtllm",
         "prefill_engine": "trtllm" if reverse else "sglang",
         "decode_engine": "sglang" if reverse else "trtllm",
+        "trtllm_version": trtllm_version,
+        "real_servers": extra["real_servers"],
         "prefill_detail": extra["prefill_detail"],
         "decode_detail": extra["decode_detail"],
         "transport": "Mooncake TCP on 127.0.0.1 (prefill and decode in separate processes)",
@@ -254,7 +265,9 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         else None,  # the sender's own time on the wire: known when the sender is this process
         "record": rec,
         "cost_model": _cost_verdict(model_dir, link, len(prompts[0]), max_new, rec, recompute_s, handoff_s),
-        "checks": [{"prompt_len": len(p), "match": r["match"], "bytes": int(r["record"]["bytes"]),
+        "context_tokens_computed": main["context_tokens_computed"],
+        "checks": [{"prompt_len": len(p), "match": r["match"], "generated_ids": r["generated"],
+                    "bytes": int(r["record"]["bytes"]),
                     "segments": int(r["record"]["segments"]), "plan": r["record"]["plan"],
                     "first_logits_max_abs_diff": r["logits_diff"]}
                    for p, r in zip(prompts[1:], results[1:])],
@@ -264,116 +277,130 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     return report
 
 
-def _sglang_to_trt(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout):
-    from kvbridge.adapters.trtllm.handle import Handle
+def _trt_detail(version: str, role: str, server: Any) -> str:
+    return (f"TensorRT-LLM {version} executor stand-in (kvbridge.demo.trtllm: its request objects, hook order and "
+            f"refusals), kvbridge connector via kv_connector_config, tiny model forward over a TensorRT-LLM pool "
+            f"({server.tokens_per_block}-token blocks), {role}")
+
+
+def _first_logits_diff(resp: dict, ref: Any) -> float:
+    import torch
+
+    return float((torch.tensor(resp["first_logits"]) - ref.first_logits).abs().max())
+
+
+def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version):
+    from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import fetch_ranks
 
     from .sglang_server import HOST, generate_body, generate_output, new_room, post_json, sglang_server
-    from .trt_engine import TRTEngine
+    from .trtllm import StandInServer, run_until
 
-    prog.start("start server", "SGLang prefill server (kvbridge backend)")
-    with sglang_server(model_dir, "prefill", log_dir=log_dir, timeout=start_timeout) as (srv, boot):
-        prog.done("start server", f"SGLang prefill up in {srv.ready_after_s:.1f}s at {srv.url}, bootstrap {HOST}:{boot}")
-        # a short peer timeout: the decode idles between requests
-        eng = TRTEngine(runner, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS, peer_timeout_s=3.0)
-        results = []
+    prog.start("start server", "SGLang prefill server (kvbridge backend), TensorRT-LLM decode stand-in")
+    with sglang_server(model_dir, "prefill", log_dir=log_dir, timeout=start_timeout) as (srv, boot), \
+            StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
+                          plugin={"host": HOST, "on_failure": "fail", "peer_timeout_s": 3.0}) as trt:
+        prog.done("start server", f"SGLang prefill up in {srv.ready_after_s:.1f}s at {srv.url}, bootstrap {HOST}:{boot}; "
+                  f"TensorRT-LLM {trtllm_version} decode bus {trt.bus}")
         src_desc = fetch_ranks(f"{HOST}:{boot}", 30.0)["ranks"][0]["layout"]  # for re-planning in the report
-        try:
-            for i, (prompt, ref) in enumerate(zip(prompts, refs)):
-                room, rid = new_room(), next(_rids)
-                prog.start("handoff", f"{len(prompt)}-token prompt, room {room}")
-                handle = Handle("recv", room, bootstrap=f"{HOST}:{boot}", on_failure="fail").to_json()
-                with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(post_json, srv.url + "/generate", generate_body(prompt, max_new, boot, room), 120)
-                    req, done = eng.load(rid, prompt, max_new, handle, timeout_s=90)
-                    res = fut.result()
-                out = generate_output(res, srv, "SGLang prefill")
-                if not done.get("ok"):
-                    raise DemoError(f"handoff of room {room} failed: {done.get('reason') or done}\n"
-                                    f"--- {srv.log_path} ---\n{srv.log_tail(40)}")
-                rec = done.get("record") or {}
-                prog.done("handoff", f"{rec.get('bytes')} B in {rec.get('segments')} segment(s), plan {rec.get('plan')}")
-                blocks = eng.kv_cache_manager.get_cache_indices(req)
-                prog.start("decode", f"{max_new} tokens from the TensorRT-LLM pool")
-                toks, first_logits = eng.decode_loaded(req, max_new)
-                prog.done("decode", "match" if toks == ref.token_ids else "MISMATCH")
-                replan = _replan(src_desc, eng.layout, blocks, len(prompt))
-                same = replan["kind"] == rec.get("plan") and replan["segments"] == rec.get("segments")
-                results.append({
-                    "generated": toks, "match": toks == ref.token_ids, "record": rec,
-                    "first_prefill": int(out["output_ids"][0]),
-                    "first_aux": int(((done.get("aux") or {}).get("output_ids") or [-1])[0]),
-                    "logits_diff": float((first_logits - ref.first_logits).abs().max()),
-                    "logits_of": "the TensorRT-LLM side's first decode step (over the moved KV)",
-                    "plan_reason": replan["reason"],
-                    "plan_reason_source": ("re-planned here from the prefill's published layout"
-                                           + (" (same kind and segments as the sender's plan)" if same else
-                                              f" (the sender's plan: {rec.get('plan')}, {rec.get('segments')} segments)")),
-                    "handoff_measures": "decode side: from its pull request to the last byte landed (includes "
-                                        "waiting for the prefill to compute the prompt)",
-                })
-        finally:
-            eng.close()
+        dst_desc = trt.state()["layout"]
+        results = []
+        for prompt, ref in zip(prompts, refs):
+            room = new_room()
+            prog.start("handoff", f"{len(prompt)}-token prompt, room {room}")
+            # the router's part: tell the decode which handoff this prompt belongs to, then send both halves
+            announce(trt.bus, prompt, Handle("recv", room, bootstrap=f"{HOST}:{boot}", on_failure="fail"))
+            rid = trt.submit(prompt, max_new)
+            with ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(post_json, srv.url + "/generate", generate_body(prompt, max_new, boot, room), 120)
+                run_until([trt], lambda: rid in trt.responses and trt.drained(), 120, pause_s=0.001)
+                res = fut.result()
+            out = generate_output(res, srv, "SGLang prefill")
+            done = trt.state()["finished_loads"].get(rid) or {}
+            if done.get("verdict") != "ok":
+                raise DemoError(f"handoff of room {room} failed: {done.get('reason') or done}\n"
+                                f"--- {srv.log_path} ---\n{srv.log_tail(40)}")
+            rec = done.get("record") or {}
+            resp = trt.responses[rid]
+            prog.done("handoff", f"{rec.get('bytes')} B in {rec.get('segments')} segment(s), plan {rec.get('plan')}")
+            prog.start("decode", f"{max_new} tokens by the TensorRT-LLM decode")
+            toks = resp["output_token_ids"]
+            prog.done("decode", "match" if toks == ref.token_ids else "MISMATCH")
+            replan = _replan(src_desc, dst_desc, resp["blocks"], len(prompt))
+            same = replan["kind"] == rec.get("plan") and replan["segments"] == rec.get("segments")
+            results.append({
+                "generated": toks, "match": toks == ref.token_ids, "record": rec,
+                "first_prefill": int(out["output_ids"][0]),
+                "first_aux": int(((done.get("aux") or {}).get("output_ids") or [-1])[0]),
+                "logits_diff": _first_logits_diff(resp, ref),
+                "logits_of": "the TensorRT-LLM side's first decode step (over the moved KV)",
+                "context_tokens_computed": resp["context_tokens_computed"],
+                "plan_reason": replan["reason"],
+                "plan_reason_source": ("re-planned here from both sides' published layouts"
+                                       + (" (same kind and segments as the sender's plan)" if same else
+                                          f" (the sender's plan: {rec.get('plan')}, {rec.get('segments')} segments)")),
+                "handoff_measures": "decode side: from its pull request to the last byte landed (includes "
+                                    "waiting for the prefill to compute the prompt)",
+            })
         server = {"role": "prefill", "ready_s": srv.ready_after_s, "log": str(srv.log_path)}
+        detail = _trt_detail(trtllm_version, "decode", trt)
     return results, {"prefill_detail": "SGLang 0.5.23 real server on CPU, --disaggregation-transfer-backend kvbridge",
-                     "decode_detail": "kvbridge TensorRT-LLM connector (KVBridgeConnectorScheduler/Worker) driven in "
-                                      "PyExecutor's order, tiny Llama forward over a TensorRT-LLM-geometry pool "
-                                      f"(block {TOKENS_PER_BLOCK} tokens)",
-                     "server": server}
+                     "decode_detail": detail, "server": server, "real_servers": ["sglang"]}
 
 
-def _trt_to_sglang(*, runner, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout):
-    from kvbridge.adapters.trtllm.handle import Handle
+def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version):
+    from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import parse_address
 
     from .sglang_server import generate_body, generate_output, new_room, post_json, sglang_server
-    from .trt_engine import TRTEngine
+    from .trtllm import StandInServer, run_until
 
-    prog.start("start server", "SGLang decode server (kvbridge backend)")
-    with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1) as (srv, _):
-        prog.done("start server", f"SGLang decode up in {srv.ready_after_s:.1f}s at {srv.url}")
-        # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
-        eng = TRTEngine(runner, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
-                        sglang_bootstrap_port=0, sglang_page_size=1)
+    prog.start("start server", "SGLang decode server (kvbridge backend), TensorRT-LLM prefill stand-in")
+    # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
+    with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1) as (srv, _), \
+            StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
+                          plugin={"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1}) as trt:
+        prog.done("start server", f"SGLang decode up in {srv.ready_after_s:.1f}s at {srv.url}; TensorRT-LLM "
+                  f"{trtllm_version} prefill bootstrap {trt.bootstrap_address}")
+        _, boot = parse_address(trt.bootstrap_address)
         results = []
-        try:
-            _, boot = parse_address(eng.scheduler.bootstrap_address)
-            for prompt, ref in zip(prompts, refs):
-                room, rid = new_room(), next(_rids)
-                prog.start("handoff", f"{len(prompt)}-token prompt computed by the TensorRT-LLM side, room {room}")
-                with ThreadPoolExecutor(1) as ex:
-                    fut = ex.submit(post_json, srv.url + "/generate", generate_body(prompt, max_new, boot, room), 120)
-                    try:
-                        first, logits, _ = eng.serve_prefill(rid, prompt, Handle("send", room).to_json(), timeout_s=90)
-                    except TimeoutError as e:
-                        raise DemoError(f"the SGLang decode did not pull room {room}: {e}\n--- {srv.log_path} ---\n"
-                                        f"{srv.log_tail(40)}") from None
-                    prog.done("handoff", "served; SGLang decoding")
-                    prog.start("decode", f"{max_new} tokens by the SGLang decode server")
-                    res = fut.result()
-                out = generate_output(res, srv, "SGLang decode")
-                saved = eng.worker.finished_saves.get(rid) or {}
-                rec = saved.get("record") or {}
-                if not saved.get("ok") or rec.get("result") != "success":
-                    raise DemoError(f"handoff of room {room} failed on the TensorRT-LLM side: {rec.get('reason') or saved}"
-                                    f"\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
-                got = [int(t) for t in out["output_ids"]]
-                prog.done("decode", "match" if got == ref.token_ids else "MISMATCH")
-                results.append({
-                    "generated": got, "match": got == ref.token_ids, "record": rec,
-                    "first_prefill": int(first), "first_aux": int(got[0]) if got else -1,
-                    "logits_diff": float((logits - ref.first_logits).abs().max()),
-                    "logits_of": "the TensorRT-LLM side's prefill (the SGLang decode's logits stay in its process)",
-                    "plan_reason": rec.get("plan_reason", ""),
-                    "plan_reason_source": "the sender's own plan (TensorRT-LLM side)",
-                    "handoff_measures": "prefill side: from opening the room to the last byte acknowledged "
-                                        "(includes waiting for the SGLang decode to ask)",
-                })
-        finally:
-            eng.close()
+        for prompt, ref in zip(prompts, refs):
+            room = new_room()
+            prog.start("handoff", f"{len(prompt)}-token prompt computed by the TensorRT-LLM side, room {room}")
+            announce(trt.bus, prompt, Handle("send", room))
+            rid = trt.submit(prompt, 1)
+            with ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(post_json, srv.url + "/generate", generate_body(prompt, max_new, boot, room), 120)
+                try:
+                    run_until([trt], lambda: rid in trt.responses and trt.drained(), 90, pause_s=0.001)
+                except TimeoutError as e:
+                    raise DemoError(f"the SGLang decode did not pull room {room}: {e}\n--- {srv.log_path} ---\n"
+                                    f"{srv.log_tail(40)}") from None
+                prog.done("handoff", "served; SGLang decoding")
+                prog.start("decode", f"{max_new} tokens by the SGLang decode server")
+                res = fut.result()
+            out = generate_output(res, srv, "SGLang decode")
+            saved = trt.state()["finished_saves"].get(rid) or {}
+            rec = saved.get("record") or {}
+            if not saved.get("ok") or rec.get("result") != "success":
+                raise DemoError(f"handoff of room {room} failed on the TensorRT-LLM side: {rec.get('reason') or saved}"
+                                f"\n--- {srv.log_path} ---\n{srv.log_tail(40)}")
+            got = [int(t) for t in out["output_ids"]]
+            resp = trt.responses[rid]
+            prog.done("decode", "match" if got == ref.token_ids else "MISMATCH")
+            results.append({
+                "generated": got, "match": got == ref.token_ids, "record": rec,
+                "first_prefill": int(resp["output_token_ids"][0]), "first_aux": int(got[0]) if got else -1,
+                "logits_diff": _first_logits_diff(resp, ref),
+                "logits_of": "the TensorRT-LLM side's prefill (the SGLang decode's logits stay in its process)",
+                "context_tokens_computed": resp["context_tokens_computed"],
+                "plan_reason": rec.get("plan_reason", ""),
+                "plan_reason_source": "the sender's own plan (TensorRT-LLM side)",
+                "handoff_measures": "prefill side: from opening the room to the last byte acknowledged "
+                                    "(includes waiting for the SGLang decode to ask)",
+            })
         server = {"role": "decode", "ready_s": srv.ready_after_s, "log": str(srv.log_path)}
-    return results, {"prefill_detail": "kvbridge TensorRT-LLM connector (KVBridgeConnectorScheduler/Worker) driven in "
-                                       "PyExecutor's order, tiny Llama forward over a TensorRT-LLM-geometry pool "
-                                       f"(block {TOKENS_PER_BLOCK} tokens), SGLang-compatible bootstrap server",
+        detail = _trt_detail(trtllm_version, "prefill, SGLang-compatible bootstrap server", trt)
+    return results, {"prefill_detail": detail,
                      "decode_detail": "SGLang 0.5.23 real server on CPU, --disaggregation-transfer-backend kvbridge",
-                     "server": server}
+                     "server": server, "real_servers": ["sglang"]}

@@ -368,6 +368,7 @@ def _demo(args: argparse.Namespace) -> int:
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C even where SIGINT was ignored
     console = _console()
     kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir, model=args.model,
+              trtllm_version=args.trtllm_version,
               extra_prompt_lens=tuple(int(x) for x in args.also.split(",") if x) if args.also else ())
     try:
         if args.json and not console.is_terminal:
@@ -577,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=("llama", "mla"), default="llama",
                       help="the tiny model: llama (GQA, default) or mla (DeepSeek-V3-style multi-head latent attention)")
     demo.add_argument("--model-dir", help="a tiny model folder to use instead (default: built into ~/.cache/kvbridge/demo)")
+    demo.add_argument("--trtllm-version", choices=("1.2", "main"), default="1.2",
+                      help="the TensorRT-LLM version the executor stand-in models (default 1.2, PyPI's newest line)")
     demo.set_defaults(func=_demo)
     return p
 

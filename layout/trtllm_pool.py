@@ -38,11 +38,15 @@ def trtllm_layout_from_geometry(
     pool_layers: Sequence[int] | None = None,
     layer_offset: int = 0,
     tensor: torch.Tensor | None = None,
+    token_major: bool = False,
 ) -> KVLayout:
     """Layout of a pool given by its address and the KV cache manager's geometry.
 
     ``num_kv_heads`` are the heads per layer on this rank; ``total_heads`` (default
-    ``num_kv_heads * tp_size``, or 1 for MLA) the model's.
+    ``num_kv_heads * tp_size``, or 1 for MLA) the model's. Inside a block the order is
+    HND ``[head][token][dim]`` (the TRTLLM attention backend's), or NHD
+    ``[token][head][dim]`` with ``token_major`` (backends that address the pool through
+    ``KVCacheManager.get_buffers``: VANILLA, FLASHINFER).
     """
     if kv_factor not in (1, 2):
         raise LayoutError(f"TensorRT-LLM kv_factor must be 1 or 2, got {kv_factor}")
@@ -76,8 +80,8 @@ def trtllm_layout_from_geometry(
         num_blocks=num_blocks,
         first_block=0,
         block_stride=block_stride,
-        token_stride=head_bytes,
-        head_stride=tokens_per_block * head_bytes,
+        token_stride=num_kv_heads * head_bytes if token_major else head_bytes,
+        head_stride=head_bytes if token_major else tokens_per_block * head_bytes,
         base=base,
         region_of=np.zeros_like(base),
         regions=(Region(int(pool_ptr), num_blocks * block_stride),),
@@ -98,9 +102,10 @@ def trtllm_pool_layout(
     tp_size: int = 1,
     pool_layers: Sequence[int] | None = None,
     layer_offset: int = 0,
+    token_major: bool = False,
 ) -> KVLayout:
     """Layout of a live primary pool tensor ``[num_blocks, layers_in_pool, kv_factor,
-    num_kv_heads * tokens_per_block * head_dim]`` (HND inside a block).
+    num_kv_heads * tokens_per_block * head_dim]`` (HND inside a block; NHD with ``token_major``).
 
     ``dtype`` is the logical KV dtype when the pool stores it as raw bytes (fp8 as uint8).
     """
@@ -132,4 +137,5 @@ def trtllm_pool_layout(
         pool_layers=pool_layers,
         layer_offset=layer_offset,
         tensor=pool,
+        token_major=token_major,
     )

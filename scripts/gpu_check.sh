@@ -3,7 +3,8 @@
 #   1. the CUDA-marked tests (gather/scatter on device tensors, through a zero-copy alias
 #      of the pool's device memory, must give the CPU's bytes);
 #   2. the layout benchmark, whose "cuda" section times the repack against a device copy;
-#   3. the transfer benchmark (Mooncake; TCP unless the host has RDMA and the CUDA wheel).
+#   3. the transfer benchmark (Mooncake; TCP unless the host has RDMA and the CUDA wheel);
+#   4. where the real TensorRT-LLM imports: the connector contract (tests/test_trtllm_contract.py).
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (OUT_DIR gets the JSON and the log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +17,9 @@ export PYTHONUNBUFFERED=1
 timeout 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 90 "$PY" -m kvbridge.cli bench layout --json --repack-tokens 8192 | tee "$OUT/bench_layout.json"
 timeout 90 "$PY" -m kvbridge.cli bench transfer --json --reps 2 --sweep 1024,4096 | tee "$OUT/bench_transfer.json"
+if "$PY" -c "import tensorrt_llm" 2>/dev/null; then
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_trtllm_contract.py -k real 2>&1 | tee "$OUT/trtllm_contract.log"
+else
+  echo "gpu_check: tensorrt_llm does not import here; TensorRT-LLM contract not checked" | tee "$OUT/trtllm_contract.log"
+fi
 echo "gpu_check: all done; results in $OUT"

@@ -53,15 +53,15 @@ def _record(i: int) -> dict:
 
 def test_handle_names_an_sglang_bootstrap_address():
     h = Handle("recv", 7, bootstrap="127.0.0.1:8998", on_failure="fail")
-    assert Handle.from_json(h.to_json()) == h
-    assert json.loads(h.to_json())["bootstrap"] == "127.0.0.1:8998"
+    assert Handle.from_dict(h.to_dict()) == h
+    assert h.to_dict()["bootstrap"] == "127.0.0.1:8998"
     for bad in ("127.0.0.1", "host:0", "host:99999", ":8998", "a:b:c"):
         with pytest.raises(HandleError, match="host:port"):
             Handle("recv", 7, bootstrap=bad)
     with pytest.raises(HandleError, match="'prefill', 'endpoints' or 'bootstrap'"):
         Handle("recv", 7)
     with pytest.raises(HandleError, match="bootstrap"):
-        Handle.from_json(b'{"kvbridge":1,"op":"recv","room":7,"bootstrap":8998}')
+        Handle.from_dict({"op": "recv", "room": 7, "bootstrap": 8998})
 
 
 def test_config_checks_the_bootstrap_settings():
@@ -119,51 +119,44 @@ def test_discovery_client_errors_name_the_problem():
         endpoints_by_tp_rank(body, "h:1")
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama_dir):
-    from kvbridge.demo.llama_runner import TinyLlamaRunner
+def test_trt_prefill_publishes_its_ranks_for_sglang_decodes(tiny_llama_dir):
+    from kvbridge.demo.trtllm import StandInServer
 
-    return TinyLlamaRunner(tiny_llama_dir)
-
-
-def test_trt_prefill_publishes_its_ranks_for_sglang_decodes(runner, tiny_llama_dir):
-    from kvbridge.demo.trt_engine import TRTEngine
-
-    eng = TRTEngine(runner, tiny_llama_dir, sglang_bootstrap_port=0, sglang_page_size=8)
-    try:
-        addr = eng.scheduler.bootstrap_address
+    with StandInServer("1.2", tiny_llama_dir, tokens_per_block=32, num_blocks=8,
+                       plugin={"sglang_bootstrap_port": 0, "sglang_page_size": 8}) as trt:
+        addr = trt.bootstrap_address
         body = fetch_ranks(addr, timeout_s=10)  # registered once the worker said hello on the bus
-        assert endpoints_by_tp_rank(body, addr) == [eng.worker.sender.endpoint]
+        assert endpoints_by_tp_rank(body, addr) == trt.sender_endpoints
         (rank,) = body["ranks"]
-        assert rank["engine"] == "trtllm" and rank["session"] == eng.worker.transport.session_id
-        assert rank["page_size"] == 32 and rank["layout"] == eng.worker.layout.describe()  # its real block size
+        st = trt.state()
+        assert rank["engine"] == "trtllm" and rank["page_size"] == 32  # its real block size
+        assert rank["layout"] == st["layout"]
         info = HTTP.get(f"http://{addr}" + ROUTE.format(-1, -1, -1, -1), timeout=5).json()
         assert info["page_size"] == 8  # what SGLang's decode compares with its own --page-size
-    finally:
-        eng.close()
     with pytest.raises(BootstrapError):
         fetch_ranks(addr, timeout_s=0.3)  # closed with the connector
 
 
-def test_trt_decode_fails_clearly_when_the_bootstrap_address_answers_nothing(runner, tiny_llama_dir):
+def test_trt_decode_fails_clearly_when_the_bootstrap_address_answers_nothing(tiny_llama_dir):
+    from kvbridge.adapters.trtllm import announce
     from kvbridge.demo.models import random_prompt
-    from kvbridge.demo.trt_engine import TRTEngine
+    from kvbridge.demo.trtllm import StandInServer, run_until
 
-    eng = TRTEngine(runner, tiny_llama_dir, discovery_timeout_s=1.0)
-    try:
-        free0 = eng.kv_cache_manager.free_count
+    with StandInServer("main", tiny_llama_dir, tokens_per_block=32, num_blocks=8,
+                       plugin={"discovery_timeout_s": 1.0}) as trt:
         addr = f"127.0.0.1:{_dead_port()}"
+        prompt = random_prompt(40, seed=1)
+        announce(trt.bus, prompt, Handle("recv", 5, bootstrap=addr, on_failure="fail"))
         t0 = time.monotonic()
-        req, done = eng.load(11, random_prompt(40, seed=1), 4, Handle("recv", 5, bootstrap=addr, on_failure="fail").to_json(),
-                             timeout_s=30)
+        rid = trt.submit(prompt, 4)
+        run_until([trt], lambda: rid in trt.responses and trt.drained(), 30)
         assert time.monotonic() - t0 < 15
+        done = trt.state()["finished_loads"][rid]
         assert not done["ok"] and done["verdict"] == "fail", done
         assert addr in done["reason"] and "refused" in done["reason"].lower(), done["reason"]
-        assert eng.cancelled == [11]  # the executor cancels the request
-        eng.kv_cache_manager.free_resources(req)
-        assert eng.kv_cache_manager.free_count == free0
-    finally:
-        eng.close()
+        assert trt.responses[rid]["finish_reason"] == "cancelled"  # the executor cancelled the request
+        st = trt.state()
+        assert st["free"] == st["total"] and st["held"] == 0
 
 
 def test_demo_json_failure_is_one_json_object(tmp_path):

@@ -225,7 +225,11 @@ def test_wheel_contains_every_subpackage(tmp_path):
                 # package data the demo's SGLang server needs on its PYTHONPATH
                 "kvbridge/demo/sgl_shim/sgl_kernel/__init__.py",
                 "kvbridge/demo/sgl_shim/mla_torch_native/kvbridge_tests_mla_torch_native.py",
-                "kvbridge/demo/sgl_shim/mla_torch_native/kvbridge_tests_mla_torch_native-0.0.dist-info/entry_points.txt"):
+                "kvbridge/demo/sgl_shim/mla_torch_native/kvbridge_tests_mla_torch_native-0.0.dist-info/entry_points.txt",
+                # the TensorRT-LLM stand-in and its per-version import trees
+                "kvbridge/demo/trtllm/executor.py",
+                "kvbridge/demo/trtllm/site/v1_2/tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py",
+                "kvbridge/demo/trtllm/site/main/tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py"):
         assert mod in names, mod
 
 

@@ -1,4 +1,4 @@
-"""Unit check of tests/mixed_trt_engine.py's runner (no server, no transfer): prefill into a
+"""Unit check of the demo's TinyLlamaRunner (no server, no transfer): prefill into a
 TensorRT-LLM-geometry pool, then the paged decode loop reading K/V only from the pool,
 equals transformers' greedy ``generate()``; the pool holds exactly what transformers'
 cache holds (post-RoPE K, V)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest_sglang import tiny_llama_dir  # noqa: F401
-from mixed_trt_engine import TinyLlamaRunner, pool_kv
+from kvbridge.demo.llama_runner import TinyLlamaRunner, pool_kv
 from tiny_models import assert_paged_decode_matches, random_prompt
 
 MAX_NEW = 32

@@ -1,10 +1,11 @@
-"""Unit tests of the TensorRT-LLM plugin's pieces: handles, settings, pool geometry and
-which prefill ranks each decode rank pulls."""
+"""Unit tests of the TensorRT-LLM plugin's pieces: handles and their announcement, bus
+messages, settings, pool geometry (from the engine, not the config) and which prefill
+ranks each decode rank pulls."""
 
 from __future__ import annotations
 
-import base64
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,36 +13,97 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbridge.adapters.trtllm import (BridgeConfig, ConfigError, Handle, HandleError, RankGeometry, decode_params,
-                                      handle_of, layout_from_kv_cache_manager, pool_layout, prefill_params, pull_plan)
-from kvbridge.adapters.trtllm.geometry import geometry_from_llm_args
+from kvbridge.adapters.trtllm import (AnnounceError, BridgeConfig, ConfigError, Handle, HandleError, RankGeometry,
+                                      announce, pool_layout, prompt_key, pull_plan, rank_geometry)
+from kvbridge.adapters.trtllm import bus as B
 from kvbridge.layout import LayoutError, tp_head_slice
 
 
 def test_package_imports_without_tensorrt_llm_or_mooncake():
     code = ("import sys; sys.modules['tensorrt_llm'] = None; sys.modules['mooncake'] = None; "
-            "import kvbridge.adapters.trtllm as t; assert not t.TRTLLM_AVAILABLE; print(t.TRTLLM_IMPORT_ERROR)")
+            "import kvbridge.adapters.trtllm as t; assert not t.TRTLLM_AVAILABLE and t.CONNECTOR_MODULE == ''")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
 
-def test_handles_round_trip_and_refuse_garbage():
+def _import_with(tmp_path, files: dict[str, str]) -> subprocess.CompletedProcess:
+    for rel, text in files.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    return subprocess.run([sys.executable, "-c", "import kvbridge.adapters.trtllm"], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_installed_tensorrt_llm_without_a_connector_api_is_refused_by_name(tmp_path):
+    """A TensorRT-LLM with neither module path is an ImportError naming its version,
+    never a silent fallback to local bases (which lack what the executor calls)."""
+    out = _import_with(tmp_path, {"tensorrt_llm/__init__.py": "__version__ = '9.9.9'\n",
+                                  "tensorrt_llm/_torch/__init__.py": "", "tensorrt_llm/_torch/pyexecutor/__init__.py": ""})
+    assert out.returncode != 0
+    assert "TensorRT-LLM 9.9.9 has no KV cache connector API" in out.stderr and "1.2.x and main" in out.stderr, out.stderr
+
+
+def test_a_connector_module_that_fails_to_import_is_not_skipped(tmp_path):
+    """A path that exists but breaks while importing is reported, not taken for 'absent'."""
+    out = _import_with(tmp_path, {
+        "tensorrt_llm/__init__.py": "__version__ = '1.2.1'\n", "tensorrt_llm/_torch/__init__.py": "",
+        "tensorrt_llm/_torch/pyexecutor/__init__.py": "",
+        "tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py": "import a_module_that_is_missing\n"})
+    assert out.returncode != 0 and "a_module_that_is_missing" in out.stderr, out.stderr
+
+
+def test_handles_and_prompt_keys():
     h = Handle("recv", 42, prefill="tcp://10.0.0.1:18500", on_failure="fail")
-    assert Handle.from_json(h.to_json()) == h
-    req = SimpleNamespace(py_disaggregated_params=SimpleNamespace(opaque_state=h.to_json()))
-    assert handle_of(req) == h
-    assert handle_of(SimpleNamespace(py_disaggregated_params=None)) is None
-    assert handle_of(SimpleNamespace(py_disaggregated_params=SimpleNamespace(opaque_state=b"\x00binary"))) is None
-    p = decode_params(7, endpoints=["tcp://a:1", "tcp://b:2"])
-    assert p["request_type"] == "context_and_generation"
-    assert json.loads(base64.b64decode(p["encoded_opaque_state"])) == {
-        "kvbridge": 1, "op": "recv", "room": 7, "endpoints": ["tcp://a:1", "tcp://b:2"]}
-    assert json.loads(base64.b64decode(prefill_params(7)["encoded_opaque_state"]))["op"] == "send"
-    for bad in (b'{"kvbridge": 1, "op": "recv", "room": 1}', b'{"kvbridge": 1, "op": "send", "room": -1}',
-                b'{"kvbridge": 1, "op": "send", "room": 1, "x": 2}', b'{"kvbridge": 1, "op": "recv", "room": 1, '
-                b'"endpoints": ["http://a"]}', b'{"kvbridge": 2, "op": "send", "room": 1}'):
+    assert Handle.from_dict(h.to_dict()) == h
+    assert Handle.from_dict(Handle("send", 7).to_dict()) == Handle("send", 7)
+    for bad in ({"op": "recv", "room": 1}, {"op": "send", "room": -1}, {"op": "send", "room": 1, "x": 2},
+                {"op": "recv", "room": 1, "endpoints": ["http://a"]}, {"op": "send", "room": True},
+                {"op": "send", "room": 1, "prefill": "tcp://a:1"}, [1, 2]):
         with pytest.raises(HandleError):
-            Handle.from_json(bad)
+            Handle.from_dict(bad)
+    k = prompt_key([1, 2, 3])
+    assert len(k) == 32 and k == prompt_key((1, 2, 3)) != prompt_key([1, 2, 4]) != prompt_key([1, 2])
+    with pytest.raises(HandleError, match="empty"):
+        prompt_key([])
+
+
+def test_bus_messages_are_typed_and_bounded():
+    o = B.Load(req=3, room=9, blocks=[1, 2], start=0, stop=40, endpoints=["tcp://a:1"], on_failure="recompute")
+    assert B.decode(B.encode(B.Orders(orders=[o]))).orders == [o]
+    for bad in (b"garbage", B.encode({"t": "orders", "v": 2, "orders": []}), B.encode({"t": "nope", "v": 1}),
+                B.encode({"t": "load", "v": 1, "req": 3, "room": 9, "blocks": [-1], "start": 0, "stop": 1,
+                          "endpoints": [], "on_failure": "recompute"}),
+                B.encode({"t": "expect", "v": 1, "key": "x" * 32, "handle": {}}),
+                B.encode({"t": "hello", "v": 1, "rank": 0, "endpoint": "e", "extra": 1})):
+        with pytest.raises(B.BusError):
+            B.decode(bad)
+
+
+def test_announce_is_refused_with_a_reason_and_times_out_on_silence():
+    """A scheduler refuses an invalid handle by name; a bus nobody serves fails in time."""
+    from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
+
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig())
+    try:
+        announce(sched.endpoint, [5, 6, 7], Handle("send", 1))
+        with pytest.raises(AnnounceError, match="refused room 2.*a decode handle needs"):
+            announce(sched.endpoint, [5], _UncheckedHandle({"op": "recv", "room": 2}))
+    finally:
+        sched.close()
+    with pytest.raises(AnnounceError, match="did not answer"):
+        announce("tcp://127.0.0.1:9", [1], Handle("send", 3), timeout_s=0.5)
+
+
+class _UncheckedHandle:
+    """A handle a careless router builds by hand (what Handle's own checks would refuse)."""
+
+    def __init__(self, d):
+        self.d, self.room = d, d["room"]
+
+    def to_dict(self):
+        return self.d
 
 
 def test_config_from_file_env_and_overrides(tmp_path):
@@ -78,21 +140,53 @@ def test_pool_layout_has_tensorrt_llm_geometry(heads, tp, tpb, hd, dtype, mla):
         assert lay.head_offset == tp_head_slice(heads, tp, rank)[0]
 
 
-def test_geometry_from_llm_args_and_from_the_kv_cache_manager():
-    args = SimpleNamespace(model=None, kv_cache_config=SimpleNamespace(tokens_per_block=64, dtype="fp8"),
-                           parallel_config=SimpleNamespace(tp_size=2))
-    geo = geometry_from_llm_args(args, BridgeConfig(num_kv_heads=8, tp_rank=1))
-    assert (geo.tokens_per_block, geo.tp_size, geo.tp_rank, geo.dtype, geo.total_kv_heads) == (64, 2, 1, "fp8", 8)
+def _manager(tpb, heads_per_rank, head_dim, layers=2, dtype="BF16", kv_factor=2):
+    return SimpleNamespace(tokens_per_block=tpb, head_dim=head_dim, kv_factor=kv_factor,
+                           num_kv_heads_per_layer=[heads_per_rank] * layers,
+                           total_num_kv_heads_per_layer=[heads_per_rank] * layers,  # per rank, as TensorRT-LLM keeps it
+                           dtype=SimpleNamespace(name=dtype))
+
+
+def test_geometry_comes_from_the_engine_not_the_config():
+    """Tokens per block from the KV cache manager (the executor may have forced them: 64 for
+    FlashMLA, max_num_tokens for VANILLA) even where kv_cache_config says otherwise; heads
+    per rank from the manager, checked against the model's total and the TP split; the
+    manager's ``total_num_kv_heads_per_layer`` holds per-rank counts and is not taken for
+    the model's."""
+    args = SimpleNamespace(model=None, tensor_parallel_size=2, kv_cache_config=SimpleNamespace(tokens_per_block=32))
+    pool = torch.zeros(4, 2, 2, 4 * 64 * 16, dtype=torch.bfloat16)
+    geo = rank_geometry(pool, manager=_manager(64, 4, 16), dist=SimpleNamespace(tp_size=2, tp_rank=1), llm_args=args,
+                        cfg=BridgeConfig(num_kv_heads=8))
+    assert (geo.tokens_per_block, geo.tp_size, geo.tp_rank, geo.total_kv_heads, geo.dtype) == (64, 2, 1, 8, "bfloat16")
+    lay = pool_layout(pool, geo)
+    assert (lay.num_heads, lay.head_offset, lay.total_heads, lay.tokens_per_block) == (4, 4, 8, 64)
+    with pytest.raises(LayoutError, match="holds 4 KV head.*8 KV heads over tensor-parallel size 1 give 8"):
+        rank_geometry(pool, manager=_manager(64, 4, 16), dist=SimpleNamespace(tp_size=1, tp_rank=0), llm_args=args,
+                      cfg=BridgeConfig(num_kv_heads=8))
+    # MLA: one latent head; without a manager the pool's block size gives tokens per block
+    mla = torch.zeros(4, 2, 1, 64 * 576, dtype=torch.uint8)
+    geo = rank_geometry(mla, llm_args=SimpleNamespace(kv_cache_config=SimpleNamespace(tokens_per_block=32, dtype="fp8")),
+                        cfg=BridgeConfig(head_dim=576))
+    assert (geo.tokens_per_block, geo.head_dim, geo.dtype) == (64, 576, "fp8")
+    with pytest.raises(LayoutError, match="block_size 36864 != 1 head"):
+        rank_geometry(mla, manager=_manager(32, 1, 576, kv_factor=1), llm_args=args, cfg=BridgeConfig())
     with pytest.raises(ConfigError, match="attention data parallelism"):
-        geometry_from_llm_args(SimpleNamespace(enable_attention_dp=True), BridgeConfig())
-    pool = torch.zeros(4, 2, 2, 4 * 32 * 16, dtype=torch.bfloat16)
-    mgr = SimpleNamespace(get_unique_primary_pool=lambda: pool, tokens_per_block=32, kv_factor=2, head_dim=16,
-                          num_kv_heads_per_layer=[4, 4], total_num_kv_heads_per_layer=[8, 8], layer_offsets={0: 0, 1: 1})
-    lay = layout_from_kv_cache_manager(mgr, tp_rank=1, tp_size=2)
-    assert (lay.num_heads, lay.head_offset, lay.total_heads, lay.head_dim) == (4, 4, 8, 16)
-    mgr.num_kv_heads_per_layer = [4, 2]
-    with pytest.raises(LayoutError, match="one pool each"):
-        layout_from_kv_cache_manager(mgr, tp_rank=1, tp_size=2)
+        rank_geometry(pool, llm_args=SimpleNamespace(enable_attention_dp=True), cfg=BridgeConfig())
+
+
+def test_block_order_follows_the_attention_backend():
+    """TRTLLM writes HND inside a block; VANILLA / FLASHINFER go through get_buffers' NHD view."""
+    pool = torch.zeros(3, 2, 2, 2 * 8 * 4, dtype=torch.float32)
+    for backend, order in (("TRTLLM", "HND"), ("VANILLA", "NHD"), ("FLASHINFER", "NHD")):
+        geo = rank_geometry(pool, manager=_manager(8, 2, 4, dtype="FLOAT"), llm_args=SimpleNamespace(attn_backend=backend),
+                            cfg=BridgeConfig(num_kv_heads=2))
+        lay = pool_layout(pool, geo)
+        h, t = 1, 5
+        view = pool.view(3, 2, 2, 2, 8, 4) if order == "HND" else pool.view(3, 2, 2, 8, 2, 4).transpose(3, 4)
+        assert lay.base[1, 1] + 2 * lay.block_stride + t * lay.token_stride + h * lay.head_stride == \
+            view[2, 1, 1, h, t].data_ptr(), backend
+    with pytest.raises(ConfigError, match="block_order"):
+        BridgeConfig(block_order="XYZ")
 
 
 @pytest.mark.parametrize("heads, ptp, dtp", [(4, 2, 1), (4, 1, 2), (4, 2, 4), (4, 4, 2), (1, 2, 1), (1, 1, 4),

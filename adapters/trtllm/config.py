@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from kvbridge.common.handoff import HandoffConfig
@@ -46,6 +46,8 @@ class BridgeConfig:
     whose reported page size differs from its own (kvbridge converts block sizes itself).
     ``discovery_timeout_s``: how long a decode request whose handle names an SGLang
     bootstrap address (``Handle.bootstrap``) waits for that prefill's ranks.
+    Announced handles (``handle.announce``) are held until their request comes, at most
+    for the ``ttl_s`` the router gave.
 
     Behaviour: ``on_failure`` is what a decode server does when a handoff fails:
     ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing and
@@ -61,9 +63,11 @@ class BridgeConfig:
     ``cost_prefill_tps`` / ``cost_decode_prefill_tps``: prefill tokens/s of the prefill
     and of this server (0: from FLOPs); ``cost_queue_s``: expected prefill queue wait.
 
-    Geometry overrides (normally read from the pool and the LLM args): ``tokens_per_block``,
+    Geometry overrides (normally read from the pool, the executor's KV cache manager and
+    the model's config; see ``geometry.rank_geometry``): ``tokens_per_block``,
     ``num_kv_heads`` (the model's KV heads), ``head_dim``, ``dtype`` (logical KV dtype
-    when the pool stores bytes, e.g. ``"fp8"``), ``tp_size`` / ``tp_rank``,
+    when the pool stores bytes, e.g. ``"fp8"``), ``block_order`` (``"HND"`` or ``"NHD"``
+    inside a block; default from the attention backend), ``tp_size`` / ``tp_rank``,
     ``world_size`` (ranks that run a connector worker).
     """
 
@@ -85,6 +89,7 @@ class BridgeConfig:
     num_kv_heads: int = 0
     head_dim: int = 0
     dtype: str = ""
+    block_order: str = ""
     tp_size: int = 0
     tp_rank: int = -1
     world_size: int = 0
@@ -104,6 +109,9 @@ class BridgeConfig:
             raise ConfigError(f"bus_port {self.bus_port} is not a TCP port")
         if not -1 <= self.sglang_bootstrap_port < 65536:
             raise ConfigError(f"sglang_bootstrap_port {self.sglang_bootstrap_port} is not a TCP port (or -1: none, 0: any)")
+        if self.block_order not in ("", "HND", "NHD"):
+            raise ConfigError(f"block_order must be 'HND' or 'NHD' (or empty: from the attention backend), "
+                              f"got {self.block_order!r}")
         if self.sglang_page_size <= 0:
             raise ConfigError(f"sglang_page_size must be positive (the SGLang decode's --page-size), "
                               f"got {self.sglang_page_size}")
@@ -139,10 +147,6 @@ class BridgeConfig:
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
         return cls(**typed)
-
-    def with_(self, **changes: Any) -> "BridgeConfig":
-        """A copy with ``changes``."""
-        return replace(self, **changes)
 
     def cost_gate(self, served_model: Any = None):
         """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when

@@ -1,14 +1,17 @@
 """KV geometry of a TensorRT-LLM rank, and which prefill ranks a decode rank pulls from.
 
 TensorRT-LLM's primary pool is ``[num_blocks, layers_in_pool, kv_factor,
-num_kv_heads * tokens_per_block * head_dim]``, HND inside a block
-(``tensorrt_llm/_torch/pyexecutor/resource_manager.py`` ``KVCacheManager``:
-``get_unique_primary_pool()``, ``tokens_per_block``, ``kv_factor``,
-``num_kv_heads_per_layer``, ``head_dim``, ``layer_offsets``). kv_factor is 1 for MLA
-(one latent "head"). The connector worker only receives the pool tensor
-(``register_kv_caches``), so the parts its shape cannot say (tokens per block, the
-model's KV heads, the tensor-parallel split, an fp8 pool stored as bytes) come from the
-LLM args or the plugin's settings.
+heads_per_rank * tokens_per_block * head_dim]``, HND inside a block
+(``_torch/pyexecutor/resource_manager.py`` ``KVCacheManager``: ``get_unique_primary_pool()``,
+``tokens_per_block``, ``kv_factor``, ``num_kv_heads_per_layer``, ``head_dim``,
+``dtype``); kv_factor is 1 for MLA (one latent "head"). The connector worker receives
+only the pool tensor (``register_kv_caches``), from ``PyExecutor._maybe_init_kv_connector_manager``,
+so the geometry comes from the pool's shape and the executor's own KV cache manager
+(``PyExecutor.kv_cache_manager``), never from ``kv_cache_config``: the executor creator
+forces ``tokens_per_block`` (64 for MLA with FlashMLA, ``max_num_tokens`` for the VANILLA
+attention backend) without updating the config the connector holds. The model's total KV
+head count (for the tensor-parallel head split) comes from its Hugging Face config; the
+manager's ``total_num_kv_heads_per_layer`` holds per-rank counts.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, trtllm_pool_la
 
 from .config import BridgeConfig, ConfigError
 
-__all__ = ["RankGeometry", "pool_layout", "geometry_from_llm_args", "layout_from_kv_cache_manager", "pull_plan"]
+__all__ = ["RankGeometry", "block_order", "pool_layout", "rank_geometry", "pull_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RankGeometry:
     """What the pool's shape does not say: tokens per block, the model's KV heads (0 for
-    MLA or unknown), the head split over ranks, and the logical KV dtype ('' = the pool's)."""
+    MLA), the head split over ranks, the logical KV dtype ('' = the pool's) and head_dim."""
 
     tokens_per_block: int
     total_kv_heads: int = 0
@@ -39,6 +42,7 @@ class RankGeometry:
     tp_rank: int = 0
     dtype: str = ""
     head_dim: int = 0
+    token_major: bool = False  # NHD inside a block (VANILLA / FLASHINFER attention backends), else HND
 
 
 def pool_layout(pool: torch.Tensor, geo: RankGeometry, pool_layers: Sequence[int] | None = None) -> KVLayout:
@@ -51,7 +55,8 @@ def pool_layout(pool: torch.Tensor, geo: RankGeometry, pool_layers: Sequence[int
         raise LayoutError(f"block_size {block_size} is not a multiple of tokens_per_block {tpb}")
     dtype = geo.dtype or pool.dtype
     if kv_factor == 1:  # MLA: one latent head, replicated on every rank
-        return trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=1, dtype=dtype, pool_layers=pool_layers)
+        return trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=1, dtype=dtype, pool_layers=pool_layers,
+                                  token_major=geo.token_major)
     if geo.total_kv_heads > 0:
         _, heads = tp_head_slice(geo.total_kv_heads, geo.tp_size, geo.tp_rank)
     elif geo.head_dim > 0:
@@ -64,7 +69,7 @@ def pool_layout(pool: torch.Tensor, geo: RankGeometry, pool_layers: Sequence[int
         raise LayoutError(f"pool block_size {block_size} != {heads} heads x {tpb} tokens x head_dim {geo.head_dim}")
     return trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype=dtype,
                               total_heads=geo.total_kv_heads or None, tp_rank=geo.tp_rank, tp_size=geo.tp_size,
-                              pool_layers=pool_layers)
+                              pool_layers=pool_layers, token_major=geo.token_major)
 
 
 def _get(obj: Any, path: str, default: Any = None) -> Any:
@@ -76,36 +81,91 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
 
 
 def _mpi_rank() -> int:
-    try:  # pragma: no cover - only with TensorRT-LLM
+    try:
         from tensorrt_llm._utils import mpi_rank
-
-        return int(mpi_rank())
-    except Exception:
+    except ImportError:
         return 0
+    return int(mpi_rank())
 
 
-def geometry_from_llm_args(llm_args: Any, cfg: BridgeConfig) -> RankGeometry:
-    """Geometry from TensorRT-LLM's LLM args (``kv_cache_config.tokens_per_block`` and
-    ``.dtype``, ``parallel_config.tp_size``, the model's config for KV heads and head_dim),
-    each overridden by the plugin's settings when set."""
+_DTYPES = {"FP8": "fp8", "HALF": "float16", "BF16": "bfloat16", "FLOAT": "float32", "INT8": "int8"}
+
+
+def rank_geometry(pool: torch.Tensor, *, manager: Any = None, dist: Any = None, llm_args: Any = None,
+                  cfg: BridgeConfig) -> RankGeometry:
+    """The geometry of this rank's primary pool ``[blocks, layers, kv_factor, block_size]``
+    from the KV cache ``manager`` (``tokens_per_block``, ``head_dim``,
+    ``num_kv_heads_per_layer``, ``dtype``), the executor's ``dist`` (``tp_size``,
+    ``tp_rank``), the model's config (total KV heads), each overridden by ``cfg``; without
+    a manager, tokens per block follow from the pool: ``block_size / (heads x head_dim)``.
+    LayoutError naming what disagrees."""
+    if pool.dim() != 4:
+        raise LayoutError(f"a TensorRT-LLM primary pool is 4-d [blocks, layers, kv_factor, block_size], got {tuple(pool.shape)}")
     if _get(llm_args, "enable_attention_dp", False) or _get(llm_args, "parallel_config.enable_attention_dp", False):
         raise ConfigError("the kvbridge connector does not support attention data parallelism")
-    tpb = cfg.tokens_per_block or int(_get(llm_args, "kv_cache_config.tokens_per_block", 32))
-    tp = cfg.tp_size or int(_get(llm_args, "parallel_config.tp_size", 0) or _get(llm_args, "tensor_parallel_size", 1))
-    rank = cfg.tp_rank if cfg.tp_rank >= 0 else _mpi_rank() % tp
+    kv_factor, block_size = int(pool.shape[2]), int(pool.shape[3])
+    tp = cfg.tp_size or int(_get(dist, "tp_size", 0) or _get(llm_args, "parallel_config.tp_size", 0)
+                            or _get(llm_args, "tensor_parallel_size", 1))
+    rank = cfg.tp_rank if cfg.tp_rank >= 0 else int(_get(dist, "tp_rank", -1) if dist is not None else -1)
+    if rank < 0:
+        rank = _mpi_rank() % tp
+    model_heads, model_head_dim = _model_kv_geometry(llm_args, mla=kv_factor == 1)
+    head_dim = cfg.head_dim or int(_get(manager, "head_dim", 0) or 0) or model_head_dim
+    if kv_factor == 1:
+        total, per_rank = 0, 1
+    else:
+        total = cfg.num_kv_heads or model_heads
+        mgr_heads = [int(h) for h in (_get(manager, "num_kv_heads_per_layer", None) or []) if int(h) > 0]
+        if total:
+            per_rank = tp_head_slice(total, tp, rank)[1]
+            if mgr_heads and mgr_heads[0] != per_rank:
+                raise LayoutError(f"the KV cache manager holds {mgr_heads[0]} KV head(s) per layer on this rank, but "
+                                  f"{total} KV heads over tensor-parallel size {tp} give {per_rank}")
+        elif mgr_heads and tp == 1:
+            total = per_rank = mgr_heads[0]
+        else:
+            raise LayoutError("the model's KV head count is needed to split heads over ranks (set num_kv_heads)")
+    if not head_dim:
+        raise LayoutError("head_dim is unknown: neither the KV cache manager nor the model config gives it (set head_dim)")
+    tpb = cfg.tokens_per_block or int(_get(manager, "tokens_per_block", 0) or 0)
+    if not tpb:
+        if block_size % (per_rank * head_dim):
+            raise LayoutError(f"pool block_size {block_size} is not a multiple of {per_rank} head(s) x head_dim {head_dim}")
+        tpb = block_size // (per_rank * head_dim)
+    if per_rank * tpb * head_dim != block_size:
+        raise LayoutError(f"pool block_size {block_size} != {per_rank} head(s) x {tpb} tokens per block x head_dim "
+                          f"{head_dim}")
+    configured = int(_get(llm_args, "kv_cache_config.tokens_per_block", 0) or 0)
+    if configured and configured != tpb:
+        log.info("kvbridge: the KV cache has %d tokens per block (kv_cache_config says %d; the executor forced it)",
+                 tpb, configured)
     dtype = cfg.dtype
     if not dtype:
-        kv_dtype = str(_get(llm_args, "kv_cache_config.dtype", "auto")).lower()
-        dtype = "fp8" if "fp8" in kv_dtype else ""
-    heads, head_dim = cfg.num_kv_heads, cfg.head_dim
-    if not heads:
-        heads, hd = _model_kv_heads(llm_args)
-        head_dim = head_dim or hd
-    return RankGeometry(tokens_per_block=tpb, total_kv_heads=heads, tp_size=tp, tp_rank=rank, dtype=dtype, head_dim=head_dim)
+        name = getattr(_get(manager, "dtype", None), "name", "")
+        dtype = _DTYPES.get(name, "")
+        if not dtype and pool.dtype == torch.uint8 and "fp8" in str(_get(llm_args, "kv_cache_config.dtype", "")).lower():
+            dtype = "fp8"
+    return RankGeometry(tokens_per_block=tpb, total_kv_heads=total, tp_size=tp, tp_rank=rank, dtype=dtype,
+                        head_dim=head_dim, token_major=block_order(llm_args, cfg) == "NHD")
 
 
-def _model_kv_heads(llm_args: Any) -> tuple[int, int]:
-    """(KV heads, head_dim) from the model's Hugging Face config, or (0, 0)."""
+# Attention backends that address the pool through KVCacheManager.get_buffers, which views a
+# layer as [blocks, kv_factor, tokens_per_block, heads, head_dim]: NHD inside a block.
+_NHD_BACKENDS = ("VANILLA", "FLASHINFER", "FLASHINFER_STAR_ATTENTION")
+
+
+def block_order(llm_args: Any, cfg: BridgeConfig) -> str:
+    """"HND" or "NHD": the order inside a pool block, from ``cfg.block_order`` or the LLM
+    args' ``attn_backend`` (TRTLLM, the default, writes HND)."""
+    if cfg.block_order:
+        return cfg.block_order
+    backend = str(_get(llm_args, "attn_backend", "TRTLLM") or "TRTLLM").upper()
+    return "NHD" if backend in _NHD_BACKENDS else "HND"
+
+
+def _model_kv_geometry(llm_args: Any, mla: bool) -> tuple[int, int]:
+    """(KV heads, head_dim) from the model's Hugging Face config (MLA: 1 latent head of
+    kv_lora_rank + qk_rope_head_dim), or (0, 0)."""
     model = _get(llm_args, "model")
     if model is None:
         return 0, 0
@@ -114,35 +174,16 @@ def _model_kv_heads(llm_args: Any) -> tuple[int, int]:
 
         hf = AutoConfig.from_pretrained(str(model), trust_remote_code=bool(_get(llm_args, "trust_remote_code", False)))
     except Exception as e:
-        log.info("kvbridge: no model config for %s (%s); set num_kv_heads if the pool is not MLA", model, e)
+        log.info("kvbridge: no model config for %s (%s)", model, e)
         return 0, 0
     hf = getattr(hf, "text_config", None) or hf
+    if mla or getattr(hf, "kv_lora_rank", None):
+        return 1, int(getattr(hf, "kv_lora_rank", 0) or 0) + int(getattr(hf, "qk_rope_head_dim", 0) or 0)
     heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", 0) or 0
     hd = getattr(hf, "head_dim", None) or 0
     if not hd and heads and getattr(hf, "hidden_size", 0) and getattr(hf, "num_attention_heads", 0):
         hd = hf.hidden_size // hf.num_attention_heads
     return int(heads), int(hd)
-
-
-def layout_from_kv_cache_manager(mgr: Any, tp_rank: int, tp_size: int, dtype: str = "") -> KVLayout:
-    """The KVLayout of a ``KVCacheManager``'s primary pool, from its own geometry
-    (``get_unique_primary_pool()``, ``tokens_per_block``, ``kv_factor``,
-    ``num_kv_heads_per_layer``, ``total_num_kv_heads_per_layer``, ``head_dim``) and its
-    layer-to-pool mapping ``layer_offsets`` {model layer: layer inside the pool}."""
-    pool = mgr.get_unique_primary_pool()
-    heads_per_layer = [h for h in getattr(mgr, "num_kv_heads_per_layer", []) if h > 0]
-    if len(set(heads_per_layer)) > 1:
-        raise LayoutError(f"layers with different KV head counts {sorted(set(heads_per_layer))} need one pool each; "
-                          "kvbridge moves one pool per rank")
-    offsets = dict(getattr(mgr, "layer_offsets", {}) or {})
-    pool_layers = [offsets[layer] for layer in sorted(offsets)] if offsets else None
-    total = [h for h in getattr(mgr, "total_num_kv_heads_per_layer", []) if h > 0]
-    kv_factor = int(getattr(mgr, "kv_factor", pool.shape[2]))
-    if kv_factor != pool.shape[2]:
-        raise LayoutError(f"the manager says kv_factor {kv_factor} but its pool has {pool.shape[2]}")
-    geo = RankGeometry(tokens_per_block=int(mgr.tokens_per_block), total_kv_heads=int(total[0]) if total and kv_factor == 2 else 0,
-                       tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, head_dim=int(getattr(mgr, "head_dim", 0) or 0))
-    return pool_layout(pool, geo, pool_layers)
 
 
 @dataclass(frozen=True)

@@ -1,52 +1,64 @@
-"""How a TensorRT-LLM request says which handoff it belongs to.
+"""How a TensorRT-LLM request is tied to its handoff: a handle announced by content.
 
-A request carries a kvbridge *handle* in ``DisaggregatedParams.opaque_state`` (bytes;
-over trtllm-serve's OpenAI API: ``disaggregated_params.encoded_opaque_state``, base64),
-with ``request_type="context_and_generation"`` so TensorRT-LLM accepts it without a
-cache transceiver. TensorRT-LLM's PyTorch backend copies the params onto the executor
-request (``executor_request.py_disaggregated_params``) and every rank's ``LlmRequest``
-has them as ``py_disaggregated_params``.
+TensorRT-LLM hands the connector nothing a router could put a handle in, on either
+supported version: ``get_num_new_matched_tokens`` (where a decode server decides to
+load) receives a C++ request copy with only the bound names (no ``py_*`` attribute), and
+the 1.2 Python request has no ``py_disaggregated_params`` at all. What both hooks do see
+is the prompt (``request.get_tokens(0)[:request.prompt_len]``).
 
-The handle is JSON::
+So a router *announces* each half to the server that will run it, keyed by the prompt,
+before sending the request (``announce``): the server's rank-0 connector keeps the
+handle for ``ttl_s`` and gives it to the next request with that prompt. Two requests with
+the same prompt take the announced handles in order; their KV is the same bytes either
+way. A request nobody announced is served as usual.
 
-    {"kvbridge": 1, "op": "send", "room": 42}                          prefill request
-    {"kvbridge": 1, "op": "recv", "room": 42, "prefill": "tcp://p:18500"}  decode request
-    {"kvbridge": 1, "op": "recv", "room": 42, "endpoints": ["tcp://...", ...]}
-    {"kvbridge": 1, "op": "recv", "room": 42, "bootstrap": "p:8998"}   decode from an SGLang prefill
+A handle says which side this server plays and where the other side is::
 
-``room`` is the router's id for the handoff (unique among the prefill server's open
-handoffs). A decode handle names the prefill server by its discovery endpoint
-(``prefill``: the prefill's rank-0 bus, which answers with every rank's control
-endpoint), by the control endpoints themselves, in tensor-parallel rank order, or by an
-SGLang bootstrap address (``bootstrap``: ``host:port`` of an SGLang prefill server on
-the kvbridge backend, or of a TensorRT-LLM prefill with ``sglang_bootstrap_port`` set);
-the connector then asks that server for the prefill's ranks (``GET /kvbridge/ranks``).
-With an SGLang prefill the room is the request's ``bootstrap_room``.
-``on_failure`` ("recompute" | "fail") overrides the decode server's setting for this
-request.
+    Handle("send", room)                                      prefill half
+    Handle("recv", room, prefill="tcp://p:18500")             decode half: a TensorRT-LLM prefill's bus
+    Handle("recv", room, endpoints=("tcp://...", ...))         decode half: the prefill's ranks, TP order
+    Handle("recv", room, bootstrap="p:8998")                  decode half: an SGLang (or SGLang-compatible) prefill
+
+``room`` is the router's id for the handoff (with an SGLang prefill: the request's
+``bootstrap_room``). ``on_failure`` ("recompute" | "fail") overrides the decode server's
+setting for this request.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import hashlib
+import itertools
+import os
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from kvbridge.common.bootstrap import parse_address
 
-__all__ = ["Handle", "HandleError", "handle_of", "prefill_params", "decode_params", "encode_handle"]
-
-_VERSION = 1
+__all__ = ["Handle", "HandleError", "AnnounceError", "announce", "prompt_key"]
 
 
 class HandleError(ValueError):
-    """A request's kvbridge handle that cannot be read."""
+    """A handle that is not valid (the message names the field)."""
+
+
+class AnnounceError(RuntimeError):
+    """A server did not take an announced handle (unreachable, or refused with a reason)."""
+
+
+def prompt_key(token_ids: Sequence[int]) -> str:
+    """The key a handle is announced under: a 128-bit hash of the prompt's token ids."""
+    arr = np.asarray(list(token_ids), dtype=np.int64)
+    if arr.size == 0:
+        raise HandleError("an empty prompt has no key")
+    return hashlib.blake2b(arr.tobytes(), digest_size=16, person=b"kvbridge-prompt").hexdigest()
 
 
 @dataclass(frozen=True)
 class Handle:
-    """One request's part in a handoff."""
+    """One server's part in a handoff."""
 
     op: str  # "send" (prefill) or "recv" (decode)
     room: int
@@ -58,84 +70,83 @@ class Handle:
     def __post_init__(self) -> None:
         if self.op not in ("send", "recv"):
             raise HandleError(f"handle op must be 'send' or 'recv', got {self.op!r}")
-        if not isinstance(self.room, int) or not 0 <= self.room < 2**63:
+        if not isinstance(self.room, int) or isinstance(self.room, bool) or not 0 <= self.room < 2**63:
             raise HandleError(f"handle room must be a non-negative 64-bit integer, got {self.room!r}")
         if self.op == "recv" and not (self.prefill or self.endpoints or self.bootstrap):
             raise HandleError(f"room {self.room}: a decode handle needs 'prefill', 'endpoints' or 'bootstrap'")
+        if self.op == "send" and (self.prefill or self.endpoints or self.bootstrap):
+            raise HandleError(f"room {self.room}: a prefill handle names no peer")
         if self.bootstrap:
             try:
                 parse_address(self.bootstrap)
             except ValueError as e:
                 raise HandleError(f"room {self.room}: {e}") from None
-        for ep in ((self.prefill,) if self.prefill else ()) + self.endpoints:
+        for ep in ((self.prefill,) if self.prefill else ()) + tuple(self.endpoints):
             if not isinstance(ep, str) or not ep.startswith("tcp://"):
                 raise HandleError(f"room {self.room}: endpoint {ep!r} is not a tcp:// address")
         if self.on_failure not in ("", "recompute", "fail"):
             raise HandleError(f"room {self.room}: on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
 
-    def to_json(self) -> bytes:
-        """The handle as ``opaque_state`` bytes."""
-        d: dict[str, Any] = {"kvbridge": _VERSION, "op": self.op, "room": self.room}
-        if self.prefill:
-            d["prefill"] = self.prefill
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": self.op, "room": self.room}
+        for name in ("prefill", "on_failure", "bootstrap"):
+            if getattr(self, name):
+                d[name] = getattr(self, name)
         if self.endpoints:
             d["endpoints"] = list(self.endpoints)
-        if self.on_failure:
-            d["on_failure"] = self.on_failure
-        if self.bootstrap:
-            d["bootstrap"] = self.bootstrap
-        return json.dumps(d, separators=(",", ":")).encode()
+        return d
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "Handle":
-        """Parse ``opaque_state``; raises HandleError naming what is wrong."""
-        try:
-            d = json.loads(data)
-        except (TypeError, ValueError, UnicodeDecodeError) as e:
-            raise HandleError(f"opaque_state is not a kvbridge handle (not JSON: {e})") from None
-        if not isinstance(d, dict) or d.get("kvbridge") != _VERSION:
-            raise HandleError(f"opaque_state is not a version-{_VERSION} kvbridge handle: {str(d)[:200]}")
-        extra = set(d) - {"kvbridge", "op", "room", "prefill", "endpoints", "on_failure", "bootstrap"}
+    def from_dict(cls, d: Any) -> "Handle":
+        """A handle from ``to_dict``'s form; HandleError naming what is wrong."""
+        if not isinstance(d, dict):
+            raise HandleError(f"a handle is a mapping, got {type(d).__name__}")
+        extra = set(d) - {"op", "room", "prefill", "endpoints", "on_failure", "bootstrap"}
         if extra:
-            raise HandleError(f"kvbridge handle has unknown fields {sorted(extra)}")
+            raise HandleError(f"handle has unknown fields {sorted(extra)}")
         eps = d.get("endpoints", ())
         if not isinstance(eps, (list, tuple)):
-            raise HandleError("kvbridge handle 'endpoints' must be a list")
-        bootstrap = d.get("bootstrap", "")
-        if not isinstance(bootstrap, str):
-            raise HandleError("kvbridge handle 'bootstrap' must be a 'host:port' string")
+            raise HandleError("handle 'endpoints' must be a list")
+        for name in ("prefill", "on_failure", "bootstrap", "op"):
+            if not isinstance(d.get(name, ""), str):
+                raise HandleError(f"handle {name!r} must be a string")
         return cls(op=d.get("op", ""), room=d.get("room"), prefill=d.get("prefill", ""), endpoints=tuple(eps),
-                   on_failure=d.get("on_failure", ""), bootstrap=bootstrap)
+                   on_failure=d.get("on_failure", ""), bootstrap=d.get("bootstrap", ""))
 
 
-def handle_of(request: Any) -> Handle | None:
-    """The kvbridge handle of a TensorRT-LLM ``LlmRequest`` (from
-    ``py_disaggregated_params.opaque_state``), or None when it has none. Raises
-    HandleError when it carries an ``opaque_state`` that starts like a kvbridge handle but is
-    malformed."""
-    params = getattr(request, "py_disaggregated_params", None)
-    state = getattr(params, "opaque_state", None) if params is not None else None
-    if not state:
-        return None
-    if isinstance(state, str):
-        state = state.encode()
-    if not bytes(state).lstrip().startswith(b"{") or b'"kvbridge"' not in bytes(state):
-        return None  # someone else's opaque state
-    return Handle.from_json(bytes(state))
+_nonces = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
 
 
-def encode_handle(handle: Handle) -> str:
-    """``handle`` as trtllm-serve's ``encoded_opaque_state`` (base64 text)."""
-    return base64.b64encode(handle.to_json()).decode()
+def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s: float = 60.0,
+             timeout_s: float = 5.0) -> None:
+    """Tell the TensorRT-LLM server whose bus is ``bus`` (its kvbridge scheduler,
+    ``tcp://host:bus_port``) that its next request with this prompt plays ``handle``.
+    Returns once the server has it; call it before sending the request. Raises
+    AnnounceError when the server does not answer in ``timeout_s`` or refuses."""
+    import zmq
 
+    from . import bus as B
 
-def prefill_params(room: int) -> dict[str, Any]:
-    """``disaggregated_params`` (OpenAI-API form) for the prefill half of room ``room``."""
-    return {"request_type": "context_and_generation", "encoded_opaque_state": encode_handle(Handle("send", room))}
-
-
-def decode_params(room: int, prefill: str = "", endpoints=(), on_failure: str = "",
-                  bootstrap: str = "") -> dict[str, Any]:
-    """``disaggregated_params`` (OpenAI-API form) for the decode half of room ``room``."""
-    h = Handle("recv", room, prefill=prefill, endpoints=tuple(endpoints), on_failure=on_failure, bootstrap=bootstrap)
-    return {"request_type": "context_and_generation", "encoded_opaque_state": encode_handle(h)}
+    key = prompt_key(prompt_token_ids)
+    nonce = next(_nonces)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(bus)
+        sock.send(B.encode(B.Expect(key=key, handle=handle.to_dict(), ttl_s=float(ttl_s), nonce=nonce)))
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise AnnounceError(f"{bus} did not answer the announcement of room {handle.room} within {timeout_s:.1f} s")
+            try:
+                msg = B.decode(sock.recv())
+            except B.BusError as e:
+                raise AnnounceError(f"{bus}: {e}") from None
+            if isinstance(msg, B.Expected) and msg.nonce == nonce:
+                if not msg.ok:
+                    raise AnnounceError(f"{bus} refused room {handle.room}: {msg.reason}")
+                return
+    finally:
+        sock.close(0)

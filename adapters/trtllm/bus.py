@@ -1,0 +1,191 @@
+"""Messages on a TensorRT-LLM server's kvbridge bus (rank 0's scheduler socket).
+
+Who speaks: the workers of every rank (``Hello``, ``LoadResult``), the scheduler
+(``Orders``, ``Endpoints``), other kvbridge peers asking for this server's ranks
+(``Who``), and routers telling a server which handoff a coming request belongs to
+(``Expect``, answered by ``Expected``). msgpack on the wire, one frame per message;
+msgspec checks every field while decoding (types, bounds, unknown fields refused), and
+a message of another bus version is refused by name.
+
+Orders (``Open``, ``Load``, ``Send``, ``Verdict``, ``Decline``, ``AbortRoom``) travel in
+``Orders`` and in the connector metadata TensorRT-LLM broadcasts; each carries a sequence
+number and is applied once per rank, from whichever copy arrives first.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "AbortRoom", "BusError", "Decline", "Endpoints", "Expect", "Expected", "Hello", "LoadResult", "Load", "Open",
+    "Order", "Orders", "Send", "Verdict", "Who", "decode", "encode", "BUS_VERSION",
+]
+
+BUS_VERSION = 1
+MAX_BUS_BYTES = 64 << 20
+
+ReqId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Seq = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Token = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+BlockIds = Annotated[list[Annotated[int, Meta(ge=0, le=2**31 - 1)]], Meta(max_length=1 << 22)]
+Endpoint = Annotated[str, Meta(max_length=256)]
+EndpointList = Annotated[list[Endpoint], Meta(max_length=4096)]
+Reason = Annotated[str, Meta(max_length=4096)]
+Key = Annotated[str, Meta(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+
+
+class BusError(ValueError):
+    """A bus message that cannot be decoded or is not valid."""
+
+
+class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="t"):
+    v: Annotated[int, Meta(ge=0, le=0xFFFF)] = BUS_VERSION
+
+
+# -- orders (scheduler -> every worker) ---------------------------------------------------
+
+
+class _Order(_Base, frozen=True, kw_only=True):
+    seq: Seq = 0
+    req: ReqId
+    room: Room
+
+
+class Open(_Order, tag="open", frozen=True, kw_only=True):
+    """Prefill half: open ``room`` on the request's ``blocks`` (decode ranks may ask early)."""
+
+    blocks: BlockIds
+
+
+class Send(_Order, tag="send", frozen=True, kw_only=True):
+    """Prefill half finished: send tokens ``[0, stop)`` from ``blocks``; ``first_token``
+    (the sampled one) rides with the final TransferDone."""
+
+    blocks: BlockIds
+    stop: Token
+    first_token: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
+
+
+class Load(_Order, tag="load", frozen=True, kw_only=True):
+    """Decode half: pull tokens ``[start, stop)`` of ``room`` from the prefill ranks
+    ``endpoints`` (TP order) into ``blocks``; on failure ``on_failure``."""
+
+    blocks: BlockIds
+    start: Token
+    stop: Token
+    endpoints: EndpointList
+    on_failure: Annotated[str, Meta(pattern=r"^(recompute|fail)$")]
+
+
+class Verdict(_Order, tag="verdict", frozen=True, kw_only=True):
+    """Rank 0's decision for a load, the same on every rank: ``ok``, ``recompute`` or ``fail``."""
+
+    action: Annotated[str, Meta(pattern=r"^(ok|recompute|fail)$")]
+    start: Token
+    reason: Reason = ""
+
+
+class Decline(_Order, tag="decline", frozen=True, kw_only=True):
+    """Decode computes this prompt itself: tell each prefill rank of ``room`` to let it go."""
+
+    endpoints: EndpointList
+    reason: Reason
+    label: Annotated[str, Meta(max_length=64)] = "below_break_even"
+
+
+class AbortRoom(_Order, tag="abort_room", frozen=True, kw_only=True):
+    """Prefill half ended before its prompt was computed: abort ``room``."""
+
+
+Order = Union[Open, Send, Load, Verdict, Decline, AbortRoom]
+
+
+# -- bus messages -----------------------------------------------------------------------
+
+
+class Orders(_Base, tag="orders", frozen=True, kw_only=True):
+    orders: Annotated[list[Order], Meta(max_length=1 << 16)]
+
+
+class Hello(_Base, tag="hello", frozen=True, kw_only=True):
+    """A worker joined: its rank, its sender's control endpoint, its bootstrap record."""
+
+    rank: Annotated[int, Meta(ge=0, le=1 << 16)]
+    endpoint: Endpoint
+    record: Annotated[dict[str, Any], Meta(max_length=64)] = {}
+
+
+class LoadResult(_Base, tag="result", frozen=True, kw_only=True):
+    """A worker's outcome of a load order."""
+
+    req: ReqId
+    rank: Annotated[int, Meta(ge=0, le=1 << 16)]
+    ok: bool
+    reason: Reason = ""
+
+
+class Who(_Base, tag="who", frozen=True, kw_only=True):
+    """Another server asks for this server's ranks (answered with ``Endpoints``)."""
+
+
+class Endpoints(_Base, tag="endpoints", frozen=True, kw_only=True):
+    endpoints: EndpointList
+
+
+class Expect(_Base, tag="expect", frozen=True, kw_only=True):
+    """A router: the next request whose prompt hashes to ``key`` (``handle.prompt_key``)
+    belongs to the handoff ``handle`` (``Handle.to_dict``), for ``ttl_s`` seconds."""
+
+    key: Key
+    handle: Annotated[dict[str, Any], Meta(max_length=16)]
+    ttl_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 60.0
+    nonce: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+
+
+class Expected(_Base, tag="expected", frozen=True, kw_only=True):
+    """The answer to ``Expect``: ``ok``, or why not."""
+
+    key: Key
+    ok: bool
+    nonce: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+    reason: Reason = ""
+
+
+Message = Union[Orders, Hello, LoadResult, Who, Endpoints, Expect, Expected]
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Message)
+
+
+class _Envelope(msgspec.Struct):
+    t: str
+    v: int = BUS_VERSION
+
+
+_env = msgspec.msgpack.Decoder(_Envelope)
+
+
+def encode(msg: Any) -> bytes:
+    """``msg`` as bus bytes."""
+    return _enc.encode(msg)
+
+
+def decode(data: bytes) -> Any:
+    """The bus message in ``data``; BusError naming what is wrong."""
+    if len(data) > MAX_BUS_BYTES:
+        raise BusError(f"bus message of {len(data)} bytes exceeds {MAX_BUS_BYTES}")
+    try:
+        env = _env.decode(data)
+    except Exception as e:
+        raise BusError(f"not a kvbridge bus message: {e}") from None
+    if env.v != BUS_VERSION:
+        raise BusError(f"peer speaks kvbridge bus version {env.v}, this side speaks {BUS_VERSION}")
+    try:
+        return _dec.decode(data)
+    except msgspec.ValidationError as e:
+        raise BusError(f"invalid {env.t!r} bus message: {e}") from None
+    except Exception as e:
+        raise BusError(f"malformed {env.t!r} bus message: {e}") from None

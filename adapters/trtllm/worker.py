@@ -1,0 +1,358 @@
+"""Every rank's half of the kvbridge TensorRT-LLM connector (``KVBridgeConnectorWorker``).
+
+TensorRT-LLM builds it on every rank (``py_executor_creator``: ``worker_cls(llm_args)``);
+the executor calls ``register_kv_caches`` once from
+``PyExecutor._maybe_init_kv_connector_manager`` and the other hooks every iteration.
+The worker owns the rank's pool registration, Mooncake transport, a kvbridge
+``KVSender`` (prefill side) and ``KVReceiver`` (decode side), applies the scheduler's
+orders (from the connector metadata or rank 0's bus, each once) and reports finished
+handoffs in ``get_finished``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, List, Tuple
+
+import numpy as np
+import torch
+
+from kvbridge.common.bootstrap import rank_record
+from kvbridge.common.control import ControlChannel
+from kvbridge.common.handoff import KVReceiver, KVSender
+
+from . import bus as B
+from ._compat import KvCacheConnectorWorker
+from .config import BridgeConfig, ConfigError
+from .geometry import pool_layout, pull_plan, rank_geometry
+from .scheduler import LOCAL_SCHEDULERS, KVBridgeConnectorMetadata, world_size
+
+__all__ = ["KVBridgeConnectorWorker"]
+
+log = logging.getLogger(__name__)
+
+_KEEP = 4096
+
+
+@dataclass
+class _LoadRoom:
+    req: int
+    room: int
+    start: int
+    released: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    reason: str = ""
+    verdict: str = ""
+    cancelled: bool = False
+    started: bool = False
+
+
+@dataclass
+class _SendRoom:
+    req: int
+    room: int
+    released: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    opened: bool = False
+
+
+def find_executor() -> Any:
+    """The PyExecutor whose ``_maybe_init_kv_connector_manager`` is calling
+    ``register_kv_caches`` (a few frames up): its ``kv_cache_manager`` gives the pool's
+    geometry, its ``active_requests`` and ``cancel_request`` what a failed load needs."""
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back if frame else None
+        for _ in range(8):
+            if f is None:
+                break
+            obj = f.f_locals.get("self")
+            if obj is not None and hasattr(obj, "active_requests") and hasattr(obj, "kv_connector_manager"):
+                return obj
+            f = f.f_back
+    finally:
+        del frame
+    return None
+
+
+def _bounded(d: OrderedDict, key: int, value: Any) -> None:
+    d[key] = value
+    while len(d) > _KEEP:
+        d.popitem(last=False)
+
+
+class KVBridgeConnectorWorker(KvCacheConnectorWorker):
+    """Every rank's half of the connector."""
+
+    def __init__(self, llm_args: Any, *, config: BridgeConfig | None = None):
+        super().__init__(llm_args)
+        self.cfg = config or BridgeConfig.load()
+        self.layout = None
+        self.transport = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.bus: ControlChannel | None = None
+        self.rank = 0
+        self.tp_size = 1
+        self._scheduler_ep = ""
+        self._executor: Any = None
+        self._lock = threading.RLock()
+        self._seen: set[int] = set()
+        self._seen_floor = 0
+        self._loads: dict[int, _LoadRoom] = {}
+        self._sends: dict[int, _SendRoom] = {}
+        self._announced_loading: set[int] = set()
+        self._announced_saving: set[int] = set()
+        self._forget_sent: set[int] = set()
+        self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
+        self.finished_saves: OrderedDict[int, dict] = OrderedDict()  # request id -> how its send ended (+ record)
+        self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
+        self._apply_order = {B.Open: self._open, B.Send: self._send, B.Load: self._load, B.Verdict: self._verdict,
+                             B.Decline: self._decline, B.AbortRoom: self._abort}
+
+    # -- KvCacheConnectorWorker (TensorRT-LLM calls these on every rank) ------------------------
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor):
+        """Called once by ``PyExecutor._maybe_init_kv_connector_manager`` with the rank's
+        primary pool ``[num_blocks, layers, kv_factor, heads * tokens_per_block *
+        head_dim]`` (HND inside a block): describe it from the executor's KV cache
+        manager, register it with Mooncake, start the sender and receiver, join rank 0's bus."""
+        from kvbridge.common.transport import MooncakeTransport
+
+        if self.layout is not None:
+            raise RuntimeError("register_kv_caches called twice")
+        self._executor = find_executor()
+        if self._executor is None:
+            log.warning("kvbridge worker: register_kv_caches was not called by a TensorRT-LLM executor; the geometry "
+                        "comes from the pool and the model config, and failed loads cannot fall back to recompute")
+        geo = rank_geometry(kv_cache_tensor, manager=getattr(self._executor, "kv_cache_manager", None),
+                            dist=getattr(self._executor, "dist", None), llm_args=self._llm_args, cfg=self.cfg)
+        self.rank, self.tp_size = geo.tp_rank, geo.tp_size
+        self.layout = pool_layout(kv_cache_tensor, geo)
+        cfg = self.cfg
+        self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        hc = cfg.handoff()
+        self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=hc)
+        self.receiver = KVReceiver(self.layout, self.transport, config=hc)
+        log.info("kvbridge worker rank %d/%d: %s pool, %d blocks x %d tokens, %d KV head(s) of %d x %s; sender %s",
+                 self.rank, self.tp_size, self.layout.engine, self.layout.num_blocks, self.layout.tokens_per_block,
+                 self.layout.num_heads, self.layout.head_dim, self.layout.dtype, self.sender.endpoint)
+        self._scheduler_ep = self._find_scheduler(world_size(self._llm_args, cfg))
+        self.bus = ControlChannel(self._on_bus, None, name=f"kvbridge-trtllm-worker{self.rank}")
+        record = rank_record(endpoint=self.sender.endpoint, session=self.transport.session_id, engine="trtllm",
+                             page_size=self.layout.tokens_per_block, layout=self.layout.describe())
+        self.bus.send(self._scheduler_ep, B.encode(B.Hello(rank=self.rank, endpoint=self.sender.endpoint, record=record)))
+
+    def _find_scheduler(self, world: int) -> str:
+        """Rank 0's bus: in this process on rank 0, learned by MPI broadcast elsewhere
+        (every rank registers in the same executor start-up step), or configured."""
+        local = LOCAL_SCHEDULERS[-1].endpoint if LOCAL_SCHEDULERS else ""
+        if self.cfg.scheduler_endpoint:
+            ep = local if self.cfg.scheduler_endpoint == "local" else self.cfg.scheduler_endpoint
+        elif world > 1:
+            try:
+                from tensorrt_llm._utils import mpi_broadcast
+            except ImportError as e:
+                raise ConfigError(f"rank {self.rank} cannot learn rank 0's kvbridge bus over MPI ({e}); "
+                                  "set scheduler_endpoint (KVBRIDGE_SCHEDULER_ENDPOINT)") from e
+            ep = mpi_broadcast(local or None, root=0)
+        else:
+            ep = local
+        if not ep:
+            raise ConfigError("no kvbridge scheduler in this process and no scheduler_endpoint set")
+        return ep
+
+    def start_load_kv(self, stream: Any):
+        """Called by ``_kv_connector_start_batch`` after ``bind_connector_meta``, before the
+        forward, in iterations that schedule a batch: apply the orders of this step's
+        metadata the bus has not delivered yet (transfers run in the background)."""
+        meta = self.get_connector_meta()
+        if isinstance(meta, KVBridgeConnectorMetadata):
+            self._apply(meta.orders)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any):
+        """Called by the forward pre-hook of decoder layer ``layer_idx``: nothing to wait
+        for, a loading request is not scheduled until every layer has landed."""
+
+    def save_kv_layer(self, layer_idx: int, stream: Any):
+        """Called by the forward hook after decoder layer ``layer_idx``: nothing per layer,
+        a prompt's KV is sent once its request finished its prefill."""
+
+    def wait_for_save(self, stream: Any):
+        """Called at the end of the forward: nothing to wait for, sends are asynchronous and
+        their blocks stay held until ``get_finished`` reports them."""
+
+    def get_finished(self, finished_gen_req_ids: List[int],
+                     started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
+        """Called by the connector manager every iteration on every rank (then allgathered;
+        only ids every rank reports count): (saved, loaded). Saved: prefill halves whose
+        sender released the blocks. Loaded: decode halves whose verdict from rank 0 is in
+        (a failed load rewound to be recomputed, or cancelled, first). Only ids announced
+        in these arguments are returned."""
+        with self._lock:
+            self._announced_saving.update(int(i) for i in finished_gen_req_ids)
+            self._announced_loading.update(int(i) for i in started_loading_req_ids)
+            saved = [r for r, s in self._sends.items() if s.released.is_set() and r in self._announced_saving]
+            for r in saved:
+                s = self._sends.pop(r)
+                rec = self.sender.record(s.room) if s.opened else None
+                _bounded(self.finished_saves, r, {"room": s.room, "ok": s.ok, "record": rec.as_dict() if rec else None})
+                self._forget_sent.add(s.room)
+                self._announced_saving.discard(r)
+            for room in list(self._forget_sent):  # a room is forgettable once its last write returned
+                self.sender.forget(room)
+                if self.sender.record(room) is None:
+                    self._forget_sent.discard(room)
+            loaded = []
+            for r, ld in list(self._loads.items()):
+                if r in self._announced_loading and ld.verdict and self._settle_load(ld):
+                    loaded.append(r)
+                    del self._loads[r]
+                    self._announced_loading.discard(r)
+                    done = {"room": ld.room, "ok": ld.ok, "reason": ld.reason, "verdict": ld.verdict}
+                    if ld.started:
+                        rec = self.receiver.record(ld.room)
+                        done.update(aux=self.receiver.aux(ld.room), record=rec.as_dict() if rec else None)
+                        self.receiver.forget(ld.room)
+                    _bounded(self.finished_loads, r, done)
+        return saved, loaded
+
+    # -- orders ---------------------------------------------------------------------------
+    def _on_bus(self, peer: str, payload: bytes) -> None:
+        try:
+            msg = B.decode(payload)
+        except B.BusError as e:
+            log.warning("kvbridge worker rank %d: bad bus message from %s: %s", self.rank, peer, e)
+            return
+        if isinstance(msg, B.Orders):
+            self._apply(msg.orders)
+
+    def _apply(self, orders: list) -> None:
+        for o in orders:
+            with self._lock:
+                if o.seq <= self._seen_floor or o.seq in self._seen:
+                    continue
+                self._seen.add(o.seq)
+                if len(self._seen) > 2 * _KEEP:
+                    self._seen_floor = sorted(self._seen)[-_KEEP]
+                    self._seen = {s for s in self._seen if s > self._seen_floor}
+                try:
+                    self._apply_order[type(o)](o)
+                except Exception:
+                    log.exception("kvbridge worker rank %d: %s order for request %s failed", self.rank,
+                                  type(o).__name__, o.req)
+
+    def _load(self, o: B.Load) -> None:
+        ld = self._loads.setdefault(o.req, _LoadRoom(o.req, o.room, o.start))
+        try:
+            eps = list(o.endpoints)
+            plan = pull_plan(self.layout.total_heads, len(eps), self.tp_size, self.rank)
+
+            def release(_blocks, ok, ld=ld):
+                ld.ok = ok
+                ld.reason = "" if ok else self.receiver.failure_reason(ld.room)
+                ld.released.set()
+                self._report(ld)
+
+            self.receiver.request(o.room, [eps[i] for i in plan.ranks], np.asarray(o.blocks, dtype=np.int64), ld.start,
+                                  o.stop, release, receivers=plan.receivers)
+            ld.started = True
+        except Exception as e:
+            log.warning("kvbridge worker rank %d: request %s: cannot pull room %s: %s", self.rank, o.req, o.room, e)
+            ld.ok, ld.reason = False, f"{type(e).__name__}: {e}"
+            ld.released.set()
+            self._report(ld)
+
+    def _report(self, ld: _LoadRoom) -> None:
+        self.bus.send(self._scheduler_ep, B.encode(B.LoadResult(req=ld.req, rank=self.rank, ok=ld.ok,
+                                                                 reason=ld.reason[:4000])))
+
+    def _verdict(self, o: B.Verdict) -> None:
+        ld = self._loads.setdefault(o.req, _LoadRoom(o.req, o.room, o.start))
+        ld.verdict = o.action
+        if o.reason and not ld.reason:
+            ld.reason = o.reason
+
+    def _decline(self, o: B.Decline) -> None:
+        """The decode computes the prompt itself (rank 0 speaks for every rank): each prefill
+        rank of the room is told it will not be pulled, so it releases the room's blocks."""
+        if self.rank != 0:
+            return
+        rec = self.receiver.decline(o.room, list(o.endpoints), o.reason, label=o.label)
+        _bounded(self.declined, o.req, rec.as_dict())
+
+    def _open(self, o: B.Open | B.Send) -> None:
+        if o.req in self._sends:
+            return
+        s = self._sends[o.req] = _SendRoom(o.req, o.room)
+
+        def release(_blocks, ok, s=s):
+            s.ok = ok
+            s.released.set()
+
+        try:
+            self.sender.add_room(o.room, np.asarray(o.blocks, dtype=np.int64), release)
+            s.opened = True
+        except ValueError as e:  # the room id is already open here: a router error
+            log.error("kvbridge worker rank %d: request %s: %s", self.rank, o.req, e)
+            s.released.set()
+
+    def _send(self, o: B.Send) -> None:
+        self._open(o)  # no-op when the room was opened at admission
+        if not self._sends[o.req].opened:
+            return
+        aux = {"output_ids": [o.first_token]} if o.first_token >= 0 else None
+        self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), 0, o.stop, last=True, aux=aux)
+
+    def _abort(self, o: B.AbortRoom) -> None:
+        s = self._sends.pop(o.req, None)
+        if s is not None and s.opened:
+            self.sender.abort(s.room, "prefill request ended before its prompt was computed")
+            self._forget_sent.add(s.room)
+
+    # -- a load's end ---------------------------------------------------------------------
+    def _settle_load(self, ld: _LoadRoom) -> bool:
+        """Apply the verdict to this rank's copy of the request; True once it may be reported."""
+        if ld.started and not ld.released.is_set():
+            return False  # a sender may still be writing into the blocks
+        if ld.verdict == "ok":
+            return True
+        if self._executor is None:
+            if not ld.cancelled:
+                ld.cancelled = True
+                log.error("kvbridge worker rank %d: request %s failed to load and cannot fall back (no executor found "
+                          "at register_kv_caches); holding it", self.rank, ld.req)
+            return False
+        req = self._request(ld.req)
+        if ld.verdict == "recompute":
+            if req is None:  # gone already (cancelled by the client): nothing to rewind
+                return True
+            req.context_current_position = ld.start
+            log.warning("kvbridge worker rank %d: request %s recomputes tokens %d.. after a failed handoff",
+                        self.rank, ld.req, ld.start)
+            return True
+        # "fail": the same rewind (so whatever runs before the cancel lands computes correct
+        # KV), and rank 0 cancels the request through the executor's request queue
+        if req is not None:
+            req.context_current_position = ld.start
+        if self.rank == 0 and hasattr(self._executor, "cancel_request"):
+            log.warning("kvbridge: request %s failed to load; cancelling it", ld.req)
+            self._executor.cancel_request(ld.req)
+        return True
+
+    def _request(self, req_id: int) -> Any:
+        for r in getattr(self._executor, "active_requests", None) or ():
+            if getattr(r, "request_id", None) == req_id:
+                return r
+        return None
+
+    def close(self) -> None:
+        """Stop the bus, sender, receiver and transport."""
+        for part in (self.bus, self.receiver, self.sender):
+            if part is not None:
+                part.close()
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,3 @@
+"""kvbridge's stand-in for TensorRT-LLM main: the bindings the connector reads (not TensorRT-LLM; see kvbridge.demo.trtllm)."""
+
+from kvbridge.demo.trtllm.request import LlmRequestState  # noqa: F401

@@ -1,0 +1,1 @@
+"""kvbridge's stand-in for TensorRT-LLM 1.2.x: the PyTorch backend (not TensorRT-LLM; see kvbridge.demo.trtllm)."""

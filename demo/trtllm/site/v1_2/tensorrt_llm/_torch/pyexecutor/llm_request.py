@@ -1,0 +1,3 @@
+"""kvbridge's stand-in for TensorRT-LLM 1.2.x: the Python LlmRequest (not TensorRT-LLM; see kvbridge.demo.trtllm)."""
+
+from kvbridge.demo.trtllm.request import PyLlmRequest as LlmRequest  # noqa: F401
