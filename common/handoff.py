@@ -876,6 +876,7 @@ class _RecvRoom:
     lease: BlockLease
     peers: dict[str, str]  # endpoint -> "pending" | "done" | "failed"
     first_token: int = 0
+    need_bytes: int = 0  # what this room's tokens and heads take: the senders' Done must account for it
     staging: dict[str, tuple[int, int]] = field(default_factory=dict)  # endpoint -> (offset, bytes)
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
@@ -945,9 +946,10 @@ class KVReceiver(_Side):
             self._rooms[room] = r
             self.metrics.child(self.metrics.inflight, self.role).inc()
         r.first_token = first_token
+        r.need_bytes = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
         # staging for staged_recv plans: one slice per sender, or none at all
         if self._staging is not None:
-            need = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
+            need = r.need_bytes
             for ep in eps:
                 off = self._arena.alloc(need)
                 if off is None:
@@ -1084,7 +1086,14 @@ class KVReceiver(_Side):
             r.record.plan = msg.plan
             r.aux.update(msg.aux)
             all_done = all(v == "done" for v in r.peers.values())
-        if all_done and r.state not in TERMINAL and r.closing_since is None:
+        if all_done and r.state not in TERMINAL and r.closing_since is None and r.record.bytes < r.need_bytes:
+            # a sender counts what it wrote to every target of the room, so the sum is at least
+            # this room's share; less is a peer claiming bytes it never wrote
+            self._begin_fail(r.room, f"prefill peers reported {r.record.bytes} B written, but the room's tokens "
+                             f"need {r.need_bytes} B", code="short_write", notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+        elif all_done and r.state not in TERMINAL and r.closing_since is None:
             self._succeed(r)
         elif r.closing_since is not None and self._quiet(r):
             self._finish_fail(r)

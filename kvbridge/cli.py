@@ -1,4 +1,7 @@
-"""The ``kvbridge`` command line: ``bench``, ``demo``."""
+"""The ``kvbridge`` command line: ``demo`` (the mixed-engine handoff, checked), ``bench``
+(``layout``, ``transfer``, ``link``, ``sglang``, ``load``, ``all``), ``plan`` (is moving a
+request's KV worth it), ``report`` (the reliability report) and ``announce`` (a router's
+handoff announcement to a TensorRT-LLM server)."""
 
 from __future__ import annotations
 
@@ -581,7 +584,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trtllm-version", choices=("1.2", "main"), default="1.2",
                       help="the TensorRT-LLM version the executor stand-in models (default 1.2, PyPI's newest line)")
     demo.set_defaults(func=_demo)
+
+    ann = sub.add_parser("announce", help="tell a TensorRT-LLM server which handoff its next request with a prompt plays")
+    ann.add_argument("--bus", required=True, help="the server's kvbridge bus, tcp://host:bus_port")
+    ann.add_argument("--prompt-ids", required=True, help="the prompt's token ids, comma-separated")
+    ann.add_argument("--handle", required=True,
+                     help='the handle as JSON, e.g. \'{"op": "recv", "room": 42, "prefill": "tcp://10.0.0.1:18500"}\'')
+    ann.add_argument("--ttl", type=float, default=60.0, help="seconds the server keeps it (default 60)")
+    ann.set_defaults(func=_announce)
     return p
+
+
+def _announce(args: argparse.Namespace) -> int:
+    """``kvbridge announce``: what a router does before sending a request to a TensorRT-LLM
+    server with the kvbridge connector (``kvbridge.adapters.trtllm.announce``)."""
+    from kvbridge.adapters.trtllm import AnnounceError, Handle, HandleError, announce
+
+    try:
+        ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        handle = Handle.from_dict(json.loads(args.handle))
+        announce(args.bus, ids, handle, ttl_s=args.ttl)
+    except (ValueError, HandleError, AnnounceError) as e:
+        _console().print(f"kvbridge announce: {e}", markup=False, highlight=False)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from kvbridge.layout import (
     trtllm_pool_layout,
 )
 from kvbridge.layout.segments import _classes, count_segments
+from engine_kv import sglang_kv, trtllm_kv
 from kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_offsets, written_mask
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -60,7 +61,7 @@ def make_side(kind, pools, *, mla, dtype, layers, total_heads, head_dim, tp, ran
                                  total_heads=None if mla else total_heads, tp_rank=0 if mla else rank,
                                  tp_size=1 if mla else tp)
         ids = rng.permutation(nblocks)[:nblk_needed]
-    return lay, ids
+    return lay, ids, pool
 
 
 @st.composite
@@ -114,8 +115,8 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
     rng = np.random.default_rng(sc["seed"])
     common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
                   head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
-    src, sblocks = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
-    dst, dblocks = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    src, sblocks, _ = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
+    dst, dblocks, _ = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
     src_first = 0
     if sc["chunked"]:
         src_first = (sc["start"] // src.tokens_per_block) * src.tokens_per_block
@@ -156,6 +157,48 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
     assert count_segments(spec, exact_limit=0) == by_runs
 
 
+def engine_kv_of(kind: str, pool, blocks, tpb: int, tokens, heads, head_dim: int) -> torch.Tensor:
+    """Bytes ``[layers, kv, T, H, head_bytes]`` of ``tokens`` and local ``heads``, read by the
+    engine's own indexing rule (tests/engine_kv.py), not through ``KVLayout``."""
+    if kind == "sglang":
+        layers = pool.layer_num
+        if not hasattr(pool, "k_buffer"):  # MLA: one latent row per token
+            kv = sglang_kv([pool.kv_buffer[i] for i in range(layers)], None, blocks, tpb, tokens)
+        else:
+            kv = sglang_kv([pool.k_buffer[i] for i in range(layers)], [pool.v_buffer[i] for i in range(layers)],
+                           blocks, tpb, tokens)
+    else:
+        kv = trtllm_kv(pool, blocks, tpb, head_dim, tokens)
+    sel = kv[:, :, :, list(heads), :].contiguous()
+    return sel.view(torch.uint8)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios())
+def test_plans_agree_with_each_engines_own_indexing(sglang_pools, sc):
+    """The same property, with the bytes read through each engine's own indexing rule
+    (SGLang: ``k_buffer[l][page * page_size + t, h, :]``; TensorRT-LLM:
+    ``pool[b, l, kv].view(H, T, D)[h, t, :]``), written independently of ``KVLayout``, so
+    the layout constructors are checked against the engines, not against themselves."""
+    rng = np.random.default_rng(sc["seed"])
+    common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
+                  head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
+    src, sblocks, spool = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
+    dst, dblocks, dpool = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    heads = HeadMap.between(src, dst)
+    tokens = range(sc["start"], sc["stop"])
+    fill_random(src, sc["seed"])
+    want = engine_kv_of(sc["pair"][0], spool, sblocks, sc["src_tpb"], tokens, range(heads.src_start, heads.src_start + heads.count),
+                        sc["head_dim"])
+    for kind in PlanKind:
+        fill_random(dst, sc["seed"] + 1)
+        plan = plan_transfer(src, sblocks, dst, dblocks, (sc["start"], sc["stop"]), kinds=tuple(PlanKind), force=kind)
+        run_plan(plan)
+        got = engine_kv_of(sc["pair"][1], dpool, dblocks, sc["dst_tpb"], tokens, range(heads.dst_start, heads.dst_start + heads.count),
+                           sc["head_dim"])
+        assert torch.equal(got, want), f"{kind.value}: the destination engine reads other K/V than the source engine wrote"
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_staged_rows_depend_on_the_order_of_destination_blocks_only(sglang_pools, sc):
@@ -164,8 +207,8 @@ def test_staged_rows_depend_on_the_order_of_destination_blocks_only(sglang_pools
     rng = np.random.default_rng(sc["seed"])
     common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
                   head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
-    src, sblocks = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
-    dst, dblocks = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    src, sblocks, _ = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
+    dst, dblocks, _ = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
     canonical = np.arange(dst.first_block, dst.first_block + dblocks.size)
     # the same pool geometry in another process: every address shifted by one constant
     d = dst.describe()

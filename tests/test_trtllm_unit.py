@@ -227,3 +227,22 @@ def test_cost_gate_settings(tmp_path):
         BridgeConfig(cost_queue_s=-1.0)
     with pytest.raises(ConfigError, match="cost_prefill_tps"):
         BridgeConfig.load(environ={"KVBRIDGE_COST_PREFILL_TPS": "fast"})
+
+
+def test_announce_command_hands_the_server_its_handle():
+    """``kvbridge announce`` as a router script runs it: the server's next request with that
+    prompt gets the handle; a bad handle exits 2 naming the field."""
+    from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
+
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig())
+    try:
+        cmd = [sys.executable, "-m", "kvbridge.cli", "announce", "--bus", sched.endpoint, "--prompt-ids", "4,5,6",
+               "--handle", '{"op": "recv", "room": 9, "endpoints": ["tcp://10.0.0.1:5000"]}']
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert sched._take_expected(prompt_key([4, 5, 6]), "recv") == Handle("recv", 9, endpoints=("tcp://10.0.0.1:5000",))
+        bad = subprocess.run(cmd[:-1] + ['{"op": "recv", "room": 9, "prefill": "http://x"}'], capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode == 2 and "not a tcp:// address" in bad.stderr, bad.stderr
+    finally:
+        sched.close()
