@@ -72,6 +72,14 @@ def _config(cfg: dict):
     return HandoffConfig(**cfg)
 
 
+def until(cond, deadline: float, what: str) -> None:
+    """Wait for ``cond()`` until the monotonic ``deadline``; TimeoutError naming ``what``."""
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not the case by the deadline: {what}")
+        time.sleep(0.002)
+
+
 def _serve(conn, handle):
     while True:
         cmd = conn.recv()
@@ -94,6 +102,14 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
     alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 7)
     transport = MooncakeTransport("127.0.0.1")
     sender = KVSender(lay, transport, config=_config(cfg))
+    released: set[int] = set()
+
+    def release_for(room):
+        def release(b, ok):
+            alloc.free(b)
+            released.add(room)
+        return release
+
     conn.send(("ready", sender.endpoint, alloc.free_count))
 
     def handle(op, *args):
@@ -102,7 +118,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             delay = args[3] if len(args) > 3 else 0.0
             nblk = -(-num_tokens // lay.tokens_per_block)
             blocks = alloc.alloc(nblk)
-            sender.add_room(room, blocks, release=lambda b, ok: alloc.free(b))
+            sender.add_room(room, blocks, release=release_for(room))
             tpb = lay.tokens_per_block
             bounds = list(range(0, num_tokens, chunk_tokens)) + [num_tokens]
             for a, b in zip(bounds[:-1], bounds[1:]):
@@ -116,15 +132,20 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
         if op == "register":  # a room whose KV is not ready yet
             room, num_tokens = args
             blocks = alloc.alloc(-(-num_tokens // lay.tokens_per_block))
-            sender.add_room(room, blocks, release=lambda b, ok: alloc.free(b))
+            sender.add_room(room, blocks, release=release_for(room))
             return ("registered", blocks.tolist())
+        if op == "asked":  # decode ranks whose request for the room the sender accepted
+            return ("asked", len(sender.requests(args[0])))
+        if op == "declined":  # a decline the sender holds for a room it has not been given yet
+            return ("declined", args[0] in sender._declined)
         if op == "wait":
             room, timeout = args
             end = time.monotonic() + timeout
             while sender.poll(room) not in (RoomState.SUCCESS, RoomState.FAILED) and time.monotonic() < end:
                 time.sleep(0.002)
             rec = sender.record(room)
-            time.sleep(0.05)  # a failing room releases once its writes are over
+            # a failing room releases its blocks once its writes are over (within the quiesce time)
+            until(lambda: room in released, end + sender.config.quiesce_s + 1.0, f"room {room}'s blocks released")
             return ("done", sender.poll(room).name, sender.failure_reason(room), rec.as_dict() if rec else None,
                     alloc.free_count, alloc.double_frees)
         if op == "abort":

@@ -221,6 +221,13 @@ def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
     assert res["free"] == good.free0
 
 
+def _until(cond, what: str, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, f"not the case within {timeout_s} s: {what}"
+        time.sleep(0.005)
+
+
 def test_decode_gone_fails_the_prefill_room_and_frees_its_blocks(peers):
     """The decode process dies after asking for a room: the prefill side fails the room
     within its peer timeout (plus one second) and its blocks go back exactly once."""
@@ -228,7 +235,7 @@ def test_decode_gone_fails_the_prefill_room_and_frees_its_blocks(peers):
     dec = peers("decode", spec("trtllm", tpb=32, seed=31))
     pre.call_raw("register", 7, 64)  # KV not ready yet: the room waits for the decode side
     dec.call_raw("start_pull", 7, [pre.endpoint_or_session], 0, 64)
-    time.sleep(0.5)  # the request has reached the prefill side
+    _until(lambda: pre.call_raw("asked", 7)[1] == 1, "the prefill accepted the decode's request")
     dec.proc.kill()
     dec.proc.join(5)
     t0 = time.monotonic()
@@ -243,7 +250,7 @@ def test_abort_from_decode_reaches_prefill(peers):
     dec = peers("decode", spec("trtllm", tpb=32, seed=33))
     pre.call_raw("register", 8, 64)
     dec.call_raw("start_pull", 8, [pre.endpoint_or_session], 0, 64)
-    time.sleep(0.3)
+    _until(lambda: pre.call_raw("asked", 8)[1] == 1, "the prefill accepted the decode's request")
     dec.call_raw("abort", 8)
     d = dec.call_raw("wait", 8, 5)
     w = pre.call_raw("wait", 8, 5)
@@ -268,7 +275,7 @@ def test_decline_ends_the_prefill_room_before_and_after_it_exists(peers):
     # declined before the prefill engine adds the room
     _, _, _, count = dec.call_raw("decline", 10, [pre.endpoint_or_session], "recompute: below break-even (early)")
     assert count == 2.0
-    time.sleep(0.3)  # the Abort has reached the prefill
+    _until(lambda: pre.call_raw("declined", 10)[1], "the decline reached the prefill")
     pre.call_raw("register", 10, 64)
     w = pre.call_raw("wait", 10, 2)
     assert w[1] == "FAILED" and "(early)" in w[2] and w[4] == pre.free0 and w[5] == 0, w

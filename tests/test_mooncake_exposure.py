@@ -54,6 +54,19 @@ def _read(sock, n):
     return out
 
 
+def _victim_reads(conn, done, timeout_s: float = 10.0):
+    """The victim's two buffers, read until ``done(registered, unregistered)`` (deadline)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        conn.send("read")
+        assert conn.poll(10)
+        got = conn.recv()
+        if done(*got):
+            return got
+        assert time.monotonic() < end, f"the victim's memory never changed: {got}"
+        time.sleep(0.01)
+
+
 def test_any_tcp_client_reads_and_writes_registered_memory_only():
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -72,16 +85,14 @@ def test_any_tcp_client_reads_and_writes_registered_memory_only():
             s.sendall(struct.pack(HDR, 16, reg, 0))  # read registered memory: no credential asked
             assert _read(s, 16) == b"KV-OF-A-PROMPT!!"
             s.sendall(struct.pack(HDR, 4, reg + 3, 1) + b"XXXX")  # write it
-            time.sleep(0.3)
+            mine, _ = _victim_reads(conn, lambda m, t: m != b"KV-OF-A-PROMPT!!")
         with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
             s.sendall(struct.pack(HDR, 16, other, 0))  # unregistered memory: refused, connection closed
             assert _read(s, 16) == b""
         with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
             s.sendall(struct.pack(HDR, 4, other, 1) + b"YYYY")
-            time.sleep(0.3)
-        conn.send("read")
-        assert conn.poll(10)
-        mine, theirs = conn.recv()
+            assert _read(s, 1) == b""  # the engine refused the write: it closed the connection
+        mine, theirs = _victim_reads(conn, lambda m, t: True)
         assert mine == b"KV-XXXX-PROMPT!!"  # the registered buffer was overwritten by a stranger
         assert theirs == b"NOT-REGISTERED!!"  # memory outside registered buffers was not
     finally:
