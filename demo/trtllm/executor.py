@@ -311,7 +311,7 @@ class PyExecutor:
                 kvm.add_sequence(req, mgr)
                 if mgr is not None:
                     mgr.update_state_after_alloc(req, kvm.get_cache_indices(req))
-                self._chunk(req)
+            self._chunk(req)  # the scheduler's chunk for this iteration (a rewound request computes all of it)
         for req in gen:
             kvm.add_token(req, self._gen_position(req))
         if mgr is not None:
@@ -434,7 +434,8 @@ class PyExecutor:
         if mgr is None:
             return
         for req in requests:
-            if req.is_finished and req.state == LlmRequestState.GENERATION_COMPLETE:
+            if req.is_finished and req.state == LlmRequestState.GENERATION_COMPLETE \
+                    and self.kv_cache_manager.holds(req.request_id):  # not terminated (cancelled) meanwhile
                 if mgr.request_finished(req, self.kv_cache_manager.get_cache_indices(req)):
                     self.kv_cache_manager.store_blocks_for_reuse(req, True)  # AsyncTransferManager.start_transfer
 
