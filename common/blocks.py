@@ -38,16 +38,6 @@ class BlockLease:
         """True once the blocks went back to the engine."""
         return self._released
 
-    def extend(self, blocks) -> None:
-        """Add blocks allocated later for the same room (chunked prefill)."""
-        with self._lock:
-            if self._released:
-                raise RuntimeError(f"room {self.room}: blocks added after release")
-            more = np.asarray(blocks, dtype=np.int64)
-            self.blocks = np.concatenate([self.blocks, more])
-            if self._on_count:
-                self._on_count(+more.size)
-
     def release(self, success: bool) -> bool:
         """Hand the blocks back once; returns whether this call did."""
         with self._lock:
