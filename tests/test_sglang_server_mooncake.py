@@ -61,5 +61,7 @@ def test_pair_repeated_prompt_hits_prefill_cache(mooncake_pair, tiny_llama_dir):
     second = mooncake_pair.generate_full(prompt, MAX_NEW)
     assert first.output_ids == ref
     assert second.output_ids == ref
+    first_cached = (first.prefill_json or {}).get("meta_info", {}).get("cached_tokens")
     cached = (second.prefill_json or {}).get("meta_info", {}).get("cached_tokens")
-    print(f"[mooncake pair] repeated 48-token prompt: prefill cached_tokens={cached}")
+    # the radix cache held every prompt token but the last, which the prefill must compute
+    assert first_cached == 0 and cached == len(prompt) - 1, (first_cached, cached)
