@@ -146,18 +146,20 @@ def test_64_to_1_concurrent_requests(pair_64_1, tiny_llama_dir):
 
 def test_64_to_1_prefix_reuse_and_early_send(pair_64_1, tiny_llama_dir):
     """Prompt x (150 tokens), then y = x + 60 tokens after the decode's radix cache was
-    flushed: the prefill holds 128 tokens of y (two of its pages) and sends them ahead of
-    the rest (SGLang's early send of a cached prefix: a chunk of its own before the last),
-    the decode holds nothing, all 210 tokens move. Then z = y + 50 tokens: the decode holds
-    all of y (210 tokens, not on the prefill's 64-token grid), the prefill sends from its
-    page boundary 192 and exactly the 50 new tokens land."""
+    flushed (and its freed slots overwritten by another prompt w, so that y's KV cannot
+    be found there by chance): the prefill holds 128 tokens of y (two of its pages) and
+    sends them ahead of the rest (SGLang's early send of a cached prefix: a chunk of its
+    own before the last), the decode holds nothing, all 210 tokens move. Then z = y + 50
+    tokens: the decode holds all of y (210 tokens, not on the prefill's 64-token grid),
+    the prefill sends from its page boundary 192 and exactly the 50 new tokens land."""
     x = random_prompt(150, seed=51)
+    w = random_prompt(200, seed=54)
     y = x + random_prompt(60, seed=52)
     z = y + random_prompt(50, seed=53)
     assert len(y) % 64 and len(y) > 192 and (len(y) // 64) * 64 < len(y)
     dec = pair_64_1.decode
     outs, moved = [], []
-    for prompt, flush in ((x, True), (y, True), (z, False)):
+    for prompt, flush in ((x, True), (w, True), (y, True), (z, False)):
         if flush:
             assert requests.post(dec.url + "/flush_cache", timeout=30).status_code == 200
         before = received_bytes(dec)
@@ -168,8 +170,8 @@ def test_64_to_1_prefix_reuse_and_early_send(pair_64_1, tiny_llama_dir):
         assert r.output_ids == ref, f"{len(prompt)}-token prompt: pair {r.output_ids} != transformers {ref}"
     # y: the prefill's radix cache held two of its pages, which (early send on, overlap off)
     # SGLang sends as a chunk before the prompt's last one
-    assert outs[1].prefill_json["meta_info"]["cached_tokens"] == 128, outs[1].prefill_json["meta_info"]
-    assert moved == [150, 210, 50], moved
+    assert outs[2].prefill_json["meta_info"]["cached_tokens"] == 128, outs[2].prefill_json["meta_info"]
+    assert moved == [150, 200, 210, 50], moved
 
 
 def test_mla_64_to_16_concurrent_requests(sglang_pair_factory, tiny_mla_dir):
