@@ -17,7 +17,9 @@ import pytest
 from conftest_sglang import sglang_pair_factory, tiny_llama_dir  # noqa: F401
 from tiny_models import random_prompt, reference_generate
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+# a test that starts servers (a pair in its fixture, or one more decode) waits ~20 s per
+# start on an idle 2-core machine and minutes on a loaded one: more than the default 300 s
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_NEW = 16
 PROMPTS = [4, 37, 300]

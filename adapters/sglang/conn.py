@@ -594,6 +594,8 @@ class KVBridgeKVSender(CommonKVSender):
 
     @_fails_the_request()
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        """Prefill scheduler, once the decode has asked (finalize_bootstrap): the request's
+        page count past the prefix ``pop_decode_prefix_len`` returned, and its metadata row."""
         super().init(num_kv_indices, aux_index)
 
     @_fails_the_request()
@@ -635,6 +637,8 @@ class KVBridgeKVSender(CommonKVSender):
 
     @_fails_the_request(result=KVPoll.Failed)
     def poll(self) -> KVPoll:
+        """Prefill scheduler, every pass of its bootstrap and inflight queues: the room's
+        state (kvbridge's, mapped to KVPoll)."""
         if self.conclude_state is not None:
             return self.conclude_state
         mgr = self.kv_mgr
@@ -667,12 +671,14 @@ class KVBridgeKVSender(CommonKVSender):
 
     @_fails_the_request()
     def abort(self):
+        """Prefill scheduler, on an AbortReq: the room ends and the decode side is told."""
         super().abort()
         if self._added:
             self.kv_mgr.kv_sender.abort(self.bootstrap_room, "aborted by prefill (AbortReq)")
 
     @_fails_the_request()
     def clear(self) -> None:
+        """Prefill scheduler, when the request leaves its queues: drop the room's bookkeeping."""
         super().clear()
         if self._added:
             self.kv_mgr.kv_sender.forget(self.bootstrap_room)
@@ -719,6 +725,8 @@ class KVBridgeKVReceiver(CommonKVReceiver):
 
     @_fails_the_request()
     def init(self, prefill_dp_rank: int):
+        """Decode scheduler, once the prefill's parallel info is known: resolve the prefill
+        ranks to pull from; a prefill this decode cannot pair with fails the request here."""
         refusal = self.kv_mgr.kvb_refusal(self.bootstrap_addr)
         if refusal and self.conclude_state is None:
             return self._kvb_fail(refusal)
@@ -774,6 +782,7 @@ class KVBridgeKVReceiver(CommonKVReceiver):
 
     @_fails_the_request(result=KVPoll.Failed)
     def poll(self) -> KVPoll:
+        """Decode scheduler, every pass of its prealloc and transfer queues: the request's state."""
         return super().poll()
 
     def _poll(self) -> KVPoll:
@@ -818,6 +827,7 @@ class KVBridgeKVReceiver(CommonKVReceiver):
 
     @_fails_the_request()
     def clear(self) -> None:
+        """Decode scheduler, when the request leaves its queues: drop the room's bookkeeping."""
         super().clear()
 
     def _clear(self) -> None:
