@@ -42,7 +42,12 @@ import pytest
 import sglang_servers
 import tiny_models
 
-_MODEL_BUILDERS = {"llama": tiny_models.build_tiny_llama, "mla": tiny_models.build_tiny_mla}
+_MODEL_BUILDERS = {
+    "llama": tiny_models.build_tiny_llama,
+    "mla": tiny_models.build_tiny_mla,
+    # another model for the same tokenizer: 3 layers, 4 KV heads (a decode it cannot pair with)
+    "llama_other": lambda d: tiny_models.build_tiny_llama(d, seed=1, num_hidden_layers=3, num_key_value_heads=4),
+}
 _MODEL_DIRS: dict[str, Path] = {}
 _MODEL_LOCK = threading.Lock()
 _ROOT: Path | None = None
@@ -58,7 +63,7 @@ def _root() -> Path:
 
 
 def tiny_model_dir(kind: str = "llama") -> Path:
-    """The tiny model ``kind`` ("llama" or "mla"), built once per process."""
+    """The tiny model ``kind`` ("llama", "mla" or "llama_other"), built once per process."""
     with _MODEL_LOCK:
         if kind not in _MODEL_DIRS:
             _MODEL_DIRS[kind] = _MODEL_BUILDERS[kind](_root() / f"tiny_{kind}")

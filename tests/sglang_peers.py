@@ -88,7 +88,8 @@ class Rank:
         netns = case.get("netns", {}).get(role)
         install_test_hooks(dict(case.get("hooks") or {}, **({"netns": netns} if netns else {})))
         tp = case["p_tp"] if role == "prefill" else case["d_tp"]
-        ps = case["page_size"]
+        # each server its own page size ("page_size" both, or "d_page_size" for the decode)
+        ps = case["page_size"] if role == "prefill" else case.get("d_page_size", case["page_size"])
         self.page_size = ps
         sa = ServerArgs(model_path="dummy", disaggregation_mode=role, disaggregation_transfer_backend="kvbridge",
                         disaggregation_bootstrap_port=case["port"], host=host, device="cpu", tp_size=tp,
@@ -99,7 +100,8 @@ class Rank:
         self.server_args = sa
         backend = TransferBackend(sa.disaggregation_transfer_backend)
         self.backend = backend
-        dtype = getattr(torch, case["dtype"])
+        dtype_name = case["dtype"] if role == "prefill" else case.get("d_dtype", case["dtype"])
+        dtype = getattr(torch, dtype_name)
         # MLA's latent is replicated on every TP rank: prefill ranks hold the same bytes
         g = torch.Generator().manual_seed(case["seed"] * 131 + (0 if case["mla"] else rank * 7)
                                           + (0 if role == "prefill" else 1000 + rank))
@@ -125,7 +127,7 @@ class Rank:
         kv_args.engine_rank = rank % tp
         kv_args.pp_rank = 0
         kv_args.system_dp_rank = 0
-        kv_args.kv_cache_dtype_str = case["dtype"]
+        kv_args.kv_cache_dtype_str = dtype_name
         kv_args.kv_layout = get_pd_kv_layout(self.pool)
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(self.pool)
         kv_args.num_draft_entries = 0
@@ -141,7 +143,10 @@ class Rank:
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
         self.bootstrap = None
         if role == "prefill" and rank == 0:  # disagg_service.start_disagg_service (tokenizer side)
-            self.bootstrap = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host=host, port=case["port"])
+            # "bootstrap": another backend's bootstrap server (e.g. "mooncake": SGLang's own,
+            # which reports the prefill's page size to decode servers)
+            boot_backend = TransferBackend(case.get("bootstrap", sa.disaggregation_transfer_backend))
+            self.bootstrap = get_kv_class(boot_backend, KVClassType.BOOTSTRAP_SERVER)(host=host, port=case["port"])
             _wait_http(f"http://{bootstrap_addr(case)}/health")
         self.mgr = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, sa, case["mla"])
         self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
@@ -159,6 +164,17 @@ class Rank:
             v = b.view(torch.int16 if b.element_size() == 2 else torch.uint8)
             out.append(v[idx].reshape(len(pages), ps, *b.shape[1:]).numpy().copy())
         return out
+
+    def token_rows(self, pages, first_token: int, start: int, stop: int) -> list:
+        """Tokens [start, stop) of a request whose token ``first_token`` opens ``pages[0]``,
+        per buffer [stop - start, heads, dim] as int16/uint8."""
+        import numpy as np
+        import torch
+
+        ps = self.page_size
+        t = np.arange(start, stop) - first_token
+        slots = torch.as_tensor(np.asarray(pages, dtype=np.int64)[t // ps] * ps + t % ps)
+        return [b[slots].numpy().copy() for b in self.raw()]
 
     def raw(self):
         """The buffers as integers (random bf16 bit patterns include NaNs)."""
@@ -216,10 +232,11 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
     num_pages = -(-(num_tokens - prefix) // ps)  # _num_pages_to_send, prefill.py 446-450
     aux_idx = 3
     sender.init(num_pages, aux_idx)  # prefill.py 442
-    todo = pages[prefix // ps:]
+    todo = pages[prefix // ps:]  # prefix: on a page boundary of ours (req_to_token sliced from there)
     t0 = time.perf_counter()
     for i in range(0, num_pages, chunk_pages):  # one send per chunk, consecutive page slices
         last = i + chunk_pages >= num_pages
+        ntok = min(chunk_pages * ps, num_tokens - prefix - i * ps)  # seg_end - seg_start, prefill.py 1766
         if last:  # set_buf before the last chunk's send, prefill.py 1567-1568
             r.meta.output_ids[aux_idx][0] = first_token
             r.meta.cached_tokens[aux_idx][0] = prefix
@@ -227,7 +244,7 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
             r.meta.bootstrap_room[aux_idx, 0] = room
         chunk = np.asarray(todo[i:i + chunk_pages], dtype=np.int32)
         if sender.should_send_kv_chunk(len(chunk), last):  # prefill.py 1765
-            sender.send(chunk, None, num_kv_tokens=len(chunk) * ps)  # prefill.py 1775-1779
+            sender.send(chunk, None, num_kv_tokens=ntok)  # prefill.py 1775-1779
     t_abort = _abort_on(sender, abort_on, timeout)
     st = _poll_until(sender, (KVPoll.Success,), timeout)  # inflight queue poll
     out = {"state": int(st), "prefix": prefix, "seconds": time.perf_counter() - t0, "reason": failure_reason(sender) if st != KVPoll.Success else "",
@@ -253,14 +270,15 @@ def _abort_on(obj, when, timeout: float) -> float | None:
 
 
 def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort_after: float | str | None = None,
-         settle_s: float = 0.0):
+         settle_s: float = 0.0, port: int | None = None):
     """Decode side of one request, in decode.py's order; returns what landed. ``abort_after``:
     seconds, or a file whose appearance makes the decode abort; after a failure the request's
-    pages are watched for ``settle_s`` more (nothing may write into them once it failed)."""
+    pages are watched for ``settle_s`` more (nothing may write into them once it failed).
+    ``port``: the bootstrap server of another prefill instance than the case's."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    addr = bootstrap_addr(r.case)
+    addr = bootstrap_addr(r.case if port is None else {**r.case, "port": port})
     end = time.monotonic() + timeout
     while not r.mgr.try_ensure_parallel_info(addr):  # _ensure_prefill_info, decode.py 1200
         if time.monotonic() > end:
@@ -274,6 +292,8 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
     before = r.snapshot()
     aux_idx = 5
     r.meta.clear_slot(aux_idx)
+    # kvbridge's hook on _send_kv_metadata (decode.py 1845) tells it the tokens first
+    recv.note_transfer_tokens(num_tokens - prefix)
     recv.send_metadata(np.asarray(pages, dtype=np.int32), aux_idx, None,
                        decode_prefix_len=prefix)  # _send_kv_metadata, decode.py 1863-1868
     t_abort = _abort_on(recv, abort_after, timeout)
@@ -285,13 +305,13 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
         out["cached"] = int(row[1][0])
         out["logprob"] = float(row[2][0])
         out["room_row"] = int(row[-1][0])
-        out["content"] = r.pages_content(pages)
-        ps = r.page_size
+        out["content"] = r.token_rows(pages, prefix, prefix, num_tokens)  # per buffer [tokens, heads, dim]
         import torch
 
+        # every other slot must be as it was, the unused tail of the last page included
+        t = np.arange(num_tokens - prefix)
         mask = torch.ones(before[0].shape[0], dtype=torch.bool)
-        for p in pages:
-            mask[p * ps:(p + 1) * ps] = False
+        mask[torch.as_tensor(np.asarray(pages, dtype=np.int64)[t // ps] * ps + t % ps)] = False
         diff = set()
         for a, b in zip(before, r.raw()):
             d = (a != b).reshape(a.shape[0], -1).any(1) & mask
@@ -361,6 +381,8 @@ def main(conn) -> None:
                 conn.send(("ok", ranks[0].mgr.kvbridge_record() if role == "prefill" else None))
             elif op == "content":
                 conn.send(("ok", ranks[0].pages_content(args[0])))
+            elif op == "rows":
+                conn.send(("ok", ranks[0].token_rows(*args)))
             elif op == "env":  # settings read when the next case's manager is built (KVBRIDGE_COST_*...)
                 os.environ.update(args[0])
                 conn.send(("ok", None))

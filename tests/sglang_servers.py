@@ -72,25 +72,29 @@ class Pair:
 
     model_dir: Path
     backend: str
-    page_size: int
+    page_size: int  # the prefill's (and the decode's, unless decode_page_size says otherwise)
     bootstrap_port: int
     prefill: Server
     decode: Server
     log_dir: Path
+    decode_page_size: int | None = None
     start_seconds: float | None = None
     stopped: bool = False
     timings: list[tuple[str, float]] = field(default_factory=list)
+    extra: dict[str, Server] = field(default_factory=dict)  # more decode servers beside the pair
     _envs: dict = field(default_factory=dict, repr=False)
+    _argv: tuple = field(default=(), repr=False)  # (python, extra_args, decode_args, max_total_tokens)
 
     # ---- lifecycle -------------------------------------------------------------------
     def alive(self) -> bool:
         return not self.stopped and self.prefill.alive() and self.decode.alive()
 
     def stop(self) -> None:
-        """Kill both process groups (SIGTERM, then SIGKILL). Idempotent."""
+        """Kill every process group of the pair and of its extra decode servers (SIGTERM,
+        then SIGKILL). Idempotent."""
         self.stopped = True
-        # Kill both concurrently: each may take its SIGTERM grace.
-        threads = [threading.Thread(target=s.kill) for s in (self.prefill, self.decode)]
+        # Kill them concurrently: each may take its SIGTERM grace.
+        threads = [threading.Thread(target=s.kill) for s in (self.prefill, self.decode, *self.extra.values())]
         for t in threads:
             t.start()
         for t in threads:
@@ -103,6 +107,42 @@ class Pair:
     def kill_decode(self, *, hard: bool = True) -> None:
         """For failure tests: kill the decode server's process group."""
         self.decode.kill(hard=hard)
+
+    def add_decode(self, name: str, *, model_dir: str | os.PathLike | None = None, page_size: int | None = None,
+                   args: Sequence[str] = (), timeout: float = DEFAULT_START_TIMEOUT) -> Server:
+        """Start (once) another decode server ``name`` beside the pair: the decode's backend,
+        environment and flags (``args`` added), optionally another model (of the same kind)
+        or page size.
+        Requests reach it through the pair's prefill with ``generate_full(..., decode=it)``.
+        Stopped with the pair."""
+        srv = self.extra.get(name)
+        if srv is not None and srv.alive():
+            return srv
+        python, extra_args, decode_args, max_total = self._argv
+        model = Path(model_dir).resolve() if model_dir is not None else self.model_dir
+        if is_mla_model(model) != is_mla_model(self.model_dir):
+            raise ValueError("an extra decode server serves a model of the pair's kind (MLA or not): same environment")
+        env = dict(self._envs["decode"])
+        ps = page_size if page_size is not None else (self.decode_page_size or self.page_size)
+        for attempt in range(3):
+            port, nccl = free_ports(2)
+            argv = server_argv(python, model, "decode", self.backend, port, nccl, self.bootstrap_port, ps, max_total,
+                               [*extra_args, *decode_args, *args])
+            srv = Server(role="decode", port=port, argv=argv, env_delta=self.decode.env_delta,
+                         log_path=self.log_dir / f"decode-{name}.log")
+            srv.start(env)
+            self.extra[name] = srv
+            try:
+                wait_healthy([srv], timeout, lambda: f"{srv.command_line()}\n{srv.log_tail(60)}")
+                return srv
+            except PortInUse:
+                srv.kill()
+                if attempt == 2:
+                    raise
+            except BaseException:
+                srv.kill()
+                raise
+        raise AssertionError("unreachable")
 
     def __enter__(self) -> "Pair":
         return self
@@ -142,16 +182,15 @@ class Pair:
         room: int | None = None,
         sampling_params: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
+        decode: Server | None = None,
     ) -> GenerateResult:
-        """POST the same request to both servers at once; raise ServerError on any failure."""
+        """POST the same request to the prefill and the decode server (the pair's, or
+        ``decode``) at once; raise ServerError on any failure."""
         if self.stopped:
             raise ServerError("pair was stopped")
         body = self.request_body(input_ids, max_new_tokens, room=room, sampling_params=sampling_params)
         t0 = time.monotonic()
-        with ThreadPoolExecutor(2, thread_name_prefix="sglang-pair") as ex:
-            fut_p = ex.submit(post_json, self.prefill.url + "/generate", body, timeout)
-            fut_d = ex.submit(post_json, self.decode.url + "/generate", body, timeout)
-            res_p, res_d = fut_p.result(), fut_d.result()
+        res_p, res_d = self.post_both(body, timeout, decode=decode)
         dt = time.monotonic() - t0
         self.timings.append((f"generate len={len(body['input_ids'])} new={max_new_tokens}", dt))
         problems = []
@@ -175,6 +214,14 @@ class Pair:
         pj = res_p.json() if not isinstance(res_p, BaseException) else None
         return GenerateResult(output_ids=list(dj["output_ids"]), decode_json=dj, prefill_json=pj, seconds=dt)
 
+    def post_both(self, body: dict, timeout: float = 120.0, *, decode: Server | None = None) -> tuple:
+        """POST ``body`` to the prefill's and a decode server's ``/generate`` at once; the two
+        responses (or the exceptions), nothing checked."""
+        with ThreadPoolExecutor(2, thread_name_prefix="sglang-pair") as ex:
+            fut_p = ex.submit(post_json, self.prefill.url + "/generate", body, timeout)
+            fut_d = ex.submit(post_json, (decode or self.decode).url + "/generate", body, timeout)
+            return fut_p.result(), fut_d.result()
+
     def generate(
         self,
         input_ids: Sequence[int],
@@ -183,10 +230,12 @@ class Pair:
         room: int | None = None,
         sampling_params: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
+        decode: Server | None = None,
     ) -> list[int]:
-        """Greedy (temperature 0, ignore_eos) generation through the pair: the decode server's output ids."""
+        """Greedy (temperature 0, ignore_eos) generation through the pair (or its prefill and
+        ``decode``): the decode server's output ids."""
         return self.generate_full(
-            input_ids, max_new_tokens, room=room, sampling_params=sampling_params, timeout=timeout
+            input_ids, max_new_tokens, room=room, sampling_params=sampling_params, timeout=timeout, decode=decode
         ).output_ids
 
 
@@ -195,6 +244,7 @@ def start_pair(
     backend: str,
     *,
     page_size: int = 1,
+    decode_page_size: int | None = None,
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     prefill_args: Sequence[str] = (),
@@ -209,7 +259,8 @@ def start_pair(
 ) -> Pair:
     """Start a prefill and a decode server for ``model_dir`` and wait until both are healthy.
 
-    ``backend`` is passed as ``--disaggregation-transfer-backend`` to both.
+    ``backend`` is passed as ``--disaggregation-transfer-backend`` to both; ``page_size``
+    as ``--page-size`` to both, unless ``decode_page_size`` gives the decode its own.
     ``extra_env``/``extra_args`` go to both servers, ``prefill_*``/``decode_*`` to one.
     Raises ServerError (with both log tails) if a server dies or is not healthy
     within ``timeout`` seconds; nothing is left running then. A start that lost a
@@ -224,7 +275,7 @@ def start_pair(
     log_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(port_retries + 1):
         pair = _make_pair(
-            model_dir, backend, page_size, extra_env, extra_args, prefill_args, decode_args,
+            model_dir, backend, page_size, decode_page_size, extra_env, extra_args, prefill_args, decode_args,
             prefill_env, decode_env, max_total_tokens, log_dir, python,
         )  # fmt: skip
         t0 = time.monotonic()
@@ -247,19 +298,19 @@ def start_pair(
 
 
 def _make_pair(
-    model_dir, backend, page_size, extra_env, extra_args, prefill_args, decode_args,
+    model_dir, backend, page_size, decode_page_size, extra_env, extra_args, prefill_args, decode_args,
     prefill_env, decode_env, max_total_tokens, log_dir, python,
 ) -> Pair:  # fmt: skip
     p_port, p_nccl, d_port, d_nccl, boot = free_ports(5)
     mla = is_mla_model(model_dir)
     servers, envs = [], {}
-    for role, port, nccl, role_args, role_env in (
-        ("prefill", p_port, p_nccl, prefill_args, prefill_env),
-        ("decode", d_port, d_nccl, decode_args, decode_env),
+    for role, port, nccl, role_args, role_env, ps in (
+        ("prefill", p_port, p_nccl, prefill_args, prefill_env, page_size),
+        ("decode", d_port, d_nccl, decode_args, decode_env, decode_page_size or page_size),
     ):
         env, delta = server_env(backend, {**(extra_env or {}), **(role_env or {})}, mla=mla)
         argv = server_argv(
-            python, model_dir, role, backend, port, nccl, boot, page_size, max_total_tokens,
+            python, model_dir, role, backend, port, nccl, boot, ps, max_total_tokens,
             [*extra_args, *role_args],
         )  # fmt: skip
         servers.append(Server(role=role, port=port, argv=argv, env_delta=delta, log_path=log_dir / f"{role}.log"))
@@ -272,8 +323,10 @@ def _make_pair(
         prefill=servers[0],
         decode=servers[1],
         log_dir=log_dir,
+        decode_page_size=decode_page_size,
     )
     pair._envs = envs
+    pair._argv = (python, tuple(extra_args), tuple(decode_args), max_total_tokens)
     return pair
 
 

@@ -86,7 +86,10 @@ def _case(**kw):
 
 def _run(peers, case, requests):
     """Set up prefill ranks then decode ranks on the three processes; run ``requests``
-    [(room, num_tokens, chunk_pages, decode_prefix_len)]; verify every byte."""
+    [(room, num_tokens, chunk_pages, decode_prefix_len)]; verify every byte: each token
+    past the prefix holds the prefill's bytes in the decode's pages (its own page size,
+    ``d_page_size``), nothing else of the decode pool changed (the unused tail of the
+    request's last page included)."""
     procs = peers
     pre = procs[: case["p_tp"]]
     dec = procs[case["p_tp"]: case["p_tp"] + case["d_tp"]]
@@ -111,14 +114,13 @@ def _run(peers, case, requests):
         dres = [p.recv()[1] for p in dec]
         for s in sres:
             assert s["state"] == 4, s
-            assert s["prefix"] == prefix
-        sent = pages[prefix // ps:]
-        src = [p.call("content", sent) for p in pre]  # per rank, per buffer [pages, ps, heads, dim]
+            assert s["prefix"] == prefix - prefix % ps  # the decode's prefix, on a prefill page boundary
+        src = [p.call("rows", pages, 0, prefix, num_tokens) for p in pre]  # per rank, per buffer [tokens, heads, dim]
         for d_rank, d in enumerate(dec):
             r = dres[d_rank]
             assert r["state"] == 4, r
             assert r["output_id"] == room % 1000 + 7 and r["room_row"] == room
-            assert r["cached"] == prefix and r["logprob"] == -0.25
+            assert r["cached"] == prefix - prefix % ps and r["logprob"] == -0.25  # what serve() wrote
             assert r["untouched"], f"bytes outside the request's pages changed: slots {r['changed_slots']}, pages {r['pages']}"
             for b, got in enumerate(r["content"]):
                 if case["mla"]:
@@ -126,9 +128,9 @@ def _run(peers, case, requests):
                     for other in src[1:]:
                         assert np.array_equal(other[b], want)
                 else:
-                    full = np.concatenate([s[b] for s in src], axis=2) if case["p_tp"] > 1 else src[0][b]
-                    h = full.shape[2] // case["d_tp"]
-                    want = full[:, :, d_rank * h:(d_rank + 1) * h]
+                    full = np.concatenate([s[b] for s in src], axis=1) if case["p_tp"] > 1 else src[0][b]
+                    h = full.shape[1] // case["d_tp"]
+                    want = full[:, d_rank * h:(d_rank + 1) * h]
                 assert np.array_equal(got, want), f"buffer {b} differs on decode rank {d_rank}"
         results.append((sres, dres))
     for p in pre + dec:
@@ -157,6 +159,15 @@ def test_plugin_loaded_by_sglang(peers):
         pytest.param(_case(page_size=64, p_tp=2, seed=3), [(31, 300, 2, 0)], id="mha-p64-tp2to1"),
         pytest.param(_case(mla=True, page_size=16, d_tp=2, seed=4), [(41, 130, 2, 0)], id="mla-p16-tp1to2"),
         pytest.param(_case(mla=True, page_size=64, p_tp=2, seed=5), [(51, 200, 1, 0)], id="mla-p64-tp2to1"),
+        # page sizes that differ: prompts that do not fill their last page on either side,
+        # decode prefixes that are not on a prefill page boundary, chunks of prefill pages
+        pytest.param(_case(page_size=16, d_page_size=64, seed=8), [(71, 37, 1, 0), (72, 200, 3, 64), (73, 130, 2, 0)],
+                     id="mha-p16-d64-prefix"),
+        pytest.param(_case(page_size=64, d_page_size=1, d_tp=2, seed=9), [(81, 150, 1, 37)], id="mha-p64-d1-tp1to2-prefix"),
+        pytest.param(_case(page_size=1, d_page_size=16, p_tp=2, seed=10), [(91, 77, 40, 16)], id="mha-p1-d16-tp2to1-prefix"),
+        pytest.param(_case(page_size=128, d_page_size=16, seed=11), [(111, 300, 1, 32)], id="mha-p128-d16-prefix"),
+        pytest.param(_case(mla=True, page_size=16, d_page_size=1, d_tp=2, seed=12), [(101, 130, 2, 5)],
+                     id="mla-p16-d1-tp1to2-prefix"),
     ],
 )
 def test_handoff(peers, case, requests):
@@ -205,3 +216,58 @@ def test_cost_gate_fails_fast_below_break_even(peers, tmp_path):
         assert dec.call("metrics")["fallbacks"] == after["fallbacks"]
     finally:
         dec.call("env", {"KVBRIDGE_COST_LINK": ""})
+
+
+def test_refused_pairing_fails_the_request_not_the_decode(peers):
+    """SGLang's own pairing check still refuses a prefill (here its page size, as reported
+    by SGLang's mooncake bootstrap server: 16 vs the decode's 64; before kvbridge caught it,
+    ``try_ensure_parallel_info`` raised on the decode scheduler's event loop and the server
+    went down). The request fails with SGLang's reason, the decode rank goes on, and its
+    next request, to a kvbridge prefill of page size 16, moves every byte."""
+    procs, _ = peers
+    refused = _case(page_size=16, d_page_size=64, bootstrap="mooncake", seed=13)
+    good = _case(page_size=16, seed=14)
+    pre_a, dec, pre_b = procs
+    pre_a.call("setup", "prefill", refused, 0)
+    pre_b.call("setup", "prefill", good, 0)
+    dec.call("setup", "decode", refused, 0)
+    try:
+        for room in (131, 132):  # every request to it fails, at once
+            d = dec.call("pull", room, 100, 0, 20.0)
+            assert d["state"] == 0, d
+            assert "cannot pair with this decode server" in d["reason"] and "Page size mismatch" in d["reason"], d
+        rng = np.random.default_rng(14)
+        pages = [int(x) for x in rng.permutation(np.arange(1, 129))[:7]]
+        pre_b.conn.send(("serve", 133, pages, 100, 2, 9, 60.0))
+        dec.conn.send(("pull", 133, 100, 0, 60.0, None, 0.0, good["port"]))
+        s, d = pre_b.recv()[1], dec.recv()[1]
+        assert s["state"] == 4 and d["state"] == 4, (s, d)
+        want = pre_b.call("rows", pages, 0, 0, 100)
+        assert d["untouched"] and d["output_id"] == 9
+        for b, got in enumerate(d["content"]):
+            assert np.array_equal(got, want[b]), f"buffer {b} differs"
+    finally:
+        for p in procs:
+            p.call("teardown")
+
+
+def test_kv_dtype_kvbridge_does_not_convert_fails_both_sides(peers):
+    """A decode pool of float16 against a bfloat16 prefill (and another page size): kvbridge
+    does not convert dtypes, so the request fails on both sides with the mismatch named,
+    at once (not at a timeout); the same prefill then serves a bfloat16 decode."""
+    procs, _ = peers
+    case = _case(page_size=16, d_page_size=64, d_dtype="float16", seed=15)
+    pre, dec = procs[0], procs[1]
+    pre.call("setup", "prefill", case, 0)
+    dec.call("setup", "decode", case, 0)
+    try:
+        pre.conn.send(("serve", 141, list(range(1, 8)), 100, 2, 9, 20.0))
+        d = dec.call("pull", 141, 100, 0, 20.0)
+        s = pre.recv()[1]
+        for side in (d, s):
+            assert side["state"] == 0 and "dtype: source bfloat16 != destination float16" in side["reason"], side
+        assert s["t_end"] - d["t_end"] < 5, "the prefill learned of it late"
+    finally:
+        for p in (pre, dec):
+            p.call("teardown")
+    _run(procs, _case(page_size=16, d_page_size=64, seed=16), [(142, 100, 2, 0)])

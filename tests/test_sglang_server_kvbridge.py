@@ -3,7 +3,8 @@
 The backend is picked up from kvbridge's installed ``sglang.srt.plugins`` entry point in
 every server process. Greedy float32 outputs must equal transformers' ``generate()`` on
 the same tiny model, and the outputs of the same pair on SGLang's own ``mooncake``
-backend. Servers start once per test session (``conftest_sglang``).
+backend. Servers start once per test session (``conftest_sglang``). A second decode
+server with --page-size 16 joins the pair once (prefill page 1 -> decode page 16).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import pytest
 from conftest_sglang import sglang_pair_factory, tiny_llama_dir  # noqa: F401
 from tiny_models import random_prompt, reference_generate
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+# a test that starts servers (a pair in its fixture, or one more decode) waits ~20 s per
+# start on an idle 2-core machine and minutes on a loaded one: more than the default 300 s
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_NEW = 16
 PROMPTS = [4, 37, 300]
@@ -49,6 +52,22 @@ def test_kvbridge_pair_concurrent_requests(kvbridge_pair, tiny_llama_dir):
         outs = list(ex.map(lambda p: kvbridge_pair.generate(p, MAX_NEW), prompts))
     for p, got, ref in zip(prompts, outs, refs):
         assert got == ref, f"{len(p)}-token prompt (concurrent): kvbridge pair {got} != transformers {ref}"
+
+
+def test_prefill_page_1_to_decode_page_16(kvbridge_pair, tiny_llama_dir):
+    """A second decode server with --page-size 16 pulls from the pair's prefill (page 1):
+    concurrent prompts that do not fill their last decode page, outputs equal to transformers'."""
+    dec16 = kvbridge_pair.add_decode("page16", page_size=16)
+    try:
+        prompts = [random_prompt(n, seed=116 + n) for n in (3, 21, 47, 90, 161)]
+        assert all(len(p) % 16 for p in prompts)
+        refs = [reference_generate(tiny_llama_dir, p, MAX_NEW).token_ids for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: kvbridge_pair.generate(p, MAX_NEW, decode=dec16), prompts))
+        for p, got, ref in zip(prompts, outs, refs):
+            assert got == ref, f"{len(p)}-token prompt (page 1 -> 16): {got} != transformers {ref}"
+    finally:
+        kvbridge_pair.extra.pop("page16").kill()
 
 
 def test_decode_fails_cleanly_when_prefill_is_gone_and_stays_healthy(kvbridge_pair, tiny_llama_dir):

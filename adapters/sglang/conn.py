@@ -28,15 +28,27 @@ the room; the decision is logged and counted in
 sees that reason sends the request to a non-disaggregated server; one that wants to
 know first asks the same cost model (``kvbridge plan`` or ``CostGate.check``).
 
-Units: SGLang exchanges PAGE ids (page 0 is padding). A request's transfer covers the
-pages past ``decode_prefix_len``; kvbridge's token range is whole pages of it
-(``[prefix, prefix + pages * page_size)``), as SGLang's own backends move whole pages.
+Units: SGLang exchanges PAGE ids (page 0 is padding), each side in its OWN page size;
+kvbridge's ranges are in tokens, so the two servers' page sizes need not agree. The
+decode asks for exactly the prompt's tokens past ``decode_prefix_len`` (the count comes
+from the decode scheduler's ``_send_kv_metadata``, see ``note_transfer_tokens``), into its
+pages; the prefill sends from ``decode_prefix_len`` rounded down to its own page (its
+scheduler slices its page list from there), each chunk as the exact tokens
+``num_kv_tokens`` names; kvbridge writes only tokens the decode does not hold.
+
+Pairing: SGLang's ``try_ensure_parallel_info`` refuses (raises, on the decode
+scheduler's event loop) prefill servers whose page size or KV dtype differs. kvbridge's
+bootstrap server leaves both out of its server-wide answer (each rank's kvbridge record
+carries its layout, page size and dtype included, and kvbridge checks the layouts per
+request, naming every mismatch), and the decode manager turns anything SGLang still
+refuses into a failure of each request to that prefill, never an exception.
 """
 
 from __future__ import annotations
 
 import base64
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -56,6 +68,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    PrefillServerInfo,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
@@ -64,7 +77,7 @@ from sglang.srt.utils.network import get_local_ip_auto
 
 from kvbridge.common import protocol as P
 from kvbridge.common.bootstrap import rank_record, ranks_payload
-from kvbridge.common.handoff import HandoffConfig, KVReceiver, KVSender, RoomState
+from kvbridge.common.handoff import TERMINAL, HandoffConfig, KVReceiver, KVSender, RoomState
 from kvbridge.common.transport import MooncakeTransport
 from kvbridge.layout import KVLayout, LayoutError, canonical_dtype, sglang_layout_from_buffers, tp_head_slice
 
@@ -80,6 +93,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 REGISTER_TAG = b"KVBRIDGE_REGISTER"
+REFUSAL_RECHECK_S = 5.0  # decode: a prefill address SGLang refused is asked again after this long
 AUX_ROWS = "sglang_aux_rows"  # base64 of the prefill's metadata row, buffer after buffer
 AUX_LENS = "sglang_aux_lens"  # bytes of each buffer's row, to check the decode's rows agree
 
@@ -95,12 +109,25 @@ _STATE = {
 # -- geometry ------------------------------------------------------------------------
 
 
-def resolve_kv_dtype(kv_args: KVArgs, server_args: Any = None) -> str:
-    """The pool's dtype: ``kv_cache_dtype_str`` when it names one ('bfloat16',
-    'fp8_e4m3'...), else the model dtype of ``server_args``, else raw bytes ('uint8';
-    the layout then counts head_dim in bytes, which moves the same bytes)."""
+def _names_kv_dtype(kv_args: KVArgs, server_args: Any) -> bool:
+    """Whether KVArgs or the server arguments name the KV dtype (not 'auto')."""
     for cand in (getattr(kv_args, "kv_cache_dtype_str", None), getattr(server_args, "kv_cache_dtype", None),
                  getattr(server_args, "dtype", None)):
+        try:
+            if cand is not None and canonical_dtype(cand):
+                return True
+        except LayoutError:
+            continue
+    return False
+
+
+def resolve_kv_dtype(kv_args: KVArgs, server_args: Any = None, model_dtype: Any = None) -> str:
+    """The pool's dtype: ``kv_cache_dtype_str`` when it names one ('bfloat16',
+    'fp8_e4m3'...), else the model dtype of ``server_args``, else ``model_dtype`` (the
+    served model's resolved dtype, for ``--dtype auto``), else raw bytes ('uint8'; the
+    layout then counts head_dim in bytes, which moves the same bytes)."""
+    for cand in (getattr(kv_args, "kv_cache_dtype_str", None), getattr(server_args, "kv_cache_dtype", None),
+                 getattr(server_args, "dtype", None), model_dtype):
         if cand is None:
             continue
         try:
@@ -110,6 +137,25 @@ def resolve_kv_dtype(kv_args: KVArgs, server_args: Any = None) -> str:
     log.warning("kvbridge: KV dtype %r not resolvable; treating KV as raw bytes",
                 getattr(kv_args, "kv_cache_dtype_str", None))
     return "uint8"
+
+
+def served_model_config(server_args: Any):
+    """SGLang's ``ModelConfig`` of the model this server runs (what its scheduler built
+    from the same ``server_args``), or None when its config is not on this host (a local
+    folder, or a hub model already in the cache): nothing is downloaded here."""
+    path = str(getattr(server_args, "model_path", "") or "")
+    try:
+        if not os.path.isdir(path):
+            from huggingface_hub import try_to_load_from_cache
+
+            if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+                return None
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return ModelConfig.from_server_args(server_args)
+    except Exception as e:
+        log.debug("kvbridge: no model config for %r: %s", path, e)
+        return None
 
 
 def _kv_buffers(kv_args: KVArgs) -> tuple[list[int], list[int], list[int]]:
@@ -208,9 +254,10 @@ class KVBridgeKVManager(CommonKVManager):
     ``_init_kv_manager`` (prefill.py / decode.py) with the rank's KVArgs.
 
     Prefill: owns a kvbridge ``KVSender`` whose control endpoint goes into the rank's
-    bootstrap registration. Decode: owns a kvbridge ``KVReceiver`` (built at once when
-    KVArgs carry ``kv_head_num``, else from the first prefill's geometry, since
-    decode.py fills ``kv_head_num`` only for its staging path).
+    bootstrap registration. Decode: owns a kvbridge ``KVReceiver`` of its own pool's
+    layout, built at once (decode.py fills ``kv_head_num`` only for its staging path, so
+    the head count comes from the served model's config; only when that cannot be read,
+    from the first prefill's geometry).
     """
 
     supports_host_destination = False
@@ -221,7 +268,16 @@ class KVBridgeKVManager(CommonKVManager):
         par = get_parallel()
         self._kvb_tp = (int(par.attn_tp_rank), int(par.attn_tp_size))
         self._kvb_mla = bool(is_mla_backend)
-        self._kvb_dtype = resolve_kv_dtype(args, server_args)
+        # the served model's config, read only where KVArgs lack what kvbridge needs: the
+        # decode's KV head count (MHA) and the dtype under "auto"
+        needs_model = (disaggregation_mode == DisaggregationMode.DECODE and not self._kvb_mla
+                       and not getattr(args, "kv_head_num", None))
+        if needs_model or not _names_kv_dtype(args, server_args):
+            self._kvb_model = served_model_config(server_args)
+        else:
+            self._kvb_model = None
+        self._kvb_dtype = resolve_kv_dtype(args, server_args, getattr(self._kvb_model, "dtype", None))
+        self._kvb_refused: dict[str, tuple[str, float]] = {}  # decode: prefill address -> (why SGLang refused it, when)
         self._kvb_host = get_local_ip_auto()
         self._kvb_lock = threading.Lock()
         self._kvb_closed = threading.Event()
@@ -245,7 +301,13 @@ class KVBridgeKVManager(CommonKVManager):
                 self.kv_sender = KVSender(self.layout, self.transport, host=self._kvb_host, config=self.kvb_config)
             elif self._kvb_mla or getattr(args, "kv_head_num", None):
                 self._make_receiver(args)
+            else:
+                self._make_own_receiver(args)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+            if disaggregation_mode == DisaggregationMode.DECODE:
+                from .plugin import install_decode_hooks
+
+                install_decode_hooks()
         except Exception:
             self._close_kvbridge()
             raise
@@ -266,6 +328,22 @@ class KVBridgeKVManager(CommonKVManager):
                 self.kv_receiver = KVReceiver(self.layout, self.transport, config=self.kvb_config)
             return self.kv_receiver
 
+    def _make_own_receiver(self, args: KVArgs) -> None:
+        """Decode, MHA without ``kv_head_num`` in KVArgs: the receiver from this server's own
+        model (its total KV heads, this rank's TP share), so that its layout never depends
+        on which prefill it meets first: a prefill of another model is then refused with
+        the real difference named."""
+        total = self._kvb_model.get_total_num_kv_heads() if self._kvb_model is not None else None
+        if not total:
+            log.info("kvbridge: decode KV heads unknown until a prefill is met (no model config)")
+            return
+        try:
+            _, heads = tp_head_slice(int(total), self._kvb_tp[1], self._kvb_tp[0])
+            self._make_receiver(args, heads, int(total))
+        except LayoutError as e:
+            log.warning("kvbridge: decode pool does not match its model's %s KV heads (%s); its layout will "
+                        "follow the first prefill met", total, e)
+
     def ensure_receiver(self, peer_layout: dict) -> KVReceiver:
         """Decode: the receiver, built on first use from a prefill rank's geometry
         (total heads and head_dim) and this rank's TP slot when KVArgs lack head counts."""
@@ -285,6 +363,37 @@ class KVBridgeKVManager(CommonKVManager):
         if self.kv_sender is not None:
             payload = {**payload, "kvbridge": self.kvbridge_record()}
         return super()._register_topology_row(url, payload)
+
+    # -- pairing with a prefill instance (decode) ---------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode scheduler, on its event loop, for each prefill address its new requests
+        name (``_ensure_prefill_info``, decode.py): fetch and cache the prefill instance's
+        parallel info. SGLang's checks raise on what they refuse to pair, which would take
+        the scheduler down; here a refusal is kept for the address, each request naming
+        it fails with the reason (``KVBridgeKVReceiver.init``), and the address is asked
+        again ``REFUSAL_RECHECK_S`` after the refusal. Returns False while the info cannot
+        be fetched (SGLang retries, then aborts the requests). Never raises."""
+        refused = self._kvb_refused.get(bootstrap_addr)
+        if refused is not None and time.monotonic() - refused[1] >= REFUSAL_RECHECK_S:
+            self._kvb_refused.pop(bootstrap_addr, None)
+            self.prefill_info_table.pop(bootstrap_addr, None)
+        try:
+            return super().try_ensure_parallel_info(bootstrap_addr)
+        except Exception as e:  # RuntimeError / AssertionError from SGLang's pairing checks
+            reason = f"kvbridge: the prefill at {bootstrap_addr} cannot pair with this decode server: {e}"
+            log.error("%s (its requests fail; asked again in %.0f s)", reason, REFUSAL_RECHECK_S)
+            self._kvb_refused[bootstrap_addr] = (reason, time.monotonic())
+            # a stand-in entry lets the scheduler hand the requests to their receivers
+            # (data parallel rank 0), which fail them with the reason
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=None, kv_cache_dtype=None,
+                follow_bootstrap_room=True)
+            return True
+
+    def kvb_refusal(self, bootstrap_addr: str) -> str:
+        """Why this decode cannot pair with the prefill at ``bootstrap_addr`` ('' if it can)."""
+        refused = self._kvb_refused.get(bootstrap_addr)
+        return refused[0] if refused is not None else ""
 
     # -- the decode's SGLang registration and abort notices (prefill) ----------------
     def _prefill_control_loop(self) -> None:
@@ -404,14 +513,41 @@ def _recorded_failure(obj) -> str:
         return str(mgr.failure_records.get(obj.bootstrap_room, "") or "")
 
 
+def _fails_the_request(result: Any = None):
+    """For the methods of a sender/receiver that SGLang's scheduler calls on its event loop:
+    an exception fails that request (reason recorded, ``_kvb_fail``) and the method returns
+    ``result``; it never reaches the scheduler, which would go down with it."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:
+                log.exception("kvbridge: room %s: %s.%s raised", self.bootstrap_room, type(self).__name__,
+                              method.__name__)
+                try:
+                    self._kvb_fail(f"kvbridge: internal error in {type(self).__name__}.{method.__name__}: {e!r}")
+                except Exception:  # pragma: no cover - the last line of defence must not raise either
+                    log.exception("kvbridge: room %s: failing it raised too", self.bootstrap_room)
+                return result
+
+        return guarded
+
+    return wrap
+
+
 class KVBridgeKVSender(CommonKVSender):
     """One per request on each prefill rank, made by ``create_sender`` (prefill.py)
     when the request enters the bootstrap queue.
 
     SGLang then polls it until WaitingForInput (a decode rank asked for the room),
     reads ``pop_decode_prefix_len``, calls ``init(num_pages, aux_index)`` and, after
-    each prefill chunk, ``send(page_ids)`` with the next consecutive slice of the page
-    list; it polls the inflight queue until Success or Failed.
+    each prefill chunk (and for a prefix cached on this prefill, before it:
+    ``maybe_send_cached_prefix_chunk``), ``send(page_ids, num_kv_tokens=n)`` with the
+    next consecutive slice of its page list, from the returned prefix on; it polls the
+    inflight queue until Success or Failed. Every one of these runs on the prefill
+    scheduler's event loop and never raises (``_fails_the_request``).
     """
 
     supports_host_tensor_indices = False  # page ids arrive as numpy; no pinned D2H path
@@ -419,8 +555,9 @@ class KVBridgeKVSender(CommonKVSender):
     def __init__(self, mgr: KVBridgeKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        self._prefix = 0
+        self._prefix = 0  # first token this sender sends: the decode's prefix, on a page boundary of ours
         self._pages_sent = 0
+        self._tokens_sent = 0
         self._added = False
         if self.conclude_state is None and not mgr.is_dummy_cp_rank:
             kvs = mgr.kv_sender
@@ -428,46 +565,80 @@ class KVBridgeKVSender(CommonKVSender):
             try:
                 kvs.add_room(bootstrap_room)
                 self._added = True
-            except ValueError as e:
+            except Exception as e:  # e.g. the room is still open here: this request fails, not the scheduler
                 mgr.record_failure(bootstrap_room, f"kvbridge: {e}")
                 mgr.update_status(bootstrap_room, KVPoll.Failed)
+
+    def _kvb_fail(self, reason: str) -> None:
+        """End the request as Failed with ``reason``; the decode side is told."""
+        mgr = self.kv_mgr
+        mgr.record_failure(self.bootstrap_room, reason)
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        if self._added:
+            mgr.kv_sender.abort(self.bootstrap_room, reason)
 
     def _requests(self) -> list:
         return self.kv_mgr.kv_sender.requests(self.bootstrap_room)
 
+    @_fails_the_request(result=0)
     def pop_decode_prefix_len(self) -> int:
-        """The tokens the decode side already holds (its TransferRequest's token_start)."""
+        """The tokens to skip: what the decode side already holds (its TransferRequest's
+        token_start), rounded down to this server's page, since SGLang slices this
+        request's pages from there (kvbridge writes only past the decode's own prefix,
+        so the decode's page size may be any)."""
         reqs = self._requests()
-        self._prefix = min((r.token_start for r in reqs), default=0)
+        held = min((r.token_start for r in reqs), default=0)
+        ps = int(self.kv_mgr.kv_args.page_size)
+        self._prefix = held - held % ps
         return self._prefix
 
+    @_fails_the_request()
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        """Prefill scheduler, once the decode has asked (finalize_bootstrap): the request's
+        page count past the prefix ``pop_decode_prefix_len`` returned, and its metadata row."""
         super().init(num_kv_indices, aux_index)
 
+    @_fails_the_request()
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
-        """One prefill chunk: the next ``len(kv_indices)`` pages of the request."""
+        """One prefill chunk: the next ``len(kv_indices)`` pages of the request, holding
+        its next ``num_kv_tokens`` tokens (whole pages when SGLang does not say: a chunk
+        that is not the last one always ends on a page boundary)."""
         if self.conclude_state in (KVPoll.Success, KVPoll.Failed):
             return
+        mgr = self.kv_mgr
         if state_indices is not None and any(s is not None for s in state_indices):
-            self.kv_mgr.record_failure(self.bootstrap_room, "kvbridge does not move SGLang state pools (mamba/SWA/DSA)")
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.kv_mgr.kv_sender.abort(self.bootstrap_room, "unsupported state pools")
-            return
+            return self._kvb_fail("kvbridge does not move SGLang state pools (mamba/SWA/DSA)")
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        ps = int(mgr.kv_args.page_size)
+        ntok = int(num_kv_tokens) if num_kv_tokens is not None else pages.size * ps
+        start = self._prefix + self._tokens_sent
+        if start % ps or -(-ntok // ps) != pages.size:
+            return self._kvb_fail(f"kvbridge: a chunk of {pages.size} pages of {ps} tokens cannot hold tokens "
+                                  f"[{start}, {start + ntok}) (chunks must start on a page boundary)")
         if self._transfer_start_time is None:
             self._transfer_start_time = time.perf_counter()
-        ps = int(self.kv_mgr.kv_args.page_size)
-        first = self._pages_sent
         self._pages_sent += pages.size
+        self._tokens_sent += ntok
         self.curr_idx = self._pages_sent
         last = self._pages_sent >= self.num_kv_indices
-        start = self._prefix + first * ps
-        stop = self._prefix + self._pages_sent * ps
-        aux = self.kv_mgr.read_aux_row(self.aux_index) if last and self.aux_index is not None else None
-        self.kv_mgr.kv_sender.send_chunk(self.bootstrap_room, pages, start, stop, last=last, first_token=start, aux=aux)
+        if not self._added:
+            if last and mgr.is_dummy_cp_rank:  # as CommonKVSender: a dummy CP rank sends nothing
+                mgr.update_status(self.bootstrap_room, KVPoll.Success)
+            return
+        # An early send of a prefix cached here comes before this step's forward is queued;
+        # under the overlap scheduler the previous forward may still write those pages
+        # (prefill.py maybe_send_cached_prefix_chunk records an event for that).
+        wait_event, self._early_send_wait_event = self._early_send_wait_event, None
+        if wait_event is not None:
+            wait_event.synchronize()
+        aux = mgr.read_aux_row(self.aux_index) if last and self.aux_index is not None else None
+        mgr.kv_sender.send_chunk(self.bootstrap_room, pages, start, start + ntok, last=last, first_token=start, aux=aux)
         self._record_transfer_indices(pages, None)
 
+    @_fails_the_request(result=KVPoll.Failed)
     def poll(self) -> KVPoll:
+        """Prefill scheduler, every pass of its bootstrap and inflight queues: the room's
+        state (kvbridge's, mapped to KVPoll)."""
         if self.conclude_state is not None:
             return self.conclude_state
         mgr = self.kv_mgr
@@ -487,19 +658,27 @@ class KVBridgeKVSender(CommonKVSender):
 
     def get_transfer_metric(self):
         m = super().get_transfer_metric()
-        rec = self.kv_mgr.kv_sender.record(self.bootstrap_room) if self._added else None
+        try:
+            rec = self.kv_mgr.kv_sender.record(self.bootstrap_room) if self._added else None
+        except Exception:  # figures only: never worth failing a request for
+            log.exception("kvbridge: room %s: no transfer record", self.bootstrap_room)
+            rec = None
         if rec is not None:
             m.transfer_total_bytes = int(rec.bytes)
             if rec.transfer_s:
                 m.transfer_latency_s = float(rec.transfer_s + rec.repack_s)
         return m
 
+    @_fails_the_request()
     def abort(self):
+        """Prefill scheduler, on an AbortReq: the room ends and the decode side is told."""
         super().abort()
         if self._added:
             self.kv_mgr.kv_sender.abort(self.bootstrap_room, "aborted by prefill (AbortReq)")
 
+    @_fails_the_request()
     def clear(self) -> None:
+        """Prefill scheduler, when the request leaves its queues: drop the room's bookkeeping."""
         super().clear()
         if self._added:
             self.kv_mgr.kv_sender.forget(self.bootstrap_room)
@@ -513,32 +692,59 @@ class KVBridgeKVReceiver(CommonKVReceiver):
     (decode.py). SGLang calls ``init(prefill_dp_rank)`` once the prefill's parallel
     info is known (Common resolves the prefill ranks to pull from through the bootstrap
     server), ``send_metadata(page_ids, aux_index, state_indices, decode_prefix_len)``
-    once pages are allocated, and polls until Success/Failed; Success is reported only
-    after the metadata row (first output token...) is in row ``aux_index``.
+    once pages are allocated (kvbridge's hook on ``_send_kv_metadata`` tells it first how
+    many tokens those pages are for: ``note_transfer_tokens``), and polls until
+    Success/Failed; Success is reported only after the metadata row (first output
+    token...) is in row ``aux_index``. All of these run on the decode scheduler's event
+    loop and never raise (``_fails_the_request``).
     """
 
     def __init__(self, mgr: KVBridgeKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._requested = False
         self._aux_index: Optional[int] = None
+        self._transfer_tokens: Optional[int] = None
 
+    def _kvb_fail(self, reason: str) -> None:
+        """Fail the request with ``reason``. Once pages were offered to prefill ranks, kvbridge's
+        receiver ends the room and SGLang sees Failed when no sender can still write into
+        them (see ``abort``)."""
+        mgr: KVBridgeKVManager = self.kv_mgr
+        mgr.record_failure(self.bootstrap_room, reason)
+        if self._requested and mgr.kv_receiver is not None and mgr.kv_receiver.poll(self.bootstrap_room) not in TERMINAL:
+            mgr.kv_receiver.abort(self.bootstrap_room, reason)
+            return
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        self.conclude_state = KVPoll.Failed
+
+    def note_transfer_tokens(self, num_tokens: int) -> None:
+        """Decode scheduler (kvbridge's hook on ``DecodePreallocQueue._send_kv_metadata``),
+        right before ``send_metadata``: the pages it passes hold ``num_tokens`` tokens
+        (the prompt past ``decode_prefix_len``; the last page may be partly used)."""
+        self._transfer_tokens = int(num_tokens)
+
+    @_fails_the_request()
+    def init(self, prefill_dp_rank: int):
+        """Decode scheduler, once the prefill's parallel info is known: resolve the prefill
+        ranks to pull from; a prefill this decode cannot pair with fails the request here."""
+        refusal = self.kv_mgr.kvb_refusal(self.bootstrap_addr)
+        if refusal and self.conclude_state is None:
+            return self._kvb_fail(refusal)
+        super().init(prefill_dp_rank)
+
+    @_fails_the_request()
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
                       decode_prefix_len: Optional[int] = None,
                       destination: KVTransferDestination = KVTransferDestination.DEVICE, device_kv_indices=None):
         mgr: KVBridgeKVManager = self.kv_mgr
         room = self.bootstrap_room
-
-        def fail(reason: str) -> None:
-            mgr.record_failure(room, reason)
-            mgr.update_status(room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
-
+        fail = self._kvb_fail
         if self.conclude_state == KVPoll.Failed:
             return
         if getattr(self, "bootstrap_infos", None) is None:
             return fail(f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}")
         if destination != KVTransferDestination.DEVICE:
-            raise NotImplementedError("Host KV destinations are not supported")
+            return fail("kvbridge does not receive into host memory (decode host KV destinations)")
         if state_indices is not None and any(s is not None for s in state_indices):
             return fail("kvbridge does not move SGLang state pools (mamba/SWA/DSA)")
         records = [info.get("kvbridge") for info in self.bootstrap_infos]
@@ -550,9 +756,12 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         prefix = int(decode_prefix_len or 0)
         if pages.size == 0:
             return fail("kvbridge: no pages to receive")
+        # the prompt's tokens past the prefix; without the scheduler's count, whole pages
+        ntok = self._transfer_tokens if self._transfer_tokens is not None else pages.size * ps
+        if not (pages.size - 1) * ps < ntok <= pages.size * ps:
+            return fail(f"kvbridge: {pages.size} pages of {ps} tokens do not fit {ntok} tokens past the prefix")
         if mgr.kvb_gate is not None:
-            # the pages cover the prompt past the prefix (the last page may be partly used)
-            verdict = mgr.kvb_gate.check(prefix + pages.size * ps, prefix)
+            verdict = mgr.kvb_gate.check(prefix + ntok, prefix)
             if not verdict.move:
                 try:
                     mgr.ensure_receiver(records[0]["layout"]).decline(room, endpoints, verdict.reason, label=verdict.label)
@@ -563,13 +772,18 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         try:
             recv = mgr.ensure_receiver(records[0]["layout"])
             recv.forget(room)
-            recv.request(room, endpoints, pages, prefix, prefix + pages.size * ps, first_token=prefix,
+            recv.request(room, endpoints, pages, prefix, prefix + ntok, first_token=prefix,
                          receivers=int(self.required_dst_info_num or 1), deadline_s=mgr.waiting_timeout)
         except (ValueError, LayoutError, P.ProtocolError) as e:
             return fail(f"kvbridge: {e}")
         self._requested = True
         self._aux_index = aux_index
         self.init_time = time.time()
+
+    @_fails_the_request(result=KVPoll.Failed)
+    def poll(self) -> KVPoll:
+        """Decode scheduler, every pass of its prealloc and transfer queues: the request's state."""
+        return super().poll()
 
     def _poll(self) -> KVPoll:
         mgr: KVBridgeKVManager = self.kv_mgr
@@ -592,6 +806,7 @@ class KVBridgeKVReceiver(CommonKVReceiver):
                 self.invalidate_cached_bootstrap_infos()
         return super()._poll()
 
+    @_fails_the_request()
     def abort(self):
         """SGLang's AbortReq (or its waiting timeout). Once pages were offered to prefill
         ranks, Failed is reported only when kvbridge's receiver knows no sender can still
@@ -609,6 +824,11 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         self.kv_mgr.kv_receiver.abort(self.bootstrap_room, f"timed out after {self.kv_mgr.waiting_timeout:.1f} s "
                                       "waiting for the prefill's KV")
         return None  # Failed once the receiver quiesced (see abort)
+
+    @_fails_the_request()
+    def clear(self) -> None:
+        """Decode scheduler, when the request leaves its queues: drop the room's bookkeeping."""
+        super().clear()
 
     def _clear(self) -> None:
         super()._clear()
@@ -652,9 +872,18 @@ class KVBridgeKVBootstrapServer(CommonKVBootstrapServer):
             key = tuple(int(q[k]) for k in ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
         except (KeyError, ValueError):
             return resp
+        if key == (-1, -1, -1, -1):
+            # The server-wide answer (parsed strictly: PrefillServerInfo(**data)). Page size
+            # and KV dtype are left out: SGLang's decode refuses (raises) when they differ
+            # from its own, but kvbridge bridges page sizes and checks dtypes per request,
+            # from each rank's layout (its record below), naming what differs.
+            body = json.loads(resp.body)
+            body["page_size"] = None
+            body["kv_cache_dtype"] = None
+            return web.json_response(body, status=200)
         rec = self.kvbridge_ranks.get(key)
-        if key == (-1, -1, -1, -1) or rec is None:
-            return resp  # the server-info answer is parsed strictly (PrefillServerInfo(**data))
+        if rec is None:
+            return resp
         body = json.loads(resp.body)
         body["kvbridge"] = {k: v for k, v in rec.items() if k not in ("rank_ip", "rank_port")}
         return web.json_response(body, status=200)

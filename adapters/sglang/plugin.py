@@ -12,6 +12,10 @@ filtered by ``SGLANG_PLUGINS``), then applies the hooks those functions register
    returns kvbridge's classes for that backend and defers to SGLang otherwise;
    ``HookRegistry.apply_hooks`` (run by ``load_plugins``) patches the function and every
    ``from ... import get_kv_class`` binding already made.
+
+A decode rank's manager adds one more hook when it is built (``install_decode_hooks``,
+only in decode scheduler processes): around ``DecodePreallocQueue._send_kv_metadata``,
+to tell its receiver how many tokens the pages it is given hold.
 """
 
 from __future__ import annotations
@@ -115,6 +119,46 @@ def register() -> None:
         if not _hook_registered(HookRegistry):
             HookRegistry.register(GET_KV_CLASS, kvbridge_get_kv_class, HookType.AROUND)
     log.debug("kvbridge transfer backend registered with SGLang")
+
+
+SEND_KV_METADATA = "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata"
+
+
+def kvbridge_send_kv_metadata(original, *args, **kwargs):
+    """AROUND hook on ``DecodePreallocQueue._send_kv_metadata`` (decode.py): the decode
+    scheduler, on its event loop, once a request's pages are allocated, with the token
+    slots ``kv_indices`` of its prompt past ``decode_prefix_len`` (before turning them into
+    page ids for ``send_metadata``). A kvbridge receiver is told that token count first
+    (``note_transfer_tokens``): page ids alone do not say how much of the last page the
+    prompt fills, and the prefill's pages may be another size. Other backends' requests
+    pass through untouched; this hook never raises."""
+    try:  # (self, decode_req, kv_indices, page_size, state_indices=None, **metadata_kwargs)
+        decode_req = args[1] if len(args) > 1 else kwargs.get("decode_req")
+        kv_indices = args[2] if len(args) > 2 else kwargs.get("kv_indices")
+        note = getattr(getattr(decode_req, "kv_receiver", None), "note_transfer_tokens", None)
+        if note is not None and kv_indices is not None:
+            note(len(kv_indices))
+    except Exception:  # the receiver then counts whole pages
+        log.exception("kvbridge: cannot count the tokens a decode request's pages are for")
+    return original(*args, **kwargs)
+
+
+def install_decode_hooks() -> bool:
+    """Decode rank, from ``KVBridgeKVManager.__init__`` (inside the decode scheduler's
+    process, where decode.py is already imported; no other process needs it): register
+    and apply the hook on ``_send_kv_metadata`` once. Returns whether it is in place."""
+    from sglang.srt.disaggregation import decode
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    with _lock:
+        if not any(h is kvbridge_send_kv_metadata for _, h, _ in HookRegistry._hooks.get(SEND_KV_METADATA, ())):
+            HookRegistry.register(SEND_KV_METADATA, kvbridge_send_kv_metadata, HookType.AROUND)
+        HookRegistry.apply_hooks()  # applies targets not applied yet: this one (and any that failed before)
+    ok = SEND_KV_METADATA in HookRegistry._patched and hasattr(decode.DecodePreallocQueue, "_send_kv_metadata")
+    if not ok:
+        log.error("kvbridge: the hook on %s is not in place: prompts that do not fill their last page fail",
+                  SEND_KV_METADATA)
+    return ok
 
 
 def install() -> None:
