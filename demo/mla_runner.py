@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

@@ -15,7 +15,6 @@ import time
 import traceback
 
 import numpy as np
-import torch
 
 def build_pool(spec: dict):
     """(layout, tensors) of a pool of ``spec``'s geometry filled from ``spec['seed']``."""

@@ -39,7 +39,7 @@ _KEEP = 4096
 
 
 @dataclass
-class _LoadRoom:
+class _Loading:
     req: int
     room: int
     start: int
@@ -52,7 +52,7 @@ class _LoadRoom:
 
 
 @dataclass
-class _SendRoom:
+class _Saving:
     req: int
     room: int
     released: threading.Event = field(default_factory=threading.Event)
@@ -103,8 +103,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._lock = threading.RLock()
         self._seen: set[int] = set()
         self._seen_floor = 0
-        self._loads: dict[int, _LoadRoom] = {}
-        self._sends: dict[int, _SendRoom] = {}
+        self._loads: dict[int, _Loading] = {}
+        self._sends: dict[int, _Saving] = {}
         self._announced_loading: set[int] = set()
         self._announced_saving: set[int] = set()
         self._forget_sent: set[int] = set()
@@ -246,7 +246,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                                   type(o).__name__, o.req)
 
     def _load(self, o: B.Load) -> None:
-        ld = self._loads.setdefault(o.req, _LoadRoom(o.req, o.room, o.start))
+        ld = self._loads.setdefault(o.req, _Loading(o.req, o.room, o.start))
         try:
             eps = list(o.endpoints)
             plan = pull_plan(self.layout.total_heads, len(eps), self.tp_size, self.rank)
@@ -266,12 +266,12 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             ld.released.set()
             self._report(ld)
 
-    def _report(self, ld: _LoadRoom) -> None:
+    def _report(self, ld: _Loading) -> None:
         self.bus.send(self._scheduler_ep, B.encode(B.LoadResult(req=ld.req, rank=self.rank, ok=ld.ok,
                                                                  reason=ld.reason[:4000])))
 
     def _verdict(self, o: B.Verdict) -> None:
-        ld = self._loads.setdefault(o.req, _LoadRoom(o.req, o.room, o.start))
+        ld = self._loads.setdefault(o.req, _Loading(o.req, o.room, o.start))
         ld.verdict = o.action
         if o.reason and not ld.reason:
             ld.reason = o.reason
@@ -287,7 +287,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
     def _open(self, o: B.Open | B.Send) -> None:
         if o.req in self._sends:
             return
-        s = self._sends[o.req] = _SendRoom(o.req, o.room)
+        s = self._sends[o.req] = _Saving(o.req, o.room)
 
         def release(_blocks, ok, s=s):
             s.ok = ok
@@ -314,7 +314,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             self._forget_sent.add(s.room)
 
     # -- a load's end ---------------------------------------------------------------------
-    def _settle_load(self, ld: _LoadRoom) -> bool:
+    def _settle_load(self, ld: _Loading) -> bool:
         """Apply the verdict to this rank's copy of the request; True once it may be reported."""
         if ld.started and not ld.released.is_set():
             return False  # a sender may still be writing into the blocks

@@ -10,7 +10,6 @@ every MPI collective of the executor and the connector goes through the parent.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from multiprocessing.connection import Client

@@ -1,0 +1,376 @@
+"""The decode side of a handoff: ``KVReceiver``, one per decode rank.
+
+It allocates nothing itself: the decode engine hands it a room's blocks, and it sends
+every prefill rank holding part of the request a ``TransferRequest`` (its layout, block
+ids, the tokens it already holds, its transfer-engine session, an auth tag), then waits
+for each one's ``TransferDone``. A receiver that gives up while a sender may still be
+writing reports Failed only once every sender acknowledged, died, or ``quiesce_s``
+passed, so its blocks are not reused under a write.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from kvbridge.layout import CopySpec, KVLayout, LayoutError
+from kvbridge.layout.repack import Scatter
+
+from . import protocol as P
+from .blocks import BlockLease
+from .metrics import HandoffRecord, KVBridgeMetrics
+from .rooms import TERMINAL, ControlSide, HandoffConfig, PeerState, RoomState
+from .staging import Arena
+from .transport import MooncakeTransport
+
+__all__ = ["KVReceiver"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RecvRoom:
+    room: int
+    deadline: float
+    record: HandoffRecord
+    lease: BlockLease
+    peers: dict[str, PeerState]  # endpoint -> its state
+    first_token: int = 0
+    need_bytes: int = 0  # what this room's tokens and heads take: the senders' Done must account for it
+    staging: dict[str, tuple[int, int]] = field(default_factory=dict)  # endpoint -> (offset, bytes)
+    state: RoomState = RoomState.BOOTSTRAPPING
+    reason: str = ""
+    closing_since: float | None = None
+    aux: dict = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class KVReceiver(ControlSide):
+    """Decode side of one rank: pulls rooms from prefill senders into its own blocks.
+
+    Called by the decode engine: ``request`` once blocks are allocated, ``poll`` until
+    Success or Failed, ``abort`` to give up. ``release`` passed to ``request`` gets the
+    blocks back exactly once: with True when they hold the KV, False when they are free.
+
+    Threads: engine threads call the public methods; the control channel's I/O thread
+    runs ``_on_message`` and ``_on_tick`` (heartbeats, deadlines, silent peers); one
+    scatter thread runs ``_scatter`` (staged_recv plans). ``_lock`` guards ``_rooms``,
+    ``_declined`` and every room's ``state``, ``peers``, ``closing_since`` and record.
+    """
+
+    role = "receiver"
+
+    def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, config: HandoffConfig | None = None,
+                 metrics: KVBridgeMetrics | None = None):
+        self._rooms: dict[int, _RecvRoom] = {}
+        self._declined: deque = deque(maxlen=4096)  # rooms declined lately (their acks are expected)
+        self._last_ping = 0.0
+        self._layout_desc = layout.describe()  # what every request carries (the layout never changes)
+        super().__init__(layout, transport, config, metrics, bind_host=None)
+        for t in layout.tensors or ():
+            transport.register_tensor(t)
+        n = self.config.recv_staging_bytes
+        self._arena = Arena(n)
+        self._staging = None
+        if n:
+            self._staging = torch.empty(n, dtype=torch.uint8, device=layout.device or "cpu")
+            transport.register_tensor(self._staging)
+        self._scatter_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-scatter")
+
+    def request(self, room: int, endpoints: str | Sequence[str], blocks, start: int, stop: int,
+                release: Callable[[np.ndarray, bool], None] | None = None, *, first_token: int = 0,
+                deadline_s: float | None = None, receivers: int = 1) -> None:
+        """Decode engine, after allocating ``blocks`` (in token order, entry 0 holding token
+        ``first_token``) for tokens ``[0, stop)`` of ``room``, of which ``[0, start)`` it
+        already holds: ask every prefill rank at ``endpoints`` for its part. ``receivers``
+        is how many decode ranks pull the room from each of those prefill ranks (decode TP
+        over prefill TP when decode has more ranks)."""
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not eps:
+            raise ValueError("at least one prefill endpoint is needed")
+        ids = np.asarray(blocks, dtype=np.int64)
+        lay = self.layout
+        if ids.size and (int(ids.min()) < lay.first_block or int(ids.max()) >= lay.num_blocks):
+            raise ValueError(f"room {room}: block ids outside this pool's {lay.first_block}..{lay.num_blocks - 1}")
+        try:  # validate everything before the room exists, so a bad request leaks nothing
+            base = P.TransferRequest(
+                room=room, model=self.config.model, layout=self._layout_desc, block_ids=ids.tolist(),
+                first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
+                sent_at=time.time(), receivers=receivers,
+            )
+            payload = P.encode(base)  # checked as the peer will check it; sent as is where nothing changes
+        except P.ProtocolError as e:
+            raise ValueError(f"room {room}: {e}") from None
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} already exists on this receiver")
+            rec = HandoffRecord(room=room, role=self.role)
+            lease = BlockLease(room, blocks, release, self._count_blocks)
+            r = _RecvRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec, lease,
+                          {ep: PeerState.PENDING for ep in eps})
+            self._rooms[room] = r
+            self.metrics.child(self.metrics.inflight, self.role).inc()
+        r.first_token = first_token
+        r.need_bytes = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
+        # staging for staged_recv plans: one slice per sender, or none at all
+        if self._staging is not None:
+            need = r.need_bytes
+            for ep in eps:
+                off = self._arena.alloc(need)
+                if off is None:
+                    self._free_staging(r)
+                    break
+                r.staging[ep] = (off, need)
+        now = time.monotonic()
+        for ep in eps:
+            msg = base
+            if ep in r.staging:
+                off, n = r.staging[ep]
+                msg = msgspec.structs.replace(base, staging_addr=self._staging.data_ptr() + off, staging_bytes=n)
+            if self.config.secret:
+                msg = P.sign(msg, self.config.secret)
+            self._peers_seen[ep] = now  # a fresh request starts a fresh liveness window
+            if msg is base:
+                self.channel.send(ep, payload)
+            else:
+                self._send(ep, msg)
+        with self._lock:
+            if r.state is RoomState.BOOTSTRAPPING:
+                r.state = RoomState.WAITING
+
+    def poll(self, room: int) -> RoomState:
+        """The room's state (Failed for an unknown room)."""
+        r = self._rooms.get(room)
+        return r.state if r is not None else RoomState.FAILED
+
+    def wait(self, room: int, timeout_s: float | None = None) -> RoomState:
+        """Block until the room is Success or Failed (or ``timeout_s``); returns the state."""
+        r = self._rooms.get(room)
+        if r is None:
+            return RoomState.FAILED
+        r.done.wait(timeout_s)
+        return r.state
+
+    def failure_reason(self, room: int) -> str:
+        """Why the room failed ('' if it did not)."""
+        r = self._rooms.get(room)
+        return r.reason if r is not None else f"room {room} is not on this receiver"
+
+    def record(self, room: int) -> HandoffRecord | None:
+        """The room's figures."""
+        r = self._rooms.get(room)
+        return r.record if r is not None else None
+
+    def aux(self, room: int) -> dict:
+        """What the prefill side sent beside the KV (``output_ids``...), once Success."""
+        r = self._rooms.get(room)
+        return dict(r.aux) if r is not None else {}
+
+    def abort(self, room: int, reason: str = "aborted by decode") -> None:
+        """Decode engine: give the room up; the prefill side is told."""
+        self._begin_fail(room, reason, code="aborted", notify=True)
+
+    def decline(self, room: int, endpoints: str | Sequence[str], reason: str, *,
+                label: str = "below_break_even") -> HandoffRecord:
+        """Decode engine, instead of ``request``: this room's KV will not be pulled (the
+        decode side computes the prompt itself). Every prefill rank at ``endpoints`` is told
+        (an ``Abort``, signed when a secret is set), so it ends the room and releases its
+        blocks now, or when its engine adds the room. No block of ours is involved. Counts
+        ``kvbridge_fallbacks_total{role="receiver", reason=label}``; returns the record."""
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not eps:
+            raise ValueError("at least one prefill endpoint is needed")
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.state not in TERMINAL:
+                raise ValueError(f"room {room} is being pulled on this receiver; abort it instead")
+            self._declined.append(room)
+        msg = P.Abort(room=room, reason=reason[:4000])
+        if self.config.secret:
+            msg = P.sign(msg, self.config.secret)
+        for ep in eps:
+            self._send(ep, msg)
+        rec = HandoffRecord(room=room, role=self.role, result="declined", reason=reason)
+        rec.finished = rec.started
+        self.metrics.observe(rec)
+        self.metrics.fallbacks.labels(self.role, label).inc()
+        log.info("receiver: room %s declined (%s): %s", room, label, reason)
+        return rec
+
+    def forget(self, room: int) -> None:
+        """Drop a finished room's bookkeeping."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.state in TERMINAL:
+                del self._rooms[room]
+
+    def close(self) -> None:
+        """Fail open rooms and stop the control channel."""
+        for room in list(self._rooms):
+            self._begin_fail(room, "receiver shutting down", code="shutdown", notify=True)
+            self._finish_fail(self._rooms[room])
+        self._scatter_pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+    # -- control plane (I/O thread) -----------------------------------------------------
+    def _on_message(self, peer: str, msg) -> None:
+        if isinstance(msg, P.Heartbeat):
+            return
+        r = self._rooms.get(getattr(msg, "room", -1))
+        if r is None or peer not in r.peers:
+            if r is None and getattr(msg, "room", -1) in self._declined:
+                return  # a prefill acknowledging a declined room
+            if not isinstance(msg, P.Heartbeat):
+                log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
+            return
+        if isinstance(msg, P.TransferDone):
+            if msg.staged and r.closing_since is None:
+                with self._lock:
+                    r.peers[peer] = PeerState.SCATTERING  # the sender is done writing; our scatter is not
+                self._scatter_pool.submit(self._scatter, r, peer, msg)
+                return
+            self._peer_done(r, peer, msg)
+        elif isinstance(msg, P.TransferFailed):
+            with self._lock:
+                r.peers[peer] = PeerState.FAILED
+            if r.closing_since is None:
+                self._begin_fail(r.room, f"prefill {peer} failed the room: {msg.reason}", code=msg.code, notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+        elif isinstance(msg, P.Abort):
+            with self._lock:
+                r.peers[peer] = PeerState.FAILED
+            self._begin_fail(r.room, f"aborted by prefill: {msg.reason}", code="aborted", notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+
+    def _peer_done(self, r: _RecvRoom, peer: str, msg) -> None:
+        with self._lock:
+            r.peers[peer] = PeerState.DONE
+            r.record.bytes += msg.bytes
+            r.record.segments += msg.segments
+            r.record.plan = msg.plan
+            r.aux.update(msg.aux)
+            all_done = all(v is PeerState.DONE for v in r.peers.values())
+        if all_done and r.state not in TERMINAL and r.closing_since is None and r.record.bytes < r.need_bytes:
+            # a sender counts what it wrote to every target of the room, so the sum is at least
+            # this room's share; less is a peer claiming bytes it never wrote
+            self._begin_fail(r.room, f"prefill peers reported {r.record.bytes} B written, but the room's tokens "
+                             f"need {r.need_bytes} B", code="short_write", notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+        elif all_done and r.state not in TERMINAL and r.closing_since is None:
+            self._succeed(r)
+        elif r.closing_since is not None and self._quiet(r):
+            self._finish_fail(r)
+
+    def _scatter(self, r: _RecvRoom, peer: str, msg) -> None:
+        """Move what a sender wrote into our staging to our blocks (staged_recv plans)."""
+        try:
+            if peer not in r.staging:
+                raise LayoutError("sender used receiver staging that was not offered to it")
+            off, size = r.staging[peer]
+            src = KVLayout.from_description(msg.src_layout)
+            t0 = time.perf_counter()
+            for ch in msg.staged:
+                spec = CopySpec.build(src, ch.blocks, self.layout, r.lease.blocks, (ch.start, ch.stop),
+                                      src_first_token=ch.first_token, dst_first_token=r.first_token)
+                if ch.offset + spec.nbytes > size:
+                    raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
+                Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])
+            r.record.repack_s += time.perf_counter() - t0
+        except Exception as e:  # a sender's Done is input: whatever it triggers fails the room, with the reason
+            if not isinstance(e, (LayoutError, ValueError)):
+                log.exception("receiver: room %s: scatter of what %s staged crashed", r.room, peer)
+            with self._lock:
+                r.peers[peer] = PeerState.FAILED
+            self._begin_fail(r.room, f"cannot scatter what prefill {peer} staged: {e}", code="staging", notify=True)
+            if self._quiet(r):
+                self._finish_fail(r)
+            return
+        self._peer_done(r, peer, msg)
+
+    def _free_staging(self, r: _RecvRoom) -> None:
+        for off, n in r.staging.values():
+            self._arena.free(off, n)
+        r.staging.clear()
+
+    def _quiet(self, r: _RecvRoom) -> bool:
+        """No sender of this room can still be writing."""
+        return all(v not in (PeerState.PENDING, PeerState.SCATTERING) for v in r.peers.values())
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        if now - self._last_ping >= cfg.heartbeat_s:
+            self._last_ping = now
+            waiting = {ep for r in self._rooms.values() if r.state not in TERMINAL for ep, s in r.peers.items() if s is PeerState.PENDING}
+            for ep in waiting:
+                self._send(ep, P.Heartbeat(room=0, sender=self.transport.session_id))
+        for r in list(self._rooms.values()):
+            if r.state in TERMINAL:
+                continue
+            if r.closing_since is not None:
+                if self._quiet(r) or now - r.closing_since > cfg.quiesce_s:
+                    self._finish_fail(r)
+                continue
+            if now > r.deadline:
+                self._begin_fail(r.room, f"deadline exceeded in state {r.state.name}", code="timeout", notify=True)
+                continue
+            for ep, s in list(r.peers.items()):
+                if s is PeerState.PENDING and now - self._peers_seen.get(ep, now) > cfg.peer_timeout_s:
+                    with self._lock:
+                        r.peers[ep] = PeerState.FAILED  # gone: it cannot be writing any more
+                    self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s",
+                                     code="peer_gone", notify=True)
+                    break
+            if r.closing_since is not None and self._quiet(r):
+                self._finish_fail(r)
+
+    def _succeed(self, r: _RecvRoom) -> None:
+        with self._lock:
+            if r.state in TERMINAL:
+                return
+            r.state = RoomState.SUCCESS
+            r.record.finished, r.record.result = time.monotonic(), "success"
+        self._free_staging(r)
+        r.lease.release(True)
+        self.metrics.child(self.metrics.inflight, self.role).dec()
+        self.metrics.observe(r.record)
+        r.done.set()
+
+    def _begin_fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
+        """Start failing: tell the senders, then wait for them to stop writing."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.state in TERMINAL or r.closing_since is not None:
+                return
+            r.closing_since, r.reason = time.monotonic(), reason
+            r.record.result = "aborted" if code == "aborted" else "failed"
+            r.record.reason = reason
+        log.warning("receiver: room %s failing: %s", room, reason)
+        if notify:
+            for ep, s in list(r.peers.items()):
+                if s is PeerState.PENDING:
+                    self._send(ep, P.Abort(room=room, reason=reason))
+
+    def _finish_fail(self, r: _RecvRoom) -> None:
+        with self._lock:
+            if r.state in TERMINAL:
+                return
+            r.state = RoomState.FAILED
+            r.record.finished = time.monotonic()
+        self._free_staging(r)
+        r.lease.release(False)
+        self.metrics.child(self.metrics.inflight, self.role).dec()
+        self.metrics.observe(r.record)
+        r.done.set()

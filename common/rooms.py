@@ -1,0 +1,139 @@
+"""What a room's two sides share: its states, the handoff settings, the metrics, and the
+control-side base class (layout, transport, control channel, peer liveness).
+
+A *room* is one request's handoff: the prefill rank's ``KVSender`` serves it, each decode
+rank pulling it has a ``KVReceiver`` room (``kvbridge.common.sender`` and ``.receiver``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvbridge.layout import KVLayout, PlanCosts, PlanKind
+
+from . import protocol as P
+from .control import ControlChannel
+from .metrics import KVBridgeMetrics
+from .transport import MooncakeTransport
+
+__all__ = ["RoomState", "PeerState", "TERMINAL", "HandoffConfig", "HandoffFailed", "ControlSide", "default_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+class RoomState(enum.IntEnum):
+    """Where a room is; ordered so that the minimum over ranks is the request's state."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+TERMINAL = (RoomState.FAILED, RoomState.SUCCESS)
+
+
+class PeerState(str, enum.Enum):
+    """Where one prefill peer of a receiver's room is."""
+
+    PENDING = "pending"  # asked; it may be writing into the room's blocks
+    SCATTERING = "scattering"  # done writing into our staging; our scatter into the blocks is running
+    DONE = "done"  # its part has landed
+    FAILED = "failed"  # it failed the room, or is gone: it cannot be writing any more
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """Knobs shared by both sides (seconds unless named otherwise)."""
+
+    deadline_s: float = 60.0  # a room must finish within this after it starts
+    heartbeat_s: float = 1.0  # receivers ping the senders they wait on this often
+    peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
+    quiesce_s: float = 1.0  # how long a failing receiver waits for its sender to stop writing
+    chunk_bytes: int = 16 << 20  # a sender prepares the gather of this much payload at a time
+    part_bytes: int = 4 << 20  # one gather + one write of a staged send (the ring's region size)
+    ring_parts: int = 8  # regions of a sender worker's staging ring: parts gathered ahead of the wire
+    first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
+    inline_gather: bool = False  # CPU pools: True keeps every gather on its send worker; False only parts up to 1 MiB
+    prestage_slots: int = 8  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
+    prestage_bytes: int = 4 << 20  # that first part (one slot of the sender's prestage buffer)
+    write_timeout_s: float = 30.0  # bound on one chunk's write
+    secret: str = ""  # shared secret for auth tags; empty: auth off
+    model: str = ""  # model name both sides must agree on (empty: not checked)
+    kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
+    costs: PlanCosts = field(default_factory=PlanCosts)
+    recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
+
+
+_METRICS: KVBridgeMetrics | None = None
+_METRICS_LOCK = threading.Lock()
+
+
+def default_metrics() -> KVBridgeMetrics:
+    """The process's Prometheus metrics (created on first use, in the default registry)."""
+    global _METRICS
+    with _METRICS_LOCK:
+        if _METRICS is None:
+            _METRICS = KVBridgeMetrics()
+        return _METRICS
+
+
+class HandoffFailed(RuntimeError):
+    """A room failed; ``reason`` says why."""
+
+
+class ControlSide:
+    """What both sides share: layout, transport, control channel, peer liveness.
+
+    Threads: the control channel's I/O thread runs ``_on_frame`` / ``_on_message`` and
+    ``_on_tick``; engine threads call the public methods; ``_lock`` guards the rooms and
+    their state. ``_peers_seen`` (peer -> when it last spoke) is written by the I/O thread
+    only; other threads read it (a float per key: a stale read only delays a timeout)."""
+
+    role = ""
+
+    def __init__(self, layout: KVLayout, transport: MooncakeTransport, config: HandoffConfig | None,
+                 metrics: KVBridgeMetrics | None, bind_host: str | None):
+        self.layout = layout
+        self.transport = transport
+        self.config = config or HandoffConfig()
+        self.metrics = metrics or default_metrics()
+        self._lock = threading.RLock()
+        self._peers_seen: dict[str, float] = {}
+        self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
+                                      name=f"kvbridge-{self.role}")
+
+    def _count_blocks(self, n: int) -> None:
+        self.metrics.child(self.metrics.blocks_held, self.role).inc(n)
+
+    def _send(self, peer: str, msg) -> None:
+        if isinstance(msg, (P.TransferFailed, P.Abort)) and len(msg.reason) > 4000:
+            msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
+        self.channel.send(peer, P.encode(msg))
+
+    def _on_frame(self, peer: str, payload: bytes) -> None:
+        self._peers_seen[peer] = time.monotonic()
+        try:
+            msg = P.decode(payload)
+        except P.ProtocolError as e:
+            log.warning("%s: refused a malformed control message from %s: %s", self.role, peer, e)
+            self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
+            return
+        self._on_message(peer, msg)
+
+    def _on_message(self, peer: str, msg) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _on_tick(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the control channel (rooms still open fail)."""
+        self.channel.close()

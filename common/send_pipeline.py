@@ -1,0 +1,365 @@
+"""A sender's data plane: a send worker writes a room's chunks to each decode peer.
+
+Per chunk and target: plan (``plan_transfer``: direct, staged_send or staged_recv by
+estimated time), check every segment against the blocks that receiver allocated for the
+room (the write guard), then write through the Mooncake transport. A ``staged_send``
+gathers into the worker's staging ring part by part, each part on the wire while the next
+is gathered. A room prefilled in one chunk before any decode asked may have its first
+part gathered ahead (the *prestage*: TensorRT-LLM's order, the generation side asks once
+the context is over), for the decode layout served last.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvbridge.layout import HeadMap, KVLayout, LayoutError, PlanKind, TransferPlan, check_segments_inside, plan_transfer
+from kvbridge.layout.repack import Gather
+
+from . import protocol as P
+from .rooms import TERMINAL, HandoffFailed, RoomState
+from .transport import TransportError
+
+if TYPE_CHECKING:  # the sender's room records (kvbridge.common.sender imports this module)
+    from .sender import _Chunk, _SendRoom, _Target
+
+__all__ = ["SendPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Prestaged:
+    """A room's first staged part, gathered after its last chunk and before any request
+    came, for ``remote`` (the layout of the decode peer served last) and the request an
+    engine usually sends: every token ``[0, chunk.stop)``, into ascending block ids.
+
+    Valid for a request that matches: a staged send's staging rows are in the
+    destination's address order, which block ids change only through their order (and
+    a shift of all addresses not at all), so any ascending block list of any peer whose
+    layout has ``remote``'s ``relative_key`` gives the same rows as ``remote``'s first
+    ``nblk`` blocks (and ``gather`` goes on with the rest of the first chunk's rows)."""
+
+    chunk: "_Chunk"  # kvbridge.common.sender._Chunk
+    remote: KVLayout
+    gather: Gather  # of the plan's first chunk, its index built for rows [0, rows)
+    nblk: int  # destination blocks the request needs
+    nbytes: int  # the whole plan's payload
+    rows: int  # staging rows gathered: rows [0, rows) of the plan's first chunk
+    slot: int  # which slot of the sender's prestage buffer holds them
+    addr: int  # where it starts
+
+
+class SendPipeline:
+    """``KVSender``'s send workers (a mixin: it uses the sender's rooms, lock, config,
+    transport, rings and prestage slots). Runs on the sender's worker threads, one room per
+    worker at a time; the state it changes is taken under the sender's ``_lock``."""
+
+    def _next_work(self, r: "_SendRoom") -> tuple["_Target", "_Chunk"] | None:
+        for t in r.targets.values():
+            if t.sent < len(r.chunks):
+                return t, r.chunks[t.sent]
+        return None
+
+    def _prestage_due(self, r: "_SendRoom") -> bool:
+        """Whether ``r``'s first part should be gathered now: its prompt is prefilled in one
+        chunk, no decode rank has asked for it yet, the last one served got a staged send,
+        and a slot is free. Call under the lock."""
+        return (not r.prestage_tried and not r.targets and len(r.chunks) == 1 and r.chunks[0].last
+                and r.chunks[0].start == 0 and self._last_pull is not None and self._last_pull[1]
+                and bool(self._prestage_free))
+
+    def _prestage(self, r: "_SendRoom") -> None:
+        """Send worker, after a room's last chunk when no request has come yet (TensorRT-LLM's
+        order: the context finishes, then the generation side asks): gather its first part
+        for the decode layout served last, so that a matching request has bytes on the
+        wire without waiting for a gather (``_usable_prestage`` decides). Best effort."""
+        with self._lock:
+            if not self._prestage_due(r) or r.state in TERMINAL:
+                return
+            r.prestage_tried = True
+            slot = self._prestage_free.pop()  # the slot freed last: still in cache
+            remote, c = self._last_pull[0], r.chunks[0]
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            nblk = -(-c.stop // remote.tokens_per_block)
+            if remote.first_block + nblk > remote.num_blocks:
+                raise LayoutError(f"{c.stop} tokens need more blocks than the decode pool has")
+            plan = plan_transfer(self.layout, c.blocks, remote, np.arange(remote.first_block, remote.first_block + nblk),
+                                 (0, c.stop), src_first_token=c.first_token, dst_first_token=0,
+                                 kinds=tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV), costs=cfg.costs)
+            if plan.kind is not PlanKind.STAGED_SEND:
+                raise LayoutError(f"a {plan.kind.value} plan has nothing to gather")
+            gather = plan.chunks(cfg.chunk_bytes)[0].gather()
+            rb = gather.row_bytes
+            limit = min(gather.rows, max(1, self._slot_bytes // rb))
+            step = max(1, min(cfg.first_part_bytes, self._slot_bytes) // rb)
+            buf = self._prestage_buf[slot * self._slot_bytes:]
+            rows = 0
+            while rows < limit:  # a step at a time: a request that comes meanwhile takes what is ready
+                b = min(limit, rows + step)
+                gather.run(buf[rows * rb:], rows=(rows, b), inline=True)
+                rows = b
+                if r.targets or r.state in TERMINAL or self.channel.pending():  # perhaps its request: serve it
+                    break
+        except Exception as e:  # never fails the room: the request is served the usual way
+            if isinstance(e, (LayoutError, ValueError)):
+                log.debug("sender: room %s not prestaged: %s", r.room, e)
+            else:
+                log.exception("sender: prestaging room %s failed", r.room)
+            with self._lock:
+                self._prestage_free.append(slot)
+            return
+        with self._lock:
+            r.prestaged = _Prestaged(c, remote, gather, nblk, plan.nbytes, rows, slot, buf.data_ptr())
+            r.record.repack_s += time.perf_counter() - t0
+
+    def _usable_prestage(self, r: "_SendRoom", t: "_Target", c: "_Chunk", plan: TransferPlan) -> _Prestaged | None:
+        """``r``'s prestaged first part if it is exactly the start of what ``plan`` would
+        gather for target ``t`` (else it is given up)."""
+        pre = r.prestaged
+        if pre is None:
+            return None
+        req = t.request
+        if (plan.kind is PlanKind.STAGED_SEND and pre.chunk is c and req.token_start == 0
+                and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key)
+                and req.first_token == 0 and req.token_stop == c.stop and plan.nbytes == pre.nbytes
+                and t.blocks.size >= pre.nblk and bool(np.all(t.blocks[1:pre.nblk] > t.blocks[:pre.nblk - 1]))):
+            return pre
+        self._drop_prestage(r, used=False)
+        return None
+
+    def _drop_prestage(self, r: "_SendRoom", *, used: bool) -> None:
+        """Give the room's prestage slot back (once, whoever calls first), when no write
+        can still read it."""
+        with self._lock:
+            pre, r.prestaged = r.prestaged, None
+            if pre is None:
+                return
+            self._prestage_free.append(pre.slot)
+        self.metrics.child(self.metrics.prestaged, "used" if used else "unused").inc()
+
+    def _drain(self, r: "_SendRoom") -> None:
+        ring = self._rings.popleft()
+        try:
+            self._prestage(r)
+            while True:
+                with self._lock:
+                    work = self._next_work(r) if r.state not in TERMINAL else None
+                    if work is None:
+                        break
+                    r.state = RoomState.TRANSFERRING
+                target, chunk = work
+                self._send_one(r, target, chunk, ring)
+                with self._lock:
+                    if r.state in TERMINAL:  # aborted or failed while writing: no TransferDone for it
+                        break
+                    target.sent += 1
+                    done = P.TransferDone(
+                        room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
+                        seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
+                        src_layout=self.layout.describe() if target.staged else {}) if chunk.last else None
+                    complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
+                                and all(t.sent == len(r.chunks) for t in r.targets.values()))
+                if done is not None:  # the decode side waits on it: out before our own bookkeeping
+                    self._send(target.peer, done)
+                if complete:
+                    self._succeed(r)
+        except (TransportError, LayoutError, HandoffFailed) as e:
+            with self._lock:
+                r.busy = False
+            self._fail(r.room, str(e), code="transfer", notify=True)
+        except Exception as e:  # never leave a room hanging on a bug
+            log.exception("sender: room %s crashed", r.room)
+            with self._lock:
+                r.busy = False
+            self._fail(r.room, f"internal error: {e!r}", code="internal", notify=True)
+        finally:
+            self._rings.append(ring)
+            if r.state in TERMINAL:
+                self._drop_prestage(r, used=False)
+            with self._lock:
+                r.busy = False
+        self._kick(r)
+
+    def _send_one(self, r: "_SendRoom", t: "_Target", c: "_Chunk", ring: torch.Tensor) -> None:
+        req = t.request
+        start, stop = max(c.start, req.token_start), min(c.stop, req.token_stop)
+        if c.last and c.stop != req.token_stop:
+            raise HandoffFailed(f"prefill has {c.stop} tokens but decode expects {req.token_stop}")
+        if stop <= start:
+            return
+        cfg = self.config
+        # receiver staging is an option only while this chunk's payload still fits in it
+        lay = self.layout
+        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, t.remote).count * lay.head_bytes
+        fits = payload <= req.staging_bytes - t.staged_bytes
+        kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
+        t_plan = time.perf_counter()
+        plan = plan_transfer(lay, c.blocks, t.remote, req.block_ids, (start, stop),
+                             src_first_token=c.first_token, dst_first_token=req.first_token,
+                             kinds=kinds, costs=cfg.costs)
+        rec = r.record
+        rec.plan_s += time.perf_counter() - t_plan
+        rec.plan, rec.plan_reason, r.plan = plan.kind.value, "", plan
+        # what the next room may be prestaged for: this layout, if this request had the usual shape
+        self._last_pull = (t.remote, plan.kind is PlanKind.STAGED_SEND and req.token_start == 0 and req.first_token == 0)
+        deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
+        if plan.kind is PlanKind.STAGED_RECV:
+            # into the staging this receiver set aside for this sender, after what is there
+            base = req.staging_addr + t.staged_bytes
+            wire = plan.wire.shifted(dst_by=base)
+            allowed = np.array([[req.staging_addr, req.staging_addr + req.staging_bytes]], dtype=np.int64)
+        else:
+            wire, allowed = plan.wire, t.allowed
+        # the guard: not one byte outside what this receiver set aside for this room
+        check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
+        if plan.kind is PlanKind.STAGED_SEND:
+            pre = self._usable_prestage(r, t, c, plan)
+            try:
+                self._pipeline(r, t.peer, req.session, plan, ring, deadline, pre)
+            finally:
+                if pre is not None:  # every write that read it has settled
+                    self._drop_prestage(r, used=True)
+        else:
+            self._drop_prestage(r, used=False)
+            t0 = time.perf_counter()
+            h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline,
+                                           guard=functools.partial(self._stop_reason, r, t.peer))
+            try:
+                self._await(r, h, peer=t.peer, last=True)
+            finally:
+                self._settle_write(h)
+            rec.transfer_s += time.perf_counter() - t0
+            rec.chunks += 1
+        if plan.kind is PlanKind.STAGED_RECV:
+            t.staged.append(P.StagedChunk(first_token=c.first_token, start=start, stop=stop, offset=t.staged_bytes,
+                                          blocks=c.blocks.tolist()))
+            t.staged_bytes += plan.nbytes
+        rec.bytes += plan.nbytes
+        rec.segments += plan.num_segments
+        t.bytes += plan.nbytes
+        t.segments += plan.num_segments
+
+    def _pipeline(self, r: "_SendRoom", peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float,
+                  pre: _Prestaged | None = None) -> None:
+        """Staged send: gather the plan into the staging ring part by part, each part written
+        as soon as it is gathered. Parts start at ``first_part_bytes`` and double up to
+        ``part_bytes`` (bytes are on the wire after a tiny gather); a region of the ring is
+        gathered into again only once the write that read it has completed, so up to
+        ``ring_parts`` writes are in flight while the next part is gathered. No part is
+        submitted once the decode peer has been silent for ``peer_timeout_s`` (it gives the
+        room up then; e.g. this process was stopped and has just resumed). With ``pre``, the
+        first part was gathered before the request came and goes out first."""
+        cfg, rec = self.config, r.record
+        regions = ring.numel() // cfg.part_bytes
+        inflight: deque = deque()
+        end = time.monotonic() + deadline_s
+        want = cfg.first_part_bytes
+        k = 0
+        guard = functools.partial(self._stop_reason, r, peer)
+        try:
+            for i, chunk in enumerate(plan.chunks(cfg.chunk_bytes)):
+                a = 0
+                if i == 0 and pre is not None and pre.gather.nbytes != chunk.nbytes:
+                    log.error("sender: room %s: prestaged part does not fit its first chunk; not used", r.room)
+                    pre = None
+                if i == 0 and pre is not None:
+                    t0 = time.perf_counter()
+                    pre_bytes = pre.rows * pre.gather.row_bytes
+                    w = chunk.wire.window(0, pre_bytes).shifted(src_by=pre.addr)
+                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
+                                                               guard=guard))
+                    rec.transfer_s += time.perf_counter() - t0
+                    rec.chunks += 1
+                    k, a, want = k + 1, pre.rows, max(want, pre_bytes)
+                t0 = time.perf_counter()
+                # builds each part's row index as that part is gathered
+                gather = pre.gather if i == 0 and pre is not None else chunk.gather()
+                rec.repack_s += time.perf_counter() - t0
+                rb = gather.row_bytes
+                while a < gather.rows:
+                    why = self._stop_reason(r, peer)
+                    if why:
+                        raise HandoffFailed(why)
+                    b = min(gather.rows, a + max(1, min(want, cfg.part_bytes) // rb))
+                    want *= 2
+                    if len(inflight) == regions:  # the region we are about to reuse must be sent
+                        t0 = time.perf_counter()
+                        self._await(r, inflight[0], end - time.monotonic(), peer)
+                        inflight.popleft()
+                        rec.transfer_s += time.perf_counter() - t0
+                    region = ring[(k % regions) * cfg.part_bytes:]
+                    t0 = time.perf_counter()
+                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None)
+                    rec.repack_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()  # submitting the part's write counts as transfer time
+                    w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
+                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
+                                                               guard=guard))
+                    rec.transfer_s += time.perf_counter() - t0
+                    rec.chunks += 1
+                    k, a = k + 1, b
+            t0 = time.perf_counter()
+            while inflight:
+                self._await(r, inflight[0], end - time.monotonic(), peer, last=len(inflight) == 1)
+                inflight.popleft()
+            rec.transfer_s += time.perf_counter() - t0
+        finally:
+            for h in inflight:  # on failure: no piece of ours may still be in the engine
+                self._settle_write(h)
+
+    def _await(self, r: "_SendRoom", h, timeout_s: float | None = None, peer: str | None = None,
+               last: bool = False) -> None:
+        """Wait for write ``h``, giving it up as soon as the room ends (an abort from either
+        side, a peer gone) or ``peer`` has been silent for ``peer_timeout_s`` (checked
+        before each poll, which may submit more pieces): nothing more of it may land in the
+        peer's blocks after that. Sleeps between polls double up to 1 ms, or only up to
+        the transport's short cap once ``h`` is the ``last`` write of the room and only
+        its last piece is left (then the room's end waits on it)."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        sleep = 50e-6
+        while True:
+            why = self._stop_reason(r, peer)
+            if why:
+                raise HandoffFailed(why)
+            if h.poll():
+                return
+            if end is not None and time.monotonic() > end:
+                h.wait(1e-6)  # raises TransportTimeout unless it just completed
+                return
+            time.sleep(sleep)
+            sleep = min(2 * sleep, h.sleep_cap() if last else 1e-3)
+
+    def _stop_reason(self, r: "_SendRoom", peer: str | None) -> str | None:
+        """Why no further piece of room ``r`` may go to ``peer`` (None: it may): the room
+        ended, or the peer has been silent longer than ``peer_timeout_s``, so it has given
+        the room up and may reuse its blocks (e.g. this process was stopped and has just
+        resumed). Asked before each gather and, as the transport's write guard, right
+        before each piece is handed to the engine."""
+        if r.state in TERMINAL:
+            return f"room {r.room} ended during the transfer: {r.reason}"
+        if peer is not None:
+            silent = time.monotonic() - self._peers_seen.get(peer, time.monotonic())
+            if silent > self.config.peer_timeout_s:
+                return (f"decode peer silent for {silent:.1f} s (> {self.config.peer_timeout_s:.1f} s): "
+                        "it has given the room up; no more writes into its blocks")
+        return None
+
+    def _settle_write(self, h) -> None:
+        """After a write ended (or to end it): make sure the engine holds none of its pieces,
+        so our staging slot and the peer's blocks may be reused."""
+        if not h.done:
+            h.abort("room failed")
+        if not h.settle(self.config.write_timeout_s):
+            log.error("sender: pieces of a failed write are still in the transfer engine after %.1f s",
+                      self.config.write_timeout_s)

@@ -1,0 +1,400 @@
+"""The prefill side of a handoff: ``KVSender``, one per prefill rank.
+
+It takes ``TransferRequest``s on its control endpoint, checks each (version, auth, model
+and layout compatibility, that every byte it would write lies inside the blocks the
+receiver allocated for that room), and as each prefill chunk's KV is ready has a send
+worker plan and write it (``kvbridge.common.send_pipeline``). Rooms have deadlines; a
+decode peer silent for ``peer_timeout_s`` is gone; ``abort`` and a decode's ``Abort``
+end a room; its blocks go back exactly once (``BlockLease``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from kvbridge.layout import KVLayout, LayoutError, TransferPlan, block_ranges, check_compatible
+
+from . import protocol as P
+from .blocks import BlockLease
+from .metrics import HandoffRecord, KVBridgeMetrics
+from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
+from .send_pipeline import SendPipeline, _Prestaged
+from .transport import MooncakeTransport
+
+__all__ = ["KVSender"]
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
+MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
+
+
+@dataclass
+class _Chunk:
+    blocks: np.ndarray
+    first_token: int
+    start: int
+    stop: int
+    last: bool
+    aux: dict | None = None
+
+
+@dataclass
+class _Target:
+    """One decode rank pulling a sender room: its request and how far it has been served."""
+
+    peer: str
+    request: P.TransferRequest
+    remote: KVLayout
+    allowed: np.ndarray
+    blocks: np.ndarray  # the receiver's block ids for the room, in token order
+    sent: int = 0  # chunks of the room already written to this target
+    staged_bytes: int = 0  # bytes written into the receiver's staging so far
+    bytes: int = 0  # payload written to this target
+    segments: int = 0
+    staged: list = field(default_factory=list)  # P.StagedChunk per staged_recv chunk
+
+
+@dataclass
+class _SendRoom:
+    room: int
+    deadline: float
+    record: HandoffRecord
+    lease: BlockLease | None = None
+    state: RoomState = RoomState.BOOTSTRAPPING
+    targets: dict[str, _Target] = field(default_factory=dict)
+    expected: int = 1  # decode ranks that will pull this room (TP fan-out)
+    chunks: list[_Chunk] = field(default_factory=list)
+    busy: bool = False
+    reason: str = ""
+    plan: TransferPlan | None = None  # the latest chunk's plan; the record takes its reason when the room ends
+    prestaged: "_Prestaged | None" = None  # its first part, gathered before any request came
+    prestage_tried: bool = False
+
+    def note_plan_reason(self) -> None:
+        """Put the latest plan's explanation into the record (built off the send's critical path)."""
+        if self.plan is not None and not self.record.plan_reason:
+            self.record.plan_reason = self.plan.explain()
+
+
+class KVSender(ControlSide, SendPipeline):
+    """Prefill side of one rank: serves TransferRequests for its rooms.
+
+    Called by the prefill engine: ``add_room`` when a request is admitted (with the
+    blocks it holds, and how to release them), ``send_chunk`` after each prefill chunk
+    with the blocks and token range just computed, ``poll``/``abort``; the decode side
+    reaches it at ``endpoint``.
+
+    Threads: engine threads call the public methods; the control channel's I/O thread
+    runs ``_on_message`` (requests, heartbeats, aborts) and ``_on_tick`` (deadlines, silent
+    peers); send workers (``_pool``) run ``_drain`` for one room at a time (``busy``).
+    ``_lock`` guards ``_rooms``, ``_early``, ``_declined``, ``_peer_layouts``, every
+    room's ``state``, ``targets``, ``chunks``, ``busy`` and ``prestaged``, and the
+    prestage slots.
+    """
+
+    role = "sender"
+
+    def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, host: str = "127.0.0.1",
+                 config: HandoffConfig | None = None, metrics: KVBridgeMetrics | None = None, workers: int = 2):
+        self._rooms: dict[int, _SendRoom] = {}
+        self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
+        self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
+        self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
+        self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
+        super().__init__(layout, transport, config, metrics, bind_host=host)
+        if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
+                        "KVBRIDGE_SECRET): anyone who reaches it can have this rank's KV written to a Mooncake "
+                        "session of their choice; see docs/security.md", self.endpoint)
+        cfg = self.config
+        for t in layout.tensors or ():
+            transport.register_tensor(t)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
+        self._rings: deque = deque()
+        for _ in range(workers):
+            ring = torch.empty(max(2, cfg.ring_parts) * cfg.part_bytes, dtype=torch.uint8, device=layout.device or "cpu")
+            transport.register_tensor(ring)
+            self._rings.append(ring)
+        # first parts gathered ahead of their requests (see _prestage): one slot per room
+        self._slot_bytes = max(0, cfg.prestage_bytes)
+        self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
+        self._prestage_buf = None
+        if self._prestage_free:
+            self._prestage_buf = torch.zeros(len(self._prestage_free) * self._slot_bytes, dtype=torch.uint8,
+                                             device=layout.device or "cpu")  # touched now: no page faults on a room's time
+            transport.register_tensor(self._prestage_buf)
+
+    @property
+    def endpoint(self) -> str:
+        """The control endpoint decode ranks send TransferRequests to."""
+        return self.channel.endpoint
+
+    # -- engine-facing ------------------------------------------------------------------
+    def add_room(self, room: int, blocks: Sequence[int] = (), release: Callable[[np.ndarray, bool], None] | None = None,
+                 deadline_s: float | None = None) -> None:
+        """Prefill engine, on admitting request ``room``: it will prefill here. ``release``
+        gets ``blocks`` back once the handoff is over (delivered or given up)."""
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"room {room} already exists on this sender")
+            rec = HandoffRecord(room=room, role=self.role)
+            r = _SendRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec)
+            r.lease = BlockLease(room, blocks, release, self._count_blocks)
+            self._rooms[room] = r
+            self.metrics.child(self.metrics.inflight, self.role).inc()
+            early = self._early.pop(room, {})
+            declined = self._declined.pop(room, None)
+        if declined is not None:  # the decode side decided to compute this prompt itself (or gave it up)
+            self._fail(room, f"declined by decode: {declined[0]}", code="declined", notify=False)
+            for peer in early:
+                self._refuse(peer, room, f"room {room} was declined by a decode rank", "room_failed")
+            return
+        for peer, (req, _) in early.items():  # every decode rank that asked before the room existed
+            self._accept(peer, req)
+
+    def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0,
+                   aux: dict | None = None) -> None:
+        """Prefill engine, after a chunk: tokens ``[start, stop)`` of ``room`` are in ``blocks``
+        (a block list in token order whose entry 0 holds token ``first_token``). With the
+        last chunk, ``aux`` (e.g. ``{"output_ids": [first_token_id]}``) reaches the decode
+        side in the same message that reports the KV landed."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise KeyError(f"room {room} is not on this sender")
+            if r.state in TERMINAL:
+                return
+            if r.chunks and r.chunks[-1].last:
+                raise ValueError(f"room {room}: chunk after the last one")
+            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, last, aux))
+        self._kick(r)
+
+    def poll(self, room: int) -> RoomState:
+        """The room's state (Failed for an unknown room)."""
+        r = self._rooms.get(room)
+        return r.state if r is not None else RoomState.FAILED
+
+    def requests(self, room: int) -> list[P.TransferRequest]:
+        """The accepted TransferRequests of the room's decode ranks (e.g. to learn the
+        prefix they already hold)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            return [t.request for t in r.targets.values()] if r is not None else []
+
+    def failure_reason(self, room: int) -> str:
+        """Why the room failed ('' if it did not)."""
+        r = self._rooms.get(room)
+        return r.reason if r is not None else f"room {room} is not on this sender"
+
+    def record(self, room: int) -> HandoffRecord | None:
+        """The room's figures."""
+        r = self._rooms.get(room)
+        return r.record if r is not None else None
+
+    def abort(self, room: int, reason: str = "aborted by prefill") -> None:
+        """Prefill engine: give the room up; the decode side is told."""
+        self._fail(room, reason, code="aborted", notify=True)
+
+    def forget(self, room: int) -> None:
+        """Drop a finished room's bookkeeping."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.state in TERMINAL and not r.busy:
+                del self._rooms[room]
+
+    def close(self) -> None:
+        """Fail open rooms, stop workers and the control channel."""
+        for room in list(self._rooms):
+            if self._rooms[room].state not in TERMINAL:
+                self._fail(room, "sender shutting down", code="shutdown", notify=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+
+    # -- control plane (I/O thread) -----------------------------------------------------
+    def _on_message(self, peer: str, msg) -> None:
+        if isinstance(msg, P.TransferRequest):
+            self._accept(peer, msg)
+        elif isinstance(msg, P.Heartbeat):
+            self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint))
+        elif isinstance(msg, P.Abort):
+            self._on_abort(peer, msg)
+        else:
+            self._refuse(peer, msg.room, f"unexpected {type(msg).__name__} from a decode peer: a sender takes "
+                         "transfer_request, heartbeat and abort", "bad_message")
+
+    def _on_abort(self, peer: str, msg: P.Abort) -> None:
+        """An Abort from a decode rank: from one pulling the room, it ends the room; from
+        one that has not asked (or whose request waits for the room to exist), it declines
+        the room: the decode side computes the prompt itself, so the room ends now (or as
+        soon as the prefill engine adds it) and its blocks are released."""
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            target = r is not None and peer in r.targets
+            asked = self._early.get(msg.room, {}).pop(peer, None) is not None
+            if msg.room in self._early and not self._early[msg.room]:
+                del self._early[msg.room]
+        if target:
+            self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
+            return
+        if self.config.secret and not asked and not P.verify(msg, self.config.secret):
+            log.warning("sender: ignored an unauthenticated abort of room %s from %s", msg.room, peer)
+            return
+        if r is None:
+            with self._lock:
+                self._declined[msg.room] = (msg.reason, time.monotonic())
+            self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown", code="unknown_room"))
+            return
+        self._fail(msg.room, f"declined by decode: {msg.reason}", code="declined", notify=True)
+
+    def _refuse(self, peer: str, room: int, reason: str, code: str) -> None:
+        log.warning("sender: refused room %s from %s: %s", room, peer, reason)
+        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code))
+
+    def _accept(self, peer: str, req: P.TransferRequest) -> None:
+        cfg = self.config
+        if cfg.secret and not P.verify(req, cfg.secret):
+            self._refuse(peer, req.room, "authentication failed: bad or missing auth tag", "auth")
+            return
+        if cfg.model and req.model and req.model != cfg.model:
+            self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible")
+            self._fail(req.room, f"decode peer runs model {req.model!r}", code="incompatible", notify=False)
+            return
+        with self._lock:
+            r = self._rooms.get(req.room)
+            if r is None:
+                if req.room not in self._early and len(self._early) >= MAX_EARLY_ROOMS:
+                    self._refuse(peer, req.room, f"unknown room {req.room}: already {len(self._early)} requests wait "
+                                 "for rooms this prefill has not registered", "unknown_room")
+                    return
+                self._early.setdefault(req.room, {})[peer] = (req, time.monotonic())
+                return
+            if r.state is RoomState.FAILED:
+                self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed")
+                return
+            if peer in r.targets:
+                return  # a duplicate (replayed) request changes nothing
+            if len(r.targets) >= max(r.expected, req.receivers):
+                self._refuse(peer, req.room, f"room already pulled by {len(r.targets)} decode rank(s)", "conflict")
+                return
+        try:
+            remote = self._remote_layout(peer, req.layout)
+            blocks = np.asarray(req.block_ids, dtype=np.int64)
+            if blocks.size and ((blocks < remote.first_block) | (blocks >= remote.num_blocks)).any():
+                raise LayoutError("receiver block ids outside its own pool")
+            if not 0 <= req.token_start < req.token_stop:
+                raise LayoutError(f"empty token range [{req.token_start}, {req.token_stop})")
+        except (LayoutError, ValueError, TypeError, OverflowError) as e:  # whatever a hostile layout triggers
+            reason = f"incompatible layouts: {e}"
+            self._refuse(peer, req.room, reason, "incompatible")
+            self._fail(req.room, reason, code="incompatible", notify=True)
+            return
+        with self._lock:
+            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks), blocks)
+            r.expected = max(r.expected, req.receivers)
+            if r.state is RoomState.BOOTSTRAPPING:
+                r.state = RoomState.WAITING
+        self._kick(r)
+
+    def _remote_layout(self, peer: str, desc: dict) -> KVLayout:
+        """The decode peer's layout, checked against ours; a warm peer's is reused while it
+        describes the same layout (raises LayoutError naming the mismatch)."""
+        key = msgspec.msgpack.encode(desc)  # type-exact: 1, 1.0 and True differ here, not under ==
+        known = self._peer_layouts.get(peer)
+        if known is not None and known[0] == key:
+            return known[1]
+        remote = KVLayout.from_description(desc)
+        check_compatible(self.layout, remote)
+        with self._lock:
+            self._peer_layouts.pop(peer, None)
+            self._peer_layouts[peer] = (key, remote)
+            while len(self._peer_layouts) > MAX_PEER_LAYOUTS:
+                self._peer_layouts.pop(next(iter(self._peer_layouts)))
+        return remote
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        cfg = self.config
+        for room, waiting in list(self._early.items()):
+            for peer, (req, t) in list(waiting.items()):
+                if now - t > cfg.deadline_s:
+                    waiting.pop(peer, None)
+                    self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s", "unknown_room")
+            if not waiting:
+                self._early.pop(room, None)
+        for room, (_, t) in list(self._declined.items()):
+            if now - t > cfg.deadline_s:  # the prefill never added the room: nothing to release
+                self._declined.pop(room, None)
+        for r in list(self._rooms.values()):
+            if r.state in TERMINAL:
+                continue
+            if now > r.deadline:
+                self._fail(r.room, f"deadline exceeded in state {r.state.name}", code="timeout", notify=True)
+            else:
+                served = bool(r.chunks) and r.chunks[-1].last
+                silent = [p for p, t in r.targets.items()
+                          if not (served and t.sent == len(r.chunks)) and now - self._peers_seen.get(p, now) > cfg.peer_timeout_s]
+                if silent:
+                    self._fail(r.room, f"decode peer silent for {cfg.peer_timeout_s:.1f} s", code="peer_gone", notify=True)
+
+    def _kick(self, r: _SendRoom) -> None:
+        with self._lock:
+            if r.busy or r.state in TERMINAL or (self._next_work(r) is None and not self._prestage_due(r)):
+                return
+            r.busy = True
+        self._pool.submit(self._drain, r)
+
+    def _succeed(self, r: _SendRoom) -> None:
+        with self._lock:
+            if r.state in TERMINAL:
+                return
+            r.note_plan_reason()
+            r.state = RoomState.SUCCESS
+            rec = r.record
+            rec.finished, rec.result = time.monotonic(), "success"
+        self._drop_prestage(r, used=False)
+        r.lease.release(True)
+        self.metrics.child(self.metrics.inflight, self.role).dec()
+        self.metrics.observe(rec)
+
+    def _fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.state in TERMINAL:
+                return
+            r.note_plan_reason()
+            r.state, r.reason = RoomState.FAILED, reason
+            r.record.finished, r.record.result, r.record.reason = time.monotonic(), (
+                code if code in ("aborted", "declined") else "failed"), reason
+            busy = r.busy
+        log.warning("sender: room %s failed: %s", room, reason)
+        self.metrics.child(self.metrics.inflight, self.role).dec()
+        self.metrics.observe(r.record)
+        if busy:  # tell the peer and release only once no write of ours can still land
+            threading.Thread(target=self._settle_when_idle, args=(r, notify, code), daemon=True).start()
+        else:
+            self._settle(r, notify, code)
+
+    def _settle(self, r: _SendRoom, notify: bool, code: str) -> None:
+        if notify:
+            for peer in r.targets:
+                self._send(peer, P.TransferFailed(room=r.room, reason=r.reason, code=code))
+        if not r.busy:  # else the worker gives it back once its writes settled
+            self._drop_prestage(r, used=False)
+        r.lease.release(False)
+
+    def _settle_when_idle(self, r: _SendRoom, notify: bool, code: str) -> None:
+        end = time.monotonic() + self.config.write_timeout_s + 1
+        while r.busy and time.monotonic() < end:
+            time.sleep(0.002)
+        self._settle(r, notify, code)
