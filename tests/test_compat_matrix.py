@@ -2,8 +2,12 @@
 
 {SGLang->SGLang, SGLang->TRT-LLM, TRT-LLM->SGLang, TRT-LLM->TRT-LLM} x {GQA, MLA} x
 {SGLang page 1/16/64 against tokens_per_block 32/64} x {TP 1->1, 2->1, 1->2} x
-{bf16, fp8}. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
-MLATokenToKVPool); TensorRT-LLM sides are pools of its exact geometry. Each cell moves a
+{bf16, fp8}, and vLLM (CPU backend) to and from each of them and itself, GQA bf16 with
+blocks of 32/64 (vLLM's CPU cache holds neither MLA of this shape nor fp8 in the layout
+kvbridge models; vLLM -> vLLM needs equal block sizes). SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
+MLATokenToKVPool); TensorRT-LLM and vLLM sides are pools of their exact geometry (the
+vLLM one read back through vLLM's own indexing rule, ``kvhelpers.vllm_unit_offsets``,
+and checked against vLLM's kernel in tests/test_vllm_layout.py). Each cell moves a
 request (with a prefix the receiver holds) from every source rank to every destination
 rank that shares heads with it, with the plan kvbridge chooses (and the gather/scatter
 kernels when it stages), and checks every byte of every destination rank and that
@@ -25,28 +29,39 @@ from kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_
 
 MATRIX: dict[tuple, str] = {}
 
-PAIRS = [("sglang", "sglang"), ("sglang", "trtllm"), ("trtllm", "sglang"), ("trtllm", "trtllm")]
-PAGES = {"sglang": [1, 16, 64], "trtllm": [32, 64]}
+PAIRS = [("sglang", "sglang"), ("sglang", "trtllm"), ("trtllm", "sglang"), ("trtllm", "trtllm"),
+         ("vllm", "vllm"), ("vllm", "sglang"), ("sglang", "vllm"), ("vllm", "trtllm"), ("trtllm", "vllm")]
+PAGES = {"sglang": [1, 16, 64], "trtllm": [32, 64], "vllm": [32, 64]}
 TPS = [(1, 1), (2, 1), (1, 2)]
 LAYERS, HEADS, HEAD_DIM, MLA_DIM, TOKENS, PREFIX = 2, 4, 16, 24, 150, 20
 
 
 def page_pairs(src, dst):
-    if src == dst == "sglang":  # SGLang's scheduler requires equal page sizes on both sides
-        return [(p, p) for p in PAGES["sglang"]]
+    if src == dst and src in ("sglang", "vllm"):
+        # SGLang's scheduler requires equal page sizes on both sides; two vLLM caches with
+        # different block sizes have different K element strides (refused by plan_transfer)
+        return [(p, p) for p in PAGES[src]]
     return list(itertools.product(PAGES[src], PAGES[dst]))
 
 
+def applies(s, d, attn, dt) -> bool:
+    """vLLM's CPU cache: GQA in bf16 only (see the module docstring)."""
+    return "vllm" not in (s, d) or (attn == "GQA" and dt == "bf16")
+
+
 CELLS = [(s, d, attn, sp, dp, tp, dt) for s, d in PAIRS for attn in ("GQA", "MLA") for sp, dp in page_pairs(s, d)
-         for tp in TPS for dt in ("bf16", "fp8")]
-NOT_APPLICABLE = {(s, d, sp, dp) for s, d in PAIRS if s == d == "sglang"
-                  for sp, dp in itertools.product(PAGES["sglang"], PAGES["sglang"]) if sp != dp}
+         for tp in TPS for dt in ("bf16", "fp8") if applies(s, d, attn, dt)]
+NOT_APPLICABLE = {(s, d, sp, dp) for s, d in PAIRS if s == d and s in ("sglang", "vllm")
+                  for sp, dp in itertools.product(PAGES[s], PAGES[s]) if sp != dp}
 
 
 def make(engine, pools, *, attn, dtype, page, tp, rank, seed):
     MHA, MLA = pools
     mla = attn == "MLA"
     blocks = -(-TOKENS // page) + 3
+    if engine == "vllm":
+        return allocate_pool("vllm", layers=LAYERS, total_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype,
+                             tokens_per_block=page, num_blocks=blocks, tp_size=tp, tp_rank=rank, seed=seed)
     if engine == "trtllm":
         return allocate_pool("trtllm", layers=LAYERS, total_heads=HEADS, head_dim=MLA_DIM if mla else HEAD_DIM,
                              dtype=dtype, tokens_per_block=page, num_blocks=blocks, tp_size=tp, tp_rank=rank, mla=mla,
@@ -132,9 +147,11 @@ def format_matrix() -> list[str]:
             row = f"{'':<18}{attn:<5}{f'{tp[0]}->{tp[1]}':<6}{dt:<6}"
             for a, b in cols:
                 key = (s, d, attn, a, b, tp, dt)
-                v = "n/a (pages)" if (s, d, a, b) in NOT_APPLICABLE else MATRIX.get(key, "not run") if key in cells else "n/a"
+                v = ("n/a (pages)" if (s, d, a, b) in NOT_APPLICABLE else MATRIX.get(key, "not run") if key in cells
+                     else "n/a" if applies(s, d, attn, dt) else "n/a (vLLM)")
                 row += f"{v:>16}"
             lines.append(row)
     lines += ["", "ok <kinds>: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv). "
-              "n/a (pages): SGLang requires equal page sizes on both sides."]
+              "n/a (pages): SGLang requires equal page sizes on both sides (vLLM -> vLLM: equal block sizes). "
+              "n/a (vLLM): vLLM's CPU cache in kvbridge's model is GQA bf16/fp16/fp32 only."]
     return lines
