@@ -40,7 +40,8 @@ STEPS = ("build model", "reference", "start server", "handoff", "decode")
 TOKENS_PER_BLOCK = 32  # the TensorRT-LLM side's block size (SGLang's page size is 1 here)
 NUM_BLOCKS = 64
 # the demo's models: cache folder name (bump when the builder's defaults change) and builder
-MODELS = {"llama": ("tiny-llama-gqa-v1", "build_tiny_llama"), "mla": ("tiny-deepseek-mla-v1", "build_tiny_mla")}
+MODELS = {"llama": ("tiny-llama-gqa-v1", "build_tiny_llama"), "mla": ("tiny-deepseek-mla-v1", "build_tiny_mla"),
+          "llama-hd32": ("tiny-llama-gqa-hd32-v1", "build_tiny_llama_hd32")}
 _rids = itertools.count(1)
 
 
