@@ -107,3 +107,36 @@ def test_description_round_trip_keeps_row_strides():
     for bad in ([[2, 64]], [[2, 64], [64, 2], [2, 2]], [[0, 64], [64, 2]], [[2.0, 64], [64, 2]], "x"):
         with pytest.raises(LayoutError):
             KVLayout.from_description({**d, "row_strides": bad})
+
+
+def test_demo_engines():
+    """``kvbridge demo`` engine choice: the defaults and --reverse as before, named pairs."""
+    from kvbridge.demo.run import DemoError, engines
+
+    assert engines(None, None, False) == ("sglang", "trtllm")
+    assert engines(None, None, True) == ("trtllm", "sglang")
+    assert engines("sglang", "vllm", False) == ("sglang", "vllm")
+    assert engines("vllm", None, False) == ("vllm", "sglang")
+    assert engines(None, "vllm", False) == ("sglang", "vllm")
+    with pytest.raises(DemoError, match="--reverse"):
+        engines("vllm", "sglang", True)
+    with pytest.raises(DemoError, match="not sglang->sglang"):
+        engines("sglang", "sglang", False)
+
+
+@requires_vllm
+def test_bench_vllm_says_why_the_anchor_cannot_run():
+    """``kvbridge bench vllm``: vLLM's MooncakeConnector cannot start on a CPU-only host;
+    the suite names the line of vLLM's source and the error (not a made-up ratio)."""
+    import json
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present")
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "vllm", "--json"], capture_output=True,
+                         text=True, timeout=300)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0 and r["ran"] is False, r
+    assert r["probe"]["uses_accelerator"] and "accelerator" in r["probe"]["error"], r
+    assert "mooncake_connector.py:" in r["reason"] and "current_device_index" in r["reason"]

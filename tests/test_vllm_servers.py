@@ -150,3 +150,24 @@ def test_failed_load_is_recomputed(model_dir, vllm_servers):
     rec = _wait_record(decode, room, "load")
     assert not rec["ok"] and "cannot find the prefill" in rec["reason"], rec
     assert _external_tokens(decode) - ext0 == 0
+
+
+def test_demo_command_sglang_prefill_vllm_decode():
+    """``kvbridge demo --prefill sglang --decode vllm --json`` as a user runs it (its own
+    servers): one JSON object, both sides real servers, tokens checked here."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("sglang")
+    cmd = [sys.executable, "-m", "kvbridge.cli", "demo", "--json", "--prefill", "sglang", "--decode", "vllm",
+           "--max-new", "8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, f"rc {out.returncode}:\n{out.stdout[:2000]}\n{out.stderr[-3000:]}"
+    r = json.loads(lines[0])
+    ref = reference_generate(Path(r["model"]["dir"]), r["prompt_ids"], 8).token_ids
+    assert r["generated_ids"] == ref and r["match"] is True and out.returncode == 0, (r.get("generated_ids"), ref)
+    assert r["real_servers"] == ["sglang", "vllm"] and r["direction"] == "sglang->vllm"
+    assert r["bytes"] == r["bytes_expected"] == 70 * KV_PER_TOKEN and r["plan"] == "staged_recv"
+    assert r["context_tokens_computed"] == 1
