@@ -171,3 +171,30 @@ def test_demo_command_sglang_prefill_vllm_decode():
     assert r["real_servers"] == ["sglang", "vllm"] and r["direction"] == "sglang->vllm"
     assert r["bytes"] == r["bytes_expected"] == 70 * KV_PER_TOKEN and r["plan"] == "staged_recv"
     assert r["context_tokens_computed"] == 1
+
+
+def test_decode_abort_while_loading_releases_blocks(model_dir, vllm_servers):
+    """A decode half whose client goes away while its KV is awaited (the prefill never
+    opens the room): vLLM aborts it, the connector aborts the room and reports the load
+    only once no sender can write, vLLM frees the blocks, and the server serves on."""
+    import time
+
+    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.demo.sglang_server import new_room, post_json
+    from kvbridge.demo.vllm_flows import _wait_record
+    from kvbridge.demo.vllm_server import complete
+
+    prefill, decode = vllm_servers
+    prompt, ref = reference(model_dir, LENS[0])
+    room = new_room()
+    body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+            "kv_transfer_params": Handle("recv", room, bootstrap=prefill.bootstrap_address).to_params()}
+    res = post_json(decode.url + "/v1/completions", body, 3.0)
+    assert isinstance(res, Exception), "the load cannot finish: the prefill never opened the room"
+    rec = _wait_record(decode, room, "load", timeout=30)
+    assert not rec["ok"] and "aborted while loading" in rec["reason"], rec
+    end = time.monotonic() + 20
+    while decode.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert decode.metric("vllm:kv_cache_usage_perc") == 0, "the aborted request's blocks were not freed"
+    assert complete(decode, prompt, MAX_NEW)["token_ids"] == ref

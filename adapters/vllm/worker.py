@@ -95,6 +95,7 @@ class _Room:
     ok: bool = False
     reason: str = ""
     started: bool = False
+    cancelled: bool = False  # its request ended before the load could start
 
 
 def _bounded(d: OrderedDict, key: str, value: Any) -> None:
@@ -266,13 +267,20 @@ class KVBridgeWorker:
         self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), 0, o.stop, last=True, aux=aux)
 
     def _drop(self, o: Drop) -> None:
-        s = self._sends.get(o.req)
+        """A prefill half that ended before its send: vLLM freed its blocks itself (it was
+        never reported as held), so it is aborted and never reported. A decode half
+        aborted while loading: vLLM holds its blocks until the load is reported, which
+        happens once no sender can still write into them."""
+        with self._lock:
+            s = self._sends.pop(o.req, None)
         if s is not None and s.started:
             self.sender.abort(s.room, o.reason)
-            self._announced.add(o.req)  # nothing of it is held by vLLM: report it when it settles
+            self._forget.add(s.room)
         ld = self._loads.get(o.req)
-        if ld is not None and ld.started:
-            self.receiver.abort(ld.room, o.reason)
+        if ld is not None:
+            ld.cancelled = True
+            if ld.started:
+                self.receiver.abort(ld.room, o.reason)
 
     def _load(self, o: Load) -> None:
         if self.receiver is None:
@@ -297,6 +305,8 @@ class KVBridgeWorker:
             self._fail(ld, f"cannot find the prefill at {o.bootstrap}: {e}")
 
     def _request(self, ld: _Room, o: Load, endpoints: list[str], records: list[dict] | None) -> None:
+        if ld.cancelled:
+            return self._fail(ld, "the request ended before its load started")
         lay = self.layout
         eps, receivers = endpoints, 1
         if records:  # the prefill ranks holding heads of this rank, and how many decode ranks pull each
