@@ -7,7 +7,8 @@ page 0 the padding page), as ``MHATokenToKVPool`` lays them out; MLA: per layer
 ``[slots, 1, head_dim]``. ``engine='trtllm'``: one tensor ``[num_blocks, layers,
 kv_factor, heads * tokens_per_block * head_dim]``, HND inside a block. ``engine='vllm'``:
 vLLM's CPU cache, per layer ``[num_blocks, heads, tokens_per_block, 2 * head_dim]`` views
-into one allocation, K transposed inside a (block, head) (``vllm_pool``). fp8 is stored as
+into one allocation, K transposed inside a (block, head); MLA: per layer ``[num_blocks, 1,
+tokens_per_block, head_dim]`` latent rows (``vllm_pool``). fp8 is stored as
 uint8. ``seed`` fills every byte deterministically (same seed, same bytes).
 """
 
@@ -19,7 +20,7 @@ from .geometry import KVLayout, LayoutError, dtype_itemsize
 from .heads import tp_head_slice
 from .sglang_pool import sglang_layout_from_buffers
 from .trtllm_pool import trtllm_pool_layout
-from .vllm_pool import vllm_cpu_layout
+from .vllm_pool import vllm_cpu_layout, vllm_cpu_mla_layout
 
 __all__ = ["allocate_pool"]
 
@@ -75,11 +76,13 @@ def allocate_pool(
                                   total_heads=None if mla else total_heads, tp_rank=0 if mla else tp_rank,
                                   tp_size=1 if mla else tp_size)
     if engine == "vllm":
-        if mla:
-            raise LayoutError("vLLM's CPU MLA cache (CPU_MLA: head 576, block 16) is not modelled here")
-        store = store if dtype_itemsize(dtype) > 1 else None
-        if store is None:
+        if dtype_itemsize(dtype) == 1:
             raise LayoutError("vLLM's CPU fp8 KV cache is not supported")
+        if mla:
+            one = torch.empty(layers, num_blocks, 1, tpb, head_dim, dtype=store, device=device)
+            if gen is not None:
+                _fill(one, gen)
+            return vllm_cpu_mla_layout(list(one.unbind(0)), dtype=dtype)
         one = torch.empty(layers, num_blocks, heads, tpb, 2 * head_dim, dtype=store, device=device)
         if gen is not None:
             _fill(one, gen)

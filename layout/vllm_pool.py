@@ -13,8 +13,13 @@ head_size`` elements are K, the next ``block_size * head_size`` are V. The kerne
 0.32 the per-layer tensors are views into one allocation, layer after layer.
 
 Other ISAs of the CPU backend ('amx', 'vec16', 'neon', ...) order a block differently
-and are refused by name, as are fp8 KV caches (another writer). This module does not
-import vLLM.
+and are refused by name, as are fp8 KV caches (another writer).
+
+MLA: the CPU MLA backend (``CPU_MLA``, ``vllm/v1/attention/backends/mla/cpu_mla.py``;
+head size 576 = kv_lora_rank 512 + rope 64, block size 16 only) hands each layer a
+contiguous ``[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]``: one latent
+row per token, rows contiguous (``vllm_cpu_mla_layout``, kv_factor 1). This module does
+not import vLLM.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from .geometry import KVLayout, LayoutError, Region, canonical_dtype, dtype_itemsize
 from .heads import tp_head_slice
 
-__all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry"]
+__all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry", "vllm_cpu_mla_layout"]
 
 VLLM_CPU_ISAS = ("vec",)  # the CPU backend's kernels whose block layout kvbridge knows
 
@@ -125,3 +130,35 @@ def vllm_cpu_layout(
         [t.data_ptr() for t in kv_caches], t0.numel() * t0.element_size(), int(num_blocks), int(heads), int(block_size),
         int(two_hd) // 2, dtype if dtype is not None else t0.dtype, isa=isa, total_heads=total_heads, tp_rank=tp_rank,
         tp_size=tp_size, layer_offset=layer_offset, tensors=kv_caches)
+
+
+def vllm_cpu_mla_layout(kv_caches: Sequence[torch.Tensor], *, dtype: Any = None, layer_offset: int = 0) -> KVLayout:
+    """Layout of the per-layer tensors vLLM's CPU MLA backend hands ``register_kv_caches``
+    (model layer order), each contiguous ``[num_blocks, 1, block_size, latent]`` (or
+    ``[num_blocks, block_size, latent]``); one latent "head" replicated on every TP rank."""
+    if not kv_caches:
+        raise LayoutError("vLLM KV cache: no layer tensors")
+    t0 = kv_caches[0]
+    shape = tuple(t0.shape)
+    if len(shape) == 4 and shape[1] == 1:
+        shape = (shape[0], shape[2], shape[3])
+    if len(shape) != 3:
+        raise LayoutError(f"vLLM CPU MLA cache must be [num_blocks, 1, block_size, latent], got {tuple(t0.shape)}")
+    for t in kv_caches:
+        if tuple(t.shape) != tuple(t0.shape) or t.dtype != t0.dtype or not t.is_contiguous():
+            raise LayoutError(f"vLLM CPU MLA cache tensors must be alike and contiguous, got {tuple(t.shape)} {t.dtype} "
+                              f"beside {tuple(t0.shape)} {t0.dtype}")
+    num_blocks, block_size, latent = (int(x) for x in shape)
+    dt = dtype if dtype is not None else t0.dtype
+    isz = dtype_itemsize(dt)
+    if isz == 1:
+        raise LayoutError("vLLM's CPU fp8 KV cache is not supported")
+    row = latent * isz
+    ptrs = np.asarray([t.data_ptr() for t in kv_caches], dtype=np.int64)
+    nbytes = num_blocks * block_size * row
+    return KVLayout(
+        engine="vllm-mla", num_layers=int(ptrs.size), kv_factor=1, num_heads=1, head_offset=0, total_heads=1,
+        head_dim=latent, dtype=canonical_dtype(dt), tokens_per_block=block_size, num_blocks=num_blocks, first_block=1,
+        block_stride=block_size * row, token_stride=row, head_stride=row, base=ptrs[:, None].copy(),
+        region_of=np.arange(ptrs.size, dtype=np.int64)[:, None], regions=tuple(Region(int(p), nbytes) for p in ptrs),
+        layer_offset=layer_offset, tensors=tuple(kv_caches))
