@@ -190,6 +190,16 @@ def build_tiny_mla(
     return _build(DeepseekV3Config, DeepseekV3ForCausalLM, kw, out_dir, dtype, seed, std)
 
 
+# vLLM's CPU MLA backend (CPU_MLA) serves one latent width only: kv_lora_rank 512 + rope 64
+VLLM_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+
+
+def build_tiny_mla_576(out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       std: float = 0.25, **overrides) -> Path:
+    """``build_tiny_mla`` with a 576-wide latent row (``VLLM_MLA``): what vLLM's CPU MLA serves."""
+    return build_tiny_mla(out_dir, seed=seed, dtype=dtype, std=std, **{**VLLM_MLA, **overrides})
+
+
 class Reference(NamedTuple):
     """Greedy output of transformers' ``generate()``."""
 

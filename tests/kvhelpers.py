@@ -31,7 +31,7 @@ def snapshot(layout: KVLayout) -> list[np.ndarray]:
 def unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
     """Byte offsets [L, kv, T, H, head_bytes] of the given tokens and local heads,
     relative to the start of each (layer, kv)'s region tensor."""
-    if layout.engine == "vllm-cpu":
+    if layout.engine in ("vllm-cpu", "vllm-mla"):
         return vllm_unit_offsets(layout, blocks, first_token, start, stop, heads_local)
     blocks = np.asarray(blocks, dtype=np.int64)
     t = np.arange(start, stop) - first_token
@@ -53,7 +53,15 @@ def vllm_unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, st
     layout's strides: each layer tensor is ``[num_blocks, heads, block_size, 2 * head_size]``
     (its shape read here); inside a (block, head), K element (token t, dim j) is element
     ``j * block_size + t`` and V element (t, j) is ``block_size * head_size + t * head_size
-    + j`` (cpu_attn_vec.hpp, reshape_and_cache). The last axis is each element's bytes."""
+    + j`` (cpu_attn_vec.hpp, reshape_and_cache). The last axis is each element's bytes.
+    MLA (CPU_MLA): each layer ``[num_blocks, 1, block_size, latent]``, one row per token."""
+    if layout.engine == "vllm-mla":
+        nb, _, bs, d = layout.tensors[0].shape
+        isz = layout.tensors[0].element_size()
+        t = np.arange(start, stop) - first_token
+        rows = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
+        byte = (rows[:, None] * d * isz + np.arange(d * isz)[None, :])[None, :, None, :]  # [kv=1, T, H=1, bytes]
+        return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
     nb, nh, bs, hd2 = layout.tensors[0].shape
     hd, isz = hd2 // 2, layout.tensors[0].element_size()
     blocks = np.asarray(blocks, dtype=np.int64)

@@ -35,7 +35,7 @@ import torch
 
 from kvbridge.common.bootstrap import BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record
 from kvbridge.common.handoff import KVReceiver, KVSender
-from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout
+from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout
 
 from .config import ConfigError, VllmBridgeConfig
 from .scheduler import Drop, KVBridgeMetadata, Load, Open, Send
@@ -45,7 +45,7 @@ __all__ = ["KVBridgeWorker", "layout_from_vllm"]
 log = logging.getLogger(__name__)
 
 _KEEP = 4096
-HANDLED_BACKENDS = ("CPU_ATTN",)
+HANDLED_BACKENDS = ("CPU_ATTN", "CPU_MLA")
 
 
 def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp_rank: int = 0,
@@ -58,20 +58,27 @@ def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp
 
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
-    layers = get_layers_from_vllm_config(vllm_config, Attention, list(kv_caches))
+    layers = dict(get_layers_from_vllm_config(vllm_config, Attention, list(kv_caches)))
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+        layers.update(get_layers_from_vllm_config(vllm_config, MLAAttention, list(kv_caches)))
+    except ImportError:  # a vLLM without that module: plain attention only
+        pass
     backends, isas = set(), set()
     for name in kv_caches:
         layer = layers.get(name)
         if layer is None:
-            raise LayoutError(f"vLLM layer {name!r} is not a plain attention layer (MLA, Mamba...): not supported")
+            raise LayoutError(f"vLLM layer {name!r} is neither attention nor MLA (Mamba, linear attention...): "
+                              "not supported")
         backend = layer.attn_backend
         backends.add(backend.get_name() if hasattr(backend, "get_name") else type(backend).__name__)
         isas.add(getattr(layer, "isa", None))
     if backends - set(HANDLED_BACKENDS):
         raise LayoutError(f"vLLM attention backend {sorted(backends)} is not supported by kvbridge "
                           f"(handled: {list(HANDLED_BACKENDS)})")
-    if len(isas) != 1:
-        raise LayoutError(f"vLLM CPU attention layers use different ISAs {sorted(map(str, isas))}")
+    if len(backends) != 1:
+        raise LayoutError(f"vLLM layers use different attention backends {sorted(backends)}: not supported")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise LayoutError(f"vLLM kv_cache_dtype {cache_dtype!r} is not supported by kvbridge on the CPU backend")
@@ -81,6 +88,10 @@ def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp
         return int(nums[0]) if nums else 0
 
     names = sorted(kv_caches, key=index)
+    if backends == {"CPU_MLA"}:
+        return vllm_cpu_mla_layout([kv_caches[n] for n in names])
+    if len(isas) != 1:
+        raise LayoutError(f"vLLM CPU attention layers use different ISAs {sorted(map(str, isas))}")
     total = int(vllm_config.model_config.get_total_num_kv_heads())
     return vllm_cpu_layout([kv_caches[n] for n in names], isa=str(isas.pop()), total_heads=total, tp_rank=tp_rank,
                            tp_size=tp_size)
@@ -319,6 +330,8 @@ class KVBridgeWorker:
                     eps.append(r["endpoint"])
             if not eps:
                 return self._fail(ld, f"no prefill rank holds KV heads {sorted(mine)}")
+            if lay.kv_factor == 1:  # MLA: every rank holds the whole latent; one of them serves this rank
+                eps = [eps[self.tp_rank % len(eps)]]
             src_tp = len(records)
             receivers = max(1, self.tp_size // src_tp) if self.tp_size > src_tp else 1
         else:
