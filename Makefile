@@ -10,7 +10,12 @@ SHELL  := /bin/bash
 # this machine's pip config names local indexes that may be absent; drop that noise, keep pip's exit status
 QUIET  := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install sysdeps test demo bench reliability clean
+# vLLM runs from a venv of its own (its torch differs from SGLang's); the tests start its
+# servers from there. Rebuilt when its pins change, a no-op otherwise.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvbridge-deps
+
+.PHONY: install sysdeps test demo bench reliability clean vllm-venv
 
 sysdeps:
 	@bash scripts/sysdeps.sh
@@ -30,7 +35,13 @@ $(STAMP): requirements/pins.txt requirements/sglang.txt pyproject.toml scripts/s
 
 install: $(STAMP)
 
-test: install
+$(VLLM_STAMP): requirements/vllm.txt pyproject.toml scripts/vllm_venv.sh
+	@VLLM_VENV=$(VLLM_VENV) PYTHON=$(PYTHON) bash scripts/vllm_venv.sh
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
+test: install vllm-venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -44,4 +55,4 @@ reliability: install
 	$(BIN)/kvbridge report --out docs/reliability.md
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .hypothesis

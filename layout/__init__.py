@@ -6,12 +6,13 @@ Pure: imports torch and numpy only; no engine, no network, no globals.
 from .copyspec import CopySpec, TokenRuns
 from .geometry import KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype, check_compatible, dtype_itemsize
 from .heads import HeadMap, tp_head_slice
-from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer
+from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer, refused_kinds
 from .pools import allocate_pool
 from .repack import repack
 from .segments import Segments, block_ranges, check_segments_inside, coalesce, compile_segments, count_segments
 from .sglang_pool import sglang_layout_from_buffers, sglang_mha_layout, sglang_mla_layout
 from .trtllm_pool import trtllm_layout_from_geometry, trtllm_pool_layout
+from .vllm_pool import VLLM_CPU_ISAS, vllm_cpu_layout, vllm_cpu_layout_from_geometry, vllm_cpu_mla_layout
 
 __all__ = [
     "allocate_pool",
@@ -35,6 +36,7 @@ __all__ = [
     "count_segments",
     "dtype_itemsize",
     "plan_transfer",
+    "refused_kinds",
     "repack",
     "sglang_layout_from_buffers",
     "sglang_mha_layout",
@@ -42,4 +44,8 @@ __all__ = [
     "tp_head_slice",
     "trtllm_layout_from_geometry",
     "trtllm_pool_layout",
+    "VLLM_CPU_ISAS",
+    "vllm_cpu_layout",
+    "vllm_cpu_layout_from_geometry",
+    "vllm_cpu_mla_layout",
 ]

@@ -104,6 +104,15 @@ class KVLayout:
     ``head_stride`` are in bytes. ``region_of`` ``[num_layers, kv_factor]`` says which
     entry of ``regions`` holds that (layer, kv). ``tensors`` (optional, one per region)
     are the local torch tensors behind the regions; a peer's layout has none.
+
+    Element-strided rows: ``row_strides`` (empty for every layout whose head rows are
+    ``head_dim`` contiguous elements) gives, per K/V, ``(token stride, element stride)``
+    in bytes, replacing ``token_stride`` and the contiguous row: element ``j`` of token
+    ``t`` is at ``base + block * block_stride + head * head_stride + t * token_stride_kv
+    + j * element_stride_kv`` (vLLM's CPU pool stores K transposed inside a (block,
+    head): token stride = itemsize, element stride = block_size * itemsize). Such a
+    layout moves directly only to a layout with the same element strides; otherwise
+    only through staging on its own side (``plan_transfer`` enforces this).
     """
 
     engine: str
@@ -125,6 +134,7 @@ class KVLayout:
     regions: tuple[Region, ...] = field(repr=False)
     layer_offset: int = 0
     tensors: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    row_strides: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         base = np.ascontiguousarray(self.base, dtype=np.int64)
@@ -132,6 +142,11 @@ class KVLayout:
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "region_of", region_of)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        try:
+            rows = tuple((int(t), int(e)) for t, e in self.row_strides)
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"{self.engine} layout: row_strides must be (token, element) stride pairs: {e}") from None
+        object.__setattr__(self, "row_strides", rows)
         self._check()
 
     # -- derived geometry -------------------------------------------------------------
@@ -149,7 +164,31 @@ class KVLayout:
         rel = (self.base - self.base.min()).ravel()  # never empty: _check wants num_layers >= 1
         return (self.engine, self.num_layers, self.layer_offset, self.kv_factor, self.num_heads, self.head_offset,
                 self.total_heads, self.head_dim, self.dtype, self.tokens_per_block, self.num_blocks, self.first_block,
-                self.block_stride, self.token_stride, self.head_stride, tuple(rel.tolist()))
+                self.block_stride, self.token_stride, self.head_stride, tuple(rel.tolist()), self.row_strides)
+
+    @property
+    def rows_contiguous(self) -> bool:
+        """True when every head row is ``head_dim`` contiguous elements (no ``row_strides``)."""
+        return not self.row_strides
+
+    @cached_property
+    def token_strides(self) -> np.ndarray:
+        """Token stride in bytes per K/V, int64 ``[kv_factor]``."""
+        if self.row_strides:
+            return np.array([t for t, _ in self.row_strides], dtype=np.int64)
+        return np.full(self.kv_factor, self.token_stride, dtype=np.int64)
+
+    @cached_property
+    def elem_strides(self) -> np.ndarray:
+        """Stride between the elements of a head row in bytes per K/V, int64 ``[kv_factor]``."""
+        if self.row_strides:
+            return np.array([e for _, e in self.row_strides], dtype=np.int64)
+        return np.full(self.kv_factor, self.itemsize, dtype=np.int64)
+
+    def _tile_extents(self) -> np.ndarray:
+        """Per K/V, bytes from a (layer, kv, block)'s first byte to its last one, over every head."""
+        return ((self.num_heads - 1) * self.head_stride + (self.tokens_per_block - 1) * self.token_strides
+                + (self.head_dim - 1) * self.elem_strides + self.itemsize)
 
     @property
     def itemsize(self) -> int:
@@ -204,17 +243,25 @@ class KVLayout:
             v = getattr(self, s)
             if v < 0 or v % self.itemsize:
                 bad.append(f"{s}={v} is not a non-negative multiple of itemsize {self.itemsize}")
+        if self.row_strides:
+            if len(self.row_strides) != self.kv_factor:
+                bad.append(f"row_strides has {len(self.row_strides)} entries for kv_factor {self.kv_factor}")
+            elif any(v <= 0 or v % self.itemsize for pair in self.row_strides for v in pair):
+                bad.append(f"row_strides {self.row_strides} are not positive multiples of itemsize {self.itemsize}")
         if bad:
             raise LayoutError(f"{self.engine} layout: " + "; ".join(bad))
         if not self.regions:
             return
         # every byte the map can name must lie inside the region of its (layer, kv)
-        span = (
-            (self.num_blocks - 1) * self.block_stride
-            + (self.tokens_per_block - 1) * self.token_stride
-            + (self.num_heads - 1) * self.head_stride
-            + self.head_bytes
-        )
+        if self.row_strides:
+            span = ((self.num_blocks - 1) * self.block_stride + self._tile_extents())[None, :]
+        else:
+            span = (
+                (self.num_blocks - 1) * self.block_stride
+                + (self.tokens_per_block - 1) * self.token_stride
+                + (self.num_heads - 1) * self.head_stride
+                + self.head_bytes
+            )
         if self.region_of.min() < 0 or self.region_of.max() >= len(self.regions):
             raise LayoutError(f"{self.engine} layout: region_of names a region that does not exist")
         starts = np.array([r.addr for r in self.regions], dtype=np.int64)[self.region_of]
@@ -227,7 +274,10 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one (layer, kv) on this rank."""
+        """Bytes of one block of one (layer, kv) on this rank (from its first byte to its
+        last, for element-strided rows)."""
+        if self.row_strides:
+            return int(self._tile_extents().max())
         if self.is_head_major:
             return self.num_heads * self.head_stride
         return self.tokens_per_block * self.token_stride
@@ -267,6 +317,7 @@ class KVLayout:
             "region_of": self.region_of.tolist(),
             "regions": [[r.addr, r.nbytes] for r in self.regions],
             "layer_offset": self.layer_offset,
+            **({"row_strides": [list(p) for p in self.row_strides]} if self.row_strides else {}),
         }
 
     @classmethod
@@ -278,7 +329,7 @@ class KVLayout:
         address arrays must be integer arrays of the right nesting."""
         if not isinstance(d, dict):
             raise LayoutError(f"malformed layout description: expected a map, got {type(d).__name__}")
-        unknown, missing = set(d) - _DESC_FIELDS, _DESC_FIELDS - set(d) - {"layer_offset"}
+        unknown, missing = set(d) - _DESC_FIELDS, _DESC_FIELDS - set(d) - {"layer_offset", "row_strides"}
         if unknown or missing:
             raise LayoutError(f"malformed layout description: unknown fields {sorted(map(str, unknown))[:8]}, "
                               f"missing fields {sorted(missing)}")
@@ -304,6 +355,14 @@ class KVLayout:
             if (fields["regions"] < 0).any() or (fields["base"] < 0).any():
                 raise LayoutError("malformed layout description: negative address or size")
             fields["regions"] = tuple(Region(int(a), int(n)) for a, n in fields["regions"])
+            if "row_strides" in fields:
+                rows = fields["row_strides"]
+                if (not isinstance(rows, (list, tuple)) or len(rows) > 2
+                        or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                   and all(type(v) is int and 0 < v < 2**62 for v in p) for p in rows)):
+                    raise LayoutError("malformed layout description: row_strides must be up to two [token, element] "
+                                      f"pairs of positive integers, got {rows!r:.80}")
+                fields["row_strides"] = tuple(tuple(p) for p in rows)
             return cls(**fields)
         except LayoutError:
             raise
@@ -313,7 +372,7 @@ class KVLayout:
 
 _DESC_INTS = ("num_layers", "kv_factor", "num_heads", "head_offset", "total_heads", "head_dim", "tokens_per_block",
               "num_blocks", "first_block", "block_stride", "token_stride", "head_stride", "layer_offset")
-_DESC_FIELDS = frozenset(_DESC_INTS + ("engine", "dtype", "base", "region_of", "regions"))
+_DESC_FIELDS = frozenset(_DESC_INTS + ("engine", "dtype", "base", "region_of", "regions", "row_strides"))
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:

@@ -12,6 +12,12 @@
 
 The choice is by estimated time from per-segment cost, wire bandwidth and repack
 bandwidth (``PlanCosts``), and the plan says which it chose and why.
+
+A layout with element-strided rows (vLLM's CPU pool, whose K is transposed inside a
+block) limits the kinds (``refused_kinds``): ``direct`` only to a layout with the same
+element strides (else it would be one segment per element), and staging only on its own
+side (``staged_send`` when it sends, ``staged_recv`` when it receives), where the
+gather or scatter reads or writes its strided rows in one indexed copy per K/V.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from .heads import HeadMap
 from .repack import Gather, Scatter
 from .segments import Segments, compile_segments, count_or_compile, side_runs
 
-__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "plan_transfer", "plan_kind_estimates"]
+__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "refused_kinds", "plan_transfer", "plan_kind_estimates"]
 
 
 class PlanKind(str, Enum):
@@ -226,6 +232,24 @@ def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKin
     return _estimates(spec, costs, kinds)[0]
 
 
+def refused_kinds(src: KVLayout, dst: KVLayout) -> dict[PlanKind, str]:
+    """Plan kinds that cannot move ``src`` -> ``dst``, each with the reason (empty when
+    both layouts' head rows are contiguous)."""
+    out: dict[PlanKind, str] = {}
+    if src.rows_contiguous and dst.rows_contiguous:
+        return out
+    if not np.array_equal(src.elem_strides, dst.elem_strides):
+        out[PlanKind.DIRECT] = (f"{src.engine} -> {dst.engine}: element strides {src.elem_strides.tolist()} -> "
+                                f"{dst.elem_strides.tolist()} differ (a direct plan would be one segment per element)")
+    if not dst.rows_contiguous:
+        out[PlanKind.STAGED_SEND] = (f"the destination's ({dst.engine}) head rows are element-strided: "
+                                     "staged bytes must be scattered on its side (staged_recv)")
+    if not src.rows_contiguous:
+        out[PlanKind.STAGED_RECV] = (f"the source's ({src.engine}) head rows are element-strided: "
+                                     "staged bytes must be gathered on its side (staged_send)")
+    return out
+
+
 def plan_transfer(
     src: KVLayout,
     src_blocks,
@@ -246,17 +270,27 @@ def plan_transfer(
 
     Block lists are in token order; entry 0 holds token ``*_first_token``. ``kinds``
     are the plan kinds the deployment supports (``staged_recv`` needs a receiver that
-    scatters); ``force`` picks one regardless of cost. Raises LayoutMismatchError /
-    LayoutError naming what is wrong.
+    scatters); ``force`` picks one regardless of cost. Kinds the two layouts cannot
+    use (``refused_kinds``) are left out. Raises LayoutMismatchError / LayoutError
+    naming what is wrong (also when no allowed kind can move these layouts).
     """
     costs = costs or PlanCosts()
     spec = CopySpec.build(
         src, src_blocks, dst, dst_blocks, tokens, heads, src_first_token=src_first_token, dst_first_token=dst_first_token
     )
     allowed = tuple(PlanKind(k) for k in kinds)
+    refused = refused_kinds(src, dst)
     if force is not None:
         force = PlanKind(force)
+        if force in refused:
+            raise LayoutError(f"cannot force {force.value}: {refused[force]}")
         allowed = tuple(dict.fromkeys(allowed + (force,)))
+    if refused:
+        usable = tuple(k for k in allowed if k not in refused)
+        if not usable:
+            raise LayoutError(f"no plan kind among {[k.value for k in allowed]} can move {src.engine} -> "
+                              f"{dst.engine}: " + "; ".join(refused[k] for k in allowed))
+        allowed = usable
     est, wires = _estimates(spec, costs, allowed)
     ranked = sorted(est.values(), key=lambda e: (e.seconds, e.kind is not PlanKind.DIRECT))
     chosen = est[force] if force is not None else ranked[0]

@@ -5,7 +5,10 @@ run. ``engine='sglang'``: per layer one allocation holding K then V, each
 ``[num_blocks * tokens_per_block, heads, head_dim]`` (slot = page * page_size + token,
 page 0 the padding page), as ``MHATokenToKVPool`` lays them out; MLA: per layer
 ``[slots, 1, head_dim]``. ``engine='trtllm'``: one tensor ``[num_blocks, layers,
-kv_factor, heads * tokens_per_block * head_dim]``, HND inside a block. fp8 is stored as
+kv_factor, heads * tokens_per_block * head_dim]``, HND inside a block. ``engine='vllm'``:
+vLLM's CPU cache, per layer ``[num_blocks, heads, tokens_per_block, 2 * head_dim]`` views
+into one allocation, K transposed inside a (block, head); MLA: per layer ``[num_blocks, 1,
+tokens_per_block, head_dim]`` latent rows (``vllm_pool``). fp8 is stored as
 uint8. ``seed`` fills every byte deterministically (same seed, same bytes).
 """
 
@@ -17,6 +20,7 @@ from .geometry import KVLayout, LayoutError, dtype_itemsize
 from .heads import tp_head_slice
 from .sglang_pool import sglang_layout_from_buffers
 from .trtllm_pool import trtllm_pool_layout
+from .vllm_pool import vllm_cpu_layout, vllm_cpu_mla_layout
 
 __all__ = ["allocate_pool"]
 
@@ -71,4 +75,17 @@ def allocate_pool(
         return trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype=dtype,
                                   total_heads=None if mla else total_heads, tp_rank=0 if mla else tp_rank,
                                   tp_size=1 if mla else tp_size)
-    raise LayoutError(f"unknown engine format {engine!r}; known: 'sglang', 'trtllm'")
+    if engine == "vllm":
+        if dtype_itemsize(dtype) == 1:
+            raise LayoutError("vLLM's CPU fp8 KV cache is not supported")
+        if mla:
+            one = torch.empty(layers, num_blocks, 1, tpb, head_dim, dtype=store, device=device)
+            if gen is not None:
+                _fill(one, gen)
+            return vllm_cpu_mla_layout(list(one.unbind(0)), dtype=dtype)
+        one = torch.empty(layers, num_blocks, heads, tpb, 2 * head_dim, dtype=store, device=device)
+        if gen is not None:
+            _fill(one, gen)
+        return vllm_cpu_layout(list(one.unbind(0)), dtype=dtype, total_heads=total_heads, tp_rank=tp_rank,
+                               tp_size=tp_size)
+    raise LayoutError(f"unknown engine format {engine!r}; known: 'sglang', 'trtllm', 'vllm'")

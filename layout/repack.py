@@ -10,7 +10,9 @@ holds a spec's rows back to back, in the address order of one side:
   the wire having carried the source's runs.
 
 Each is ONE indexed copy (``index_select`` into the staging, ``index_copy_`` out of it)
-over a row view of the pool's memory, on CPU or CUDA alike. Row indices are computed
+over a row view of the pool's memory, on CPU or CUDA alike; a pool whose rows are
+element-strided (``KVLayout.row_strides``, vLLM's transposed K) is read or written
+through one strided row view per K/V, so one indexed copy per K/V. Row indices are computed
 once per spec with numpy (``prepare``) and reused; a pool made of several tensors (one
 per layer, as SGLang's) is read through one zero-copy alias of the address span that
 holds them, so any row of any layer is one index away.
@@ -66,15 +68,19 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
     hi = int((first_tok + bx.ntok).max()) if first_tok.size else spec.start
     first_tok = first_tok - lo
     rel = np.arange(lo, hi, dtype=np.int64) - y_first
-    y_tok = y_blocks[rel // Y.tokens_per_block] * Y.block_stride + (rel % Y.tokens_per_block) * Y.token_stride
+    y_blk = y_blocks[rel // Y.tokens_per_block] * Y.block_stride
+    # [kv_factor, tokens]: a token's offset in its block, by K/V (rows of a strided layout differ)
+    y_tok = y_blk[None, :] + (rel % Y.tokens_per_block)[None, :] * Y.token_strides[:, None]
     y_head = (hy + np.arange(nh, dtype=np.int64)) * Y.head_stride
     y_base = Y.base.reshape(-1)
-    x_addr, x_tok, x_head = bx.addr, X.token_stride, X.head_stride
+    x_addr, x_tok, x_head = bx.addr, X.token_strides, X.head_stride
     if unit != 1 or origin:
         if need_x:
             x_addr, x_tok, x_head = (x_addr - origin) // unit, x_tok // unit, x_head // unit
         else:
             y_tok, y_head, y_base = y_tok // unit, y_head // unit, (y_base - origin) // unit
+    x_plain, y_plain = X.rows_contiguous, Y.rows_contiguous
+    kvf = Y.kv_factor
     classes = bx.by_length()
     xs, ys, keys = [], [], []
     for n, sel in classes:
@@ -88,9 +94,13 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
             return (box_tok[:, :, None] + per_head[None, None, :]).reshape(-1)
 
         if need_x:
-            xs.append(grid(x_addr[sel], np.broadcast_to(t * x_tok, (count, n)), np.arange(nh, dtype=np.int64) * x_head))
+            per_tok = (np.broadcast_to(t * x_tok[0], (count, n)) if x_plain
+                       else t[None, :] * x_tok[bx.lk[sel] % kvf][:, None])
+            xs.append(grid(x_addr[sel], per_tok, np.arange(nh, dtype=np.int64) * x_head))
         if need_y:
-            ys.append(grid(y_base[bx.lk[sel]], y_tok[first_tok[sel][:, None] + t[None, :]], y_head))
+            cols = first_tok[sel][:, None] + t[None, :]
+            per_tok = y_tok[0][cols] if y_plain else y_tok[(bx.lk[sel] % kvf)[:, None], cols]
+            ys.append(grid(y_base[bx.lk[sel]], per_tok, y_head))
         if len(classes) > 1:
             keys.append(np.repeat(sel, n * nh))
     order_idx = np.argsort(np.concatenate(keys), kind="stable") if keys else None
@@ -119,12 +129,15 @@ class _CudaSpan:
 
 @dataclass
 class _RowSpace:
-    """Every row-start of one layout's memory as rows of ``row_units`` elements."""
+    """Every row-start of one layout's memory as rows of ``row_units`` elements; for a
+    layout with element-strided rows, ``strided[kv]`` is the same memory as rows of
+    ``head_dim`` elements ``elem_stride`` apart (one view per K/V)."""
 
     rows: torch.Tensor  # [n_units - row_units + 1, row_units], overlapping rows, stride (1, 1)
     base: int  # address of element 0
     unit: int
     keep: object  # whatever keeps the alias valid
+    strided: tuple[torch.Tensor, ...] = ()  # per K/V: [n, head_dim], stride (1, elem_stride / unit)
 
 
 def _row_space(lay: KVLayout, row_bytes: int, unit: int) -> _RowSpace:
@@ -146,15 +159,28 @@ def _row_space(lay: KVLayout, row_bytes: int, unit: int) -> _RowSpace:
         keep = lay.tensors
     flat = flat.view(_UNITS[unit])
     ru = row_bytes // unit
-    return _RowSpace(flat.as_strided((flat.numel() - ru + 1, ru), (1, 1)), lo, unit, keep)
+    strided = ()
+    if not lay.rows_contiguous:  # unit == itemsize here (_layout_unit)
+        n = lay.head_dim
+        strided = tuple(flat.as_strided((flat.numel() - (n - 1) * (e // unit), n), (1, e // unit))
+                        for e in lay.elem_strides.tolist())
+    return _RowSpace(flat.as_strided((flat.numel() - ru + 1, ru), (1, 1)), lo, unit, keep, strided)
 
 
 def _layout_unit(lay: KVLayout, row_bytes: int) -> int:
-    """The coarsest element (8, 4, 2 or 1 bytes) every row start of ``lay`` is aligned to."""
+    """The coarsest element (8, 4, 2 or 1 bytes) every row start of ``lay`` is aligned to
+    (for element-strided rows: the element itself, which must be aligned)."""
     lo = min(r.addr for r in lay.regions)
     mask = int(np.bitwise_or.reduce((lay.base - lo).reshape(-1))) if lay.base.size else 0
     mask |= lay.block_stride | lay.token_stride | lay.head_stride | row_bytes | 8
-    return mask & -mask
+    if lay.rows_contiguous:
+        return mask & -mask
+    mask |= int(np.bitwise_or.reduce(np.concatenate([lay.token_strides, lay.elem_strides])))
+    unit = mask & -mask
+    if unit < lay.itemsize or lay.itemsize not in _UNITS:
+        raise LayoutError(f"{lay.engine} layout: element-strided rows of {lay.itemsize}-byte elements "
+                          f"that are not {lay.itemsize}-byte aligned cannot be repacked")
+    return lay.itemsize
 
 
 class _PoolRows:
@@ -174,6 +200,8 @@ class _PoolRows:
         if self._space is None:
             self._space = lay.derived[key] = _row_space(lay, self.row_bytes, _layout_unit(lay, self.row_bytes))
         self._device = lay.tensors[0].device
+        self._strided = not lay.rows_contiguous
+        self._kvf = lay.kv_factor
         self._boxes = side_boxes(spec, order)
         self._box_end = np.cumsum(self._boxes.ntok * spec.heads.count)
         self.rows = int(self._box_end[-1]) if self._box_end.size else 0
@@ -219,18 +247,38 @@ class _PoolRows:
         nbytes = (b - a) * self.row_bytes
         out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
         index = self._index_of(a, b)
-        for i, j in self._copies(b - a, inline):
-            torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
+        if self._strided:
+            for kv, pos in self._by_kv(a, b):
+                out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
+        else:
+            for i, j in self._copies(b - a, inline):
+                torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
         self._complete()
         return nbytes
 
     def _scatter_from(self, staging: torch.Tensor) -> int:
         src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
         index = self.index
-        for i, j in self._copies(self.rows):
-            self._space.rows.index_copy_(0, index[i:j], src[i:j])
+        if self._strided:
+            for kv, pos in self._by_kv(0, self.rows):
+                self._space.strided[kv].index_copy_(0, index[pos], src.index_select(0, pos))
+        else:
+            for i, j in self._copies(self.rows):
+                self._space.rows.index_copy_(0, index[i:j], src[i:j])
         self._complete()
         return self.nbytes
+
+    def _by_kv(self, a: int, b: int) -> list[tuple[int, torch.Tensor]]:
+        """Rows ``[a, b)`` (relative to ``a``) grouped by K/V: a strided pool reads K and V
+        rows through different views. (kv, positions) for each K/V that has rows there."""
+        bx = self._boxes
+        kv_of_row = np.repeat(bx.lk % self._kvf, bx.ntok * self.spec.heads.count)[a:b]
+        out = []
+        for kv in range(self._kvf):
+            pos = np.flatnonzero(kv_of_row == kv)
+            if pos.size:
+                out.append((kv, torch.from_numpy(pos).to(self._device)))
+        return out
 
     def _complete(self) -> None:
         """Return only once the copy is done: on a GPU the kernels are asynchronous, and

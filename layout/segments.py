@@ -7,6 +7,11 @@ fold into it (NHD->NHD folds heads then tokens; HND->HND folds tokens, then head
 whole blocks). Boxes are then sorted by source address and neighbours that are
 adjacent on both sides are merged. All of it is numpy over boxes: no Python loop per
 token, block or segment.
+
+Layouts with element-strided rows (``KVLayout.row_strides``) fold per K/V, starting
+from one element (e.g. vLLM's transposed K -> transposed K folds tokens, then the
+head's elements for whole blocks); they have no contiguous runs of their own to stage
+in (``side_runs`` refuses them).
 """
 
 from __future__ import annotations
@@ -117,21 +122,25 @@ def _fold(dims: list[tuple[int, int, int]], elem: int) -> tuple[int, list[tuple[
     return run, dims
 
 
-def _box_starts(spec: CopySpec, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Start address of every (layer, kv, run in ``sel``) box on each side, shape [L*kv*R]."""
+def _box_starts(spec: CopySpec, sel: np.ndarray, kv: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Start address of every (layer, kv, run in ``sel``) box on each side, shape [L*kv*R]
+    (only K/V ``kv`` when given: [L*R])."""
     r = spec.runs
     out = []
     for lay, blk, slot, h0 in (
         (spec.src, r.src_block[sel], r.src_slot[sel], spec.heads.src_start),
         (spec.dst, r.dst_block[sel], r.dst_slot[sel], spec.heads.dst_start),
     ):
-        per_run = blk * lay.block_stride + slot * lay.token_stride + h0 * lay.head_stride
-        out.append((lay.base.reshape(-1, 1) + per_run[None, :]).reshape(-1))
+        tok = lay.token_stride if kv is None else int(lay.token_strides[kv])
+        base = lay.base if kv is None else lay.base[:, kv]
+        per_run = blk * lay.block_stride + slot * tok + h0 * lay.head_stride
+        out.append((base.reshape(-1, 1) + per_run[None, :]).reshape(-1))
     return out[0], out[1]
 
 
 def _classes(spec: CopySpec):
-    """Group runs by length (the only per-run input to folding): yields (sel, run, dims)."""
+    """Group runs by length (the only per-run input to folding): yields (sel, run, dims).
+    Both sides' head rows contiguous (see ``_kv_classes`` for any layouts)."""
     s, d, h = spec.src, spec.dst, spec.heads
     lengths = spec.runs.length
     for n in np.unique(lengths):
@@ -140,6 +149,24 @@ def _classes(spec: CopySpec):
             [(int(n), s.token_stride, d.token_stride), (h.count, s.head_stride, d.head_stride)], s.head_bytes
         )
         yield sel, run, dims
+
+
+def _kv_classes(spec: CopySpec):
+    """``_classes`` for any layouts: yields (sel, kv, run, dims), ``kv`` None for every
+    K/V at once (both sides' rows contiguous), else one K/V folded from one element."""
+    s, d, h = spec.src, spec.dst, spec.heads
+    if s.rows_contiguous and d.rows_contiguous:
+        for sel, run, dims in _classes(spec):
+            yield sel, None, run, dims
+        return
+    lengths = spec.runs.length
+    for n in np.unique(lengths):
+        sel = np.flatnonzero(lengths == n)
+        for kv in range(s.kv_factor):
+            run, dims = _fold([(s.head_dim, int(s.elem_strides[kv]), int(d.elem_strides[kv])),
+                               (int(n), int(s.token_strides[kv]), int(d.token_strides[kv])),
+                               (h.count, s.head_stride, d.head_stride)], s.itemsize)
+            yield sel, kv, run, dims
 
 
 def count_segments(spec: CopySpec, exact_limit: int = 1 << 15) -> int:
@@ -156,8 +183,9 @@ def count_or_compile(spec: CopySpec, exact_limit: int = 1 << 15) -> tuple[int, S
     if total is not None and total > exact_limit:  # large and one piece per token or finer: no runs needed
         return total, None
     total = 0
-    for sel, _, dims in _classes(spec):
-        total += sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))
+    for sel, kv, _, dims in _kv_classes(spec):
+        kvs = spec.src.kv_factor if kv is None else 1
+        total += sel.size * spec.src.num_layers * kvs * int(np.prod([d[0] for d in dims] or [1]))
     if total <= exact_limit:
         seg = compile_segments(spec)
         return seg.count, seg
@@ -169,6 +197,8 @@ def _unmerged_if_token_bound(spec: CopySpec) -> int | None:
     token contributes the same pieces, whatever the runs): from the geometry alone,
     without cutting the range into runs. None when tokens fold on both sides."""
     s, d, h = spec.src, spec.dst, spec.heads
+    if not (s.rows_contiguous and d.rows_contiguous):
+        return None  # counted per K/V class below
     _, dims = _fold([(2, s.token_stride, d.token_stride), (h.count, s.head_stride, d.head_stride)], s.head_bytes)
     if not any(dim[0] == 2 and dim[1] == s.token_stride and dim[2] == d.token_stride for dim in dims):
         return None
@@ -179,8 +209,8 @@ def _unmerged_if_token_bound(spec: CopySpec) -> int | None:
 def compile_segments(spec: CopySpec) -> Segments:
     """The coalesced byte segments that move ``spec`` directly from src to dst memory."""
     srcs, dsts, lens = [], [], []
-    for sel, run, dims in _classes(spec):
-        a, b = _box_starts(spec, sel)
+    for sel, kv, run, dims in _kv_classes(spec):
+        a, b = _box_starts(spec, sel, kv)
         if dims:
             sizes = [d[0] for d in dims]
             grid = np.indices(sizes, dtype=np.int64).reshape(len(dims), -1)
@@ -248,8 +278,13 @@ def _side_boxes(spec: CopySpec, side: str) -> SideBoxes:
     tok0 = first + pos * tpb
     a = np.maximum(spec.start, tok0) - tok0
     b = np.minimum(spec.stop, tok0 + tpb) - tok0
-    per_block = blocks[pos] * lay.block_stride + a * lay.token_stride + h0 * lay.head_stride
-    addr = (lay.base.reshape(-1, 1) + per_block[None, :]).reshape(-1)
+    if lay.rows_contiguous:
+        per_block = blocks[pos] * lay.block_stride + a * lay.token_stride + h0 * lay.head_stride
+        addr = (lay.base.reshape(-1, 1) + per_block[None, :]).reshape(-1)
+    else:  # the token stride is the K/V's own: lk = layer * kv_factor + kv
+        per_block = blocks[pos] * lay.block_stride + h0 * lay.head_stride
+        tok = np.tile(lay.token_strides, lay.num_layers)
+        addr = (lay.base.reshape(-1, 1) + per_block[None, :] + tok[:, None] * a[None, :]).reshape(-1)
     order = np.argsort(addr, kind="stable")
     lk, j = np.divmod(order, pos.size)  # box k of the flat [lk, block] grid is (k // blocks, k % blocks)
     return SideBoxes(lk=lk, block_pos=pos[j], slot=a[j], ntok=(b - a)[j], addr=addr[order])
@@ -265,6 +300,9 @@ def side_runs(spec: CopySpec, side: str) -> tuple[np.ndarray, np.ndarray]:
     ``side``, in increasing address order. A dense staging buffer laid out in this order
     holds the run bytes back to back."""
     lay = spec.src if side == "src" else spec.dst
+    if not lay.rows_contiguous:
+        raise LayoutError(f"the {lay.engine} layout's head rows are element-strided: it has no contiguous runs "
+                          "to send or receive staged bytes in its own order")
     bx = side_boxes(spec, side)
     nh = spec.heads.count
     classes = bx.by_length()

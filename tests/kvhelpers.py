@@ -31,6 +31,8 @@ def snapshot(layout: KVLayout) -> list[np.ndarray]:
 def unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
     """Byte offsets [L, kv, T, H, head_bytes] of the given tokens and local heads,
     relative to the start of each (layer, kv)'s region tensor."""
+    if layout.engine in ("vllm-cpu", "vllm-mla"):
+        return vllm_unit_offsets(layout, blocks, first_token, start, stop, heads_local)
     blocks = np.asarray(blocks, dtype=np.int64)
     t = np.arange(start, stop) - first_token
     blk = blocks[t // layout.tokens_per_block]
@@ -44,6 +46,35 @@ def unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: i
         + (h * layout.head_stride)[None, None, None, :, None]
         + np.arange(layout.head_bytes)[None, None, None, None, :]
     )
+
+
+def vllm_unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
+    """``unit_offsets`` for vLLM's CPU cache, from vLLM's own description and not the
+    layout's strides: each layer tensor is ``[num_blocks, heads, block_size, 2 * head_size]``
+    (its shape read here); inside a (block, head), K element (token t, dim j) is element
+    ``j * block_size + t`` and V element (t, j) is ``block_size * head_size + t * head_size
+    + j`` (cpu_attn_vec.hpp, reshape_and_cache). The last axis is each element's bytes.
+    MLA (CPU_MLA): each layer ``[num_blocks, 1, block_size, latent]``, one row per token."""
+    if layout.engine == "vllm-mla":
+        nb, _, bs, d = layout.tensors[0].shape
+        isz = layout.tensors[0].element_size()
+        t = np.arange(start, stop) - first_token
+        rows = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
+        byte = (rows[:, None] * d * isz + np.arange(d * isz)[None, :])[None, :, None, :]  # [kv=1, T, H=1, bytes]
+        return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
+    nb, nh, bs, hd2 = layout.tensors[0].shape
+    hd, isz = hd2 // 2, layout.tensors[0].element_size()
+    blocks = np.asarray(blocks, dtype=np.int64)
+    t = np.arange(start, stop) - first_token
+    blk, slot = blocks[t // bs], t % bs
+    h = np.asarray(heads_local, dtype=np.int64)
+    j = np.arange(hd)
+    tile = (blk[:, None] * nh + h[None, :]) * (bs * hd2)  # [T, H] first element of the (block, head)
+    k = tile[:, :, None] + j[None, None, :] * bs + slot[:, None, None]  # [T, H, hd]
+    v = tile[:, :, None] + bs * hd + slot[:, None, None] * hd + j[None, None, :]
+    elems = np.stack([k, v])  # [kv, T, H, hd]
+    byte = (elems[..., None] * isz + np.arange(isz)).reshape(2, t.size, h.size, hd * isz)
+    return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
 
 
 def read_units(layout: KVLayout, offsets: np.ndarray, data: list[np.ndarray] | None = None) -> np.ndarray:

@@ -2,8 +2,12 @@
 
 {SGLang->SGLang, SGLang->TRT-LLM, TRT-LLM->SGLang, TRT-LLM->TRT-LLM} x {GQA, MLA} x
 {SGLang page 1/16/64 against tokens_per_block 32/64} x {TP 1->1, 2->1, 1->2} x
-{bf16, fp8}. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
-MLATokenToKVPool); TensorRT-LLM sides are pools of its exact geometry. Each cell moves a
+{bf16, fp8}, and vLLM (CPU backends) to and from each of them and itself in bf16: GQA
+with blocks of 32/64 (CPU_ATTN: multiples of 32), MLA with blocks of 16 (CPU_MLA's only
+size); vLLM's CPU fp8 cache is not modelled, and vLLM -> vLLM needs equal block sizes. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
+MLATokenToKVPool); TensorRT-LLM and vLLM sides are pools of their exact geometry (the
+vLLM one read back through vLLM's own indexing rule, ``kvhelpers.vllm_unit_offsets``,
+and checked against vLLM's kernel in tests/test_vllm_layout.py). Each cell moves a
 request (with a prefix the receiver holds) from every source rank to every destination
 rank that shares heads with it, with the plan kvbridge chooses (and the gather/scatter
 kernels when it stages), and checks every byte of every destination rank and that
@@ -25,28 +29,44 @@ from kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_
 
 MATRIX: dict[tuple, str] = {}
 
-PAIRS = [("sglang", "sglang"), ("sglang", "trtllm"), ("trtllm", "sglang"), ("trtllm", "trtllm")]
-PAGES = {"sglang": [1, 16, 64], "trtllm": [32, 64]}
+PAIRS = [("sglang", "sglang"), ("sglang", "trtllm"), ("trtllm", "sglang"), ("trtllm", "trtllm"),
+         ("vllm", "vllm"), ("vllm", "sglang"), ("sglang", "vllm"), ("vllm", "trtllm"), ("trtllm", "vllm")]
+PAGES = {"sglang": [1, 16, 64], "trtllm": [32, 64], "vllm": [16, 32, 64]}
 TPS = [(1, 1), (2, 1), (1, 2)]
 LAYERS, HEADS, HEAD_DIM, MLA_DIM, TOKENS, PREFIX = 2, 4, 16, 24, 150, 20
 
 
 def page_pairs(src, dst):
-    if src == dst == "sglang":  # SGLang's scheduler requires equal page sizes on both sides
-        return [(p, p) for p in PAGES["sglang"]]
+    if src == dst and src in ("sglang", "vllm"):
+        # SGLang's scheduler requires equal page sizes on both sides; two vLLM caches with
+        # different block sizes have different K element strides (refused by plan_transfer)
+        return [(p, p) for p in PAGES[src]]
     return list(itertools.product(PAGES[src], PAGES[dst]))
 
 
+def applies(s, d, attn, dt, sp, dp) -> bool:
+    """vLLM's CPU caches: bf16; GQA with blocks of 32/64, MLA with blocks of 16 (see the
+    module docstring)."""
+    for eng, page in ((s, sp), (d, dp)):
+        if eng == "vllm" and (dt != "bf16" or (page == 16) != (attn == "MLA")):
+            return False
+    return True
+
+
 CELLS = [(s, d, attn, sp, dp, tp, dt) for s, d in PAIRS for attn in ("GQA", "MLA") for sp, dp in page_pairs(s, d)
-         for tp in TPS for dt in ("bf16", "fp8")]
-NOT_APPLICABLE = {(s, d, sp, dp) for s, d in PAIRS if s == d == "sglang"
-                  for sp, dp in itertools.product(PAGES["sglang"], PAGES["sglang"]) if sp != dp}
+         for tp in TPS for dt in ("bf16", "fp8") if applies(s, d, attn, dt, sp, dp)]
+NOT_APPLICABLE = {(s, d, sp, dp) for s, d in PAIRS if s == d and s in ("sglang", "vllm")
+                  for sp, dp in itertools.product(PAGES[s], PAGES[s]) if sp != dp}
 
 
 def make(engine, pools, *, attn, dtype, page, tp, rank, seed):
     MHA, MLA = pools
     mla = attn == "MLA"
     blocks = -(-TOKENS // page) + 3
+    if engine == "vllm":
+        return allocate_pool("vllm", layers=LAYERS, total_heads=HEADS, head_dim=MLA_DIM if mla else HEAD_DIM,
+                             dtype=dtype, tokens_per_block=page, num_blocks=blocks, tp_size=tp, tp_rank=rank, mla=mla,
+                             seed=seed)
     if engine == "trtllm":
         return allocate_pool("trtllm", layers=LAYERS, total_heads=HEADS, head_dim=MLA_DIM if mla else HEAD_DIM,
                              dtype=dtype, tokens_per_block=page, num_blocks=blocks, tp_size=tp, tp_rank=rank, mla=mla,
@@ -132,9 +152,11 @@ def format_matrix() -> list[str]:
             row = f"{'':<18}{attn:<5}{f'{tp[0]}->{tp[1]}':<6}{dt:<6}"
             for a, b in cols:
                 key = (s, d, attn, a, b, tp, dt)
-                v = "n/a (pages)" if (s, d, a, b) in NOT_APPLICABLE else MATRIX.get(key, "not run") if key in cells else "n/a"
+                v = ("n/a (pages)" if (s, d, a, b) in NOT_APPLICABLE else MATRIX.get(key, "not run") if key in cells
+                     else "n/a (vLLM)" if not applies(s, d, attn, dt, a, b) else "n/a")
                 row += f"{v:>16}"
             lines.append(row)
     lines += ["", "ok <kinds>: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv). "
-              "n/a (pages): SGLang requires equal page sizes on both sides."]
+              "n/a (pages): SGLang requires equal page sizes on both sides (vLLM -> vLLM: equal block sizes). "
+              "n/a (vLLM): vLLM's CPU caches: no fp8; GQA blocks are multiples of 32, MLA blocks are 16."]
     return lines

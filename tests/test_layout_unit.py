@@ -221,6 +221,7 @@ def test_wheel_contains_every_subpackage(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     for mod in ("kvbridge/__init__.py", "kvbridge/cli.py", "kvbridge/layout/plan.py", "kvbridge/layout/repack.py",
                 "kvbridge/common/__init__.py", "kvbridge/adapters/sglang/__init__.py", "kvbridge/adapters/trtllm/__init__.py",
+                "kvbridge/adapters/vllm/connector.py", "kvbridge/layout/vllm_pool.py", "kvbridge/demo/vllm_server.py",
                 "kvbridge/common/bootstrap.py", "kvbridge/demo/__init__.py", "kvbridge/demo/run.py",
                 # package data the demo's SGLang server needs on its PYTHONPATH
                 "kvbridge/demo/sgl_shim/sgl_kernel/__init__.py",

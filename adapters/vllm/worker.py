@@ -1,0 +1,374 @@
+"""The worker side of the kvbridge vLLM connector (``KVBridgeWorker``).
+
+vLLM builds the connector with ``KVConnectorRole.WORKER`` in every worker process (one
+per TP rank) and calls it from the model runner's connector context
+(``KVConnectorModelRunnerMixin._get_kv_connector_output``) every step, with or without a
+forward: ``bind_connector_metadata`` (the scheduler's orders), ``start_load_kv`` (after
+the forward for asynchronous loads), ``wait_for_save``, ``get_transfer_results``,
+``clear_connector_metadata``. ``register_kv_caches`` is called once, after the KV cache
+is allocated, with every attention layer's cache tensor.
+
+The worker owns the rank's KVLayout (from those tensors and the attention backend in
+use; a backend or ISA it does not handle is refused by name), the Mooncake transport,
+a kvbridge ``KVSender`` (prefill) and ``KVReceiver`` (decode), and on TP rank 0 of a
+prefill the SGLang-compatible bootstrap server where every rank registers its record.
+Loads and sends run on kvbridge's threads; their ends are reported in
+``get_transfer_results``. A decode worker finds a prefill's ranks through its bootstrap
+server on a thread of its own, so a slow or absent prefill never blocks a step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import urllib.request
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.common.bootstrap import BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record
+from kvbridge.common.handoff import KVReceiver, KVSender
+from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout
+
+from .config import ConfigError, VllmBridgeConfig
+from .scheduler import Drop, KVBridgeMetadata, Load, Open, Send
+
+__all__ = ["KVBridgeWorker", "layout_from_vllm"]
+
+log = logging.getLogger(__name__)
+
+_KEEP = 4096
+HANDLED_BACKENDS = ("CPU_ATTN", "CPU_MLA")
+
+
+def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp_rank: int = 0,
+                     tp_size: int = 1) -> KVLayout:
+    """This rank's KVLayout from ``register_kv_caches``' tensors (ordered by layer index)
+    and the attention backend each layer uses; LayoutError naming a backend, ISA or
+    cache dtype kvbridge does not handle."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    if not kv_caches:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    layers = dict(get_layers_from_vllm_config(vllm_config, Attention, list(kv_caches)))
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+        layers.update(get_layers_from_vllm_config(vllm_config, MLAAttention, list(kv_caches)))
+    except ImportError:  # a vLLM without that module: plain attention only
+        pass
+    backends, isas = set(), set()
+    for name in kv_caches:
+        layer = layers.get(name)
+        if layer is None:
+            raise LayoutError(f"vLLM layer {name!r} is neither attention nor MLA (Mamba, linear attention...): "
+                              "not supported")
+        backend = layer.attn_backend
+        backends.add(backend.get_name() if hasattr(backend, "get_name") else type(backend).__name__)
+        isas.add(getattr(layer, "isa", None))
+    if backends - set(HANDLED_BACKENDS):
+        raise LayoutError(f"vLLM attention backend {sorted(backends)} is not supported by kvbridge "
+                          f"(handled: {list(HANDLED_BACKENDS)})")
+    if len(backends) != 1:
+        raise LayoutError(f"vLLM layers use different attention backends {sorted(backends)}: not supported")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise LayoutError(f"vLLM kv_cache_dtype {cache_dtype!r} is not supported by kvbridge on the CPU backend")
+
+    def index(name: str) -> int:
+        nums = re.findall(r"\.(\d+)\.", f".{name}.")
+        return int(nums[0]) if nums else 0
+
+    names = sorted(kv_caches, key=index)
+    if backends == {"CPU_MLA"}:
+        return vllm_cpu_mla_layout([kv_caches[n] for n in names])
+    if len(isas) != 1:
+        raise LayoutError(f"vLLM CPU attention layers use different ISAs {sorted(map(str, isas))}")
+    total = int(vllm_config.model_config.get_total_num_kv_heads())
+    return vllm_cpu_layout([kv_caches[n] for n in names], isa=str(isas.pop()), total_heads=total, tp_rank=tp_rank,
+                           tp_size=tp_size)
+
+
+@dataclass
+class _Room:
+    req: str
+    room: int
+    kind: str  # "load" | "send"
+    released: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    reason: str = ""
+    started: bool = False
+    cancelled: bool = False  # its request ended before the load could start
+
+
+def _bounded(d: OrderedDict, key: str, value: Any) -> None:
+    d[key] = value
+    while len(d) > _KEEP:
+        d.popitem(last=False)
+
+
+def _append_record(path: str, line: dict) -> None:
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+    except OSError as e:
+        log.warning("kvbridge vLLM: cannot append to records_path %s: %s", path, e)
+
+
+class KVBridgeWorker:
+    """One worker's half of the connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, cfg: VllmBridgeConfig):
+        self.vllm_config = vllm_config
+        self.cfg = cfg
+        ktc = vllm_config.kv_transfer_config
+        self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        self.layout: KVLayout | None = None
+        self.transport = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.bootstrap: BootstrapServer | None = None
+        self.tp_rank, self.tp_size = 0, 1
+        self._lock = threading.RLock()
+        self._loads: dict[str, _Room] = {}
+        self._sends: dict[str, _Room] = {}
+        self._announced: set[str] = set()  # finished requests vLLM told this worker about
+        self._forget: set[int] = set()
+        self._discovered: dict[str, list[dict]] = {}  # bootstrap address -> its ranks' records
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvbridge-vllm-load")
+        self.finished_loads: OrderedDict[str, dict] = OrderedDict()  # request -> how its load ended
+        self.finished_sends: OrderedDict[str, dict] = OrderedDict()  # request -> how its send ended
+
+    # -- set-up -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe the cache, register it with Mooncake, start the sender / receiver and
+        (prefill, TP rank 0) the bootstrap server."""
+        from kvbridge.common.transport import MooncakeTransport
+
+        if self.layout is not None:
+            raise RuntimeError("register_kv_caches called twice")
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            self.tp_rank, self.tp_size = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+        except (AssertionError, ImportError, RuntimeError):  # no model-parallel group (a bare test harness)
+            self.tp_rank, self.tp_size = 0, 1
+        self.layout = layout_from_vllm(kv_caches, self.vllm_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        cfg = self.cfg
+        self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        if self.producer:
+            self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=cfg.handoff(receiver=False))
+        if self.consumer:
+            self.receiver = KVReceiver(self.layout, self.transport, config=cfg.handoff(receiver=True))
+        lay = self.layout
+        log.info("kvbridge vLLM worker rank %d/%d: %s, %d layers, %d blocks x %d tokens, %d KV head(s) of %d x %s%s",
+                 self.tp_rank, self.tp_size, lay.engine, lay.num_layers, lay.num_blocks, lay.tokens_per_block,
+                 lay.num_heads, lay.head_dim, lay.dtype, f"; sender {self.sender.endpoint}" if self.sender else "")
+        if self.sender is not None and cfg.bootstrap_port >= 0:
+            self._register_rank()
+
+    def _register_rank(self) -> None:
+        record = rank_record(endpoint=self.sender.endpoint, session=self.transport.session_id, engine="vllm",
+                             page_size=self.layout.tokens_per_block, layout=self.layout.describe())
+        if self.tp_rank == 0:
+            self.bootstrap = BootstrapServer(self.cfg.host, self.cfg.bootstrap_port, page_size=self.cfg.sglang_page_size,
+                                             tp_size=self.tp_size)
+            self.bootstrap.register(0, record)
+            log.info("kvbridge vLLM: bootstrap server at %s", self.bootstrap.address)
+            return
+        body = json.dumps({"attn_tp_rank": self.tp_rank, "kvbridge": record}).encode()
+        url = f"http://{self.cfg.host}:{self.cfg.bootstrap_port}/route"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        end = time.monotonic() + self.cfg.discovery_timeout_s
+        while True:  # rank 0 may not be up yet
+            try:
+                with opener.open(urllib.request.Request(url, data=body, method="PUT"), timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError as e:
+                if time.monotonic() > end:
+                    raise ConfigError(f"rank {self.tp_rank} cannot register with the bootstrap server {url}: {e}") from e
+            time.sleep(0.2)
+
+    # -- every step -------------------------------------------------------------------------
+    def start_load_kv(self, meta: Any) -> None:
+        """Apply this step's orders (transfers run on kvbridge's threads)."""
+        if not isinstance(meta, KVBridgeMetadata):
+            return
+        for o in meta.orders:
+            try:
+                {Open: self._open, Send: self._send, Load: self._load, Drop: self._drop}[type(o)](o)
+            except Exception:
+                log.exception("kvbridge vLLM worker rank %d: %s order for request %s failed", self.tp_rank,
+                              type(o).__name__, o.req)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving): sends whose room ended
+        (only of requests vLLM said finished), loads whose blocks no sender can still write."""
+        with self._lock:
+            self._announced.update(finished_req_ids or ())
+            sent = {r for r, s in self._sends.items() if s.released.is_set() and r in self._announced}
+            for r in sent:
+                s = self._sends.pop(r)
+                self._announced.discard(r)
+                rec = self.sender.record(s.room) if s.started else None
+                done = {"room": s.room, "ok": s.ok, "record": rec.as_dict() if rec else None}
+                _bounded(self.finished_sends, r, done)
+                if self.cfg.records_path:
+                    _append_record(self.cfg.records_path, {"req": r, "side": "send", "rank": self.tp_rank, **done})
+                self._forget.add(s.room)
+            for room in list(self._forget):
+                self.sender.forget(room)
+                if self.sender.record(room) is None:
+                    self._forget.discard(room)
+            loaded, failed = set(), set()
+            for r, ld in list(self._loads.items()):
+                if not ld.released.is_set():
+                    continue
+                del self._loads[r]
+                loaded.add(r)
+                if not ld.ok:
+                    failed.add(r)
+                done = {"room": ld.room, "ok": ld.ok, "reason": ld.reason}
+                if ld.started:
+                    rec = self.receiver.record(ld.room)
+                    done.update(aux=self.receiver.aux(ld.room), record=rec.as_dict() if rec else None)
+                    self.receiver.forget(ld.room)
+                _bounded(self.finished_loads, r, done)
+                if self.cfg.records_path:
+                    _append_record(self.cfg.records_path, {"req": r, "side": "load", "rank": self.tp_rank, **done})
+                if ld.ok:
+                    log.info("kvbridge vLLM: request %s: room %s loaded", r, ld.room)
+                else:
+                    log.warning("kvbridge vLLM: request %s: load of room %s failed: %s", r, ld.room, ld.reason)
+        return sent, loaded, failed
+
+    # -- orders -----------------------------------------------------------------------------
+    def _open(self, o: Open | Send) -> None:
+        if o.req in self._sends or self.sender is None:
+            return
+        s = self._sends[o.req] = _Room(o.req, o.room, "send")
+
+        def release(_blocks, ok, s=s):
+            s.ok = ok
+            s.released.set()
+
+        try:
+            self.sender.forget(o.room)  # a finished room of the same id from an earlier request
+            self.sender.add_room(o.room, (), release)
+            s.started = True
+        except ValueError as e:  # the room is open here already: a router error
+            log.error("kvbridge vLLM worker rank %d: request %s: %s", self.tp_rank, o.req, e)
+            s.released.set()
+
+    def _send(self, o: Send) -> None:
+        self._open(o)
+        s = self._sends[o.req]
+        if not s.started:
+            return
+        aux = {"output_ids": [o.first_token]} if o.first_token >= 0 else None
+        self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), 0, o.stop, last=True, aux=aux)
+
+    def _drop(self, o: Drop) -> None:
+        """A prefill half that ended before its send: vLLM freed its blocks itself (it was
+        never reported as held), so it is aborted and never reported. A decode half
+        aborted while loading: vLLM holds its blocks until the load is reported, which
+        happens once no sender can still write into them."""
+        with self._lock:
+            s = self._sends.pop(o.req, None)
+        if s is not None and s.started:
+            self.sender.abort(s.room, o.reason)
+            self._forget.add(s.room)
+        ld = self._loads.get(o.req)
+        if ld is not None:
+            ld.cancelled = True
+            if ld.started:
+                self.receiver.abort(ld.room, o.reason)
+
+    def _load(self, o: Load) -> None:
+        if self.receiver is None:
+            raise ConfigError("a load order on a worker without a receiver (kv_role kv_producer)")
+        ld = self._loads[o.req] = _Room(o.req, o.room, "load")
+        if o.endpoints:
+            self._request(ld, o, list(o.endpoints), None)
+        else:
+            self._pool.submit(self._discover_then_request, ld, o)
+
+    def _discover_then_request(self, ld: _Room, o: Load) -> None:
+        try:
+            records = self._discovered.get(o.bootstrap)
+            if records is None:
+                body = fetch_ranks(o.bootstrap, self.cfg.discovery_timeout_s)
+                endpoints_by_tp_rank(body, o.bootstrap)  # checks the topology
+                records = sorted(body["ranks"], key=lambda r: int(r["tp_rank"]))
+                self._discovered[o.bootstrap] = records
+            self._request(ld, o, [r["endpoint"] for r in records], records)
+        except (BootstrapError, ValueError, KeyError, TypeError) as e:
+            self._discovered.pop(o.bootstrap, None)
+            self._fail(ld, f"cannot find the prefill at {o.bootstrap}: {e}")
+
+    def _request(self, ld: _Room, o: Load, endpoints: list[str], records: list[dict] | None) -> None:
+        if ld.cancelled:
+            return self._fail(ld, "the request ended before its load started")
+        lay = self.layout
+        eps, receivers = endpoints, 1
+        if records:  # the prefill ranks holding heads of this rank, and how many decode ranks pull each
+            mine = set(lay.heads)
+            eps = []
+            for r in records:
+                d = r.get("layout") or {}
+                theirs = set(range(int(d.get("head_offset", 0)), int(d.get("head_offset", 0)) + int(d.get("num_heads", 0))))
+                if theirs & mine:
+                    eps.append(r["endpoint"])
+            if not eps:
+                return self._fail(ld, f"no prefill rank holds KV heads {sorted(mine)}")
+            if lay.kv_factor == 1:  # MLA: every rank holds the whole latent; one of them serves this rank
+                eps = [eps[self.tp_rank % len(eps)]]
+            src_tp = len(records)
+            receivers = max(1, self.tp_size // src_tp) if self.tp_size > src_tp else 1
+        else:
+            src_tp = len(endpoints)
+            if self.tp_size > 1 or src_tp > 1:  # without layouts: rank i of n pulls from the ranks with its heads
+                first, count = tp_head_slice(lay.total_heads, self.tp_size, self.tp_rank)
+                per = max(1, lay.total_heads // src_tp)
+                eps = sorted({endpoints[min(src_tp - 1, h // per)] for h in range(first, first + count)},
+                             key=endpoints.index)
+                receivers = max(1, self.tp_size // src_tp) if self.tp_size > src_tp else 1
+
+        def release(_blocks, ok, ld=ld):
+            ld.ok = ok
+            ld.reason = "" if ok else self.receiver.failure_reason(ld.room)
+            ld.released.set()
+
+        try:
+            self.receiver.forget(o.room)
+            self.receiver.request(o.room, eps, np.asarray(o.blocks, dtype=np.int64), o.start, o.stop, release,
+                                  receivers=receivers)
+            ld.started = True
+        except (ValueError, LayoutError) as e:
+            self._fail(ld, f"{type(e).__name__}: {e}")
+
+    def _fail(self, ld: _Room, reason: str) -> None:
+        log.warning("kvbridge vLLM worker rank %d: request %s: room %s: %s", self.tp_rank, ld.req, ld.room, reason)
+        ld.ok, ld.reason = False, reason
+        ld.released.set()
+
+    def close(self) -> None:
+        """Stop the bootstrap server, sender, receiver and transport."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for part in (self.bootstrap, self.receiver, self.sender):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:  # pragma: no cover - best effort at shutdown
+                    log.exception("kvbridge vLLM: closing %s", type(part).__name__)
+        if self.transport is not None:
+            self.transport.close()

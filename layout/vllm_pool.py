@@ -1,0 +1,164 @@
+"""vLLM's paged KV cache as a KVLayout (the CPU attention backend's 'vec' kernels).
+
+vLLM hands a KV connector one tensor per attention layer (``register_kv_caches``). The
+CPU backend (``CPU_ATTN``, ``vllm/v1/attention/backends/cpu_attn.py``,
+``get_kv_cache_shape``) shapes it ``[num_blocks, num_kv_heads, block_size, 2 *
+head_size]`` and its forward reads it as ``[num_blocks, num_kv_heads, 2 * block_size,
+head_size]`` cut in two along dim 2: inside one (block, head), the first ``block_size *
+head_size`` elements are K, the next ``block_size * head_size`` are V. The kernels of the
+'vec' ISA (``csrc/cpu/cpu_attn_vec.hpp``, ``reshape_and_cache``) write V row-major,
+``[block_size, head_size]``, and K column-major: element (token ``t``, dim ``j``) at
+``j * block_size + t``. So a K head row is ``head_size`` elements ``block_size`` apart
+(``KVLayout.row_strides``). Block 0 is vLLM's null block; valid ids start at 1. In vLLM
+0.32 the per-layer tensors are views into one allocation, layer after layer.
+
+Other ISAs of the CPU backend ('amx', 'vec16', 'neon', ...) order a block differently
+and are refused by name, as are fp8 KV caches (another writer).
+
+MLA: the CPU MLA backend (``CPU_MLA``, ``vllm/v1/attention/backends/mla/cpu_mla.py``;
+head size 576 = kv_lora_rank 512 + rope 64, block size 16 only) hands each layer a
+contiguous ``[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]``: one latent
+row per token, rows contiguous (``vllm_cpu_mla_layout``, kv_factor 1). This module does
+not import vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .geometry import KVLayout, LayoutError, Region, canonical_dtype, dtype_itemsize
+from .heads import tp_head_slice
+
+__all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry", "vllm_cpu_mla_layout"]
+
+VLLM_CPU_ISAS = ("vec",)  # the CPU backend's kernels whose block layout kvbridge knows
+
+
+def vllm_cpu_layout_from_geometry(
+    layer_ptrs: Sequence[int],
+    layer_nbytes: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: Any,
+    *,
+    isa: str = "vec",
+    total_heads: int | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layer_offset: int = 0,
+    tensors: Sequence[torch.Tensor] | None = None,
+) -> KVLayout:
+    """Layout of vLLM's CPU KV cache from each layer tensor's address and the geometry.
+
+    ``num_kv_heads`` are the heads on this rank; ``total_heads`` (default ``num_kv_heads
+    * tp_size``) the model's. Raises LayoutError naming an ISA or a size it cannot describe.
+    """
+    if isa not in VLLM_CPU_ISAS:
+        raise LayoutError(f"vLLM CPU attention ISA {isa!r} is not supported (its block layout differs); "
+                          f"kvbridge handles {list(VLLM_CPU_ISAS)}")
+    isz = dtype_itemsize(dtype)
+    if isz == 1:
+        raise LayoutError("vLLM's CPU fp8 KV cache is written by other kernels; only float32/bfloat16/float16 are supported")
+    ptrs = np.asarray([int(p) for p in layer_ptrs], dtype=np.int64)
+    if ptrs.size == 0:
+        raise LayoutError("vLLM KV cache: no layer tensors")
+    tile = block_size * head_size * isz  # one K (or V) of one (block, head)
+    head_stride = 2 * tile
+    block_stride = num_kv_heads * head_stride
+    if layer_nbytes != num_blocks * block_stride:
+        raise LayoutError(f"vLLM KV cache: a layer of {layer_nbytes} B is not {num_blocks} blocks x {num_kv_heads} heads "
+                          f"x 2 x {block_size} tokens x {head_size} x {isz} B")
+    total = total_heads if total_heads is not None else num_kv_heads * tp_size
+    head_offset, n = tp_head_slice(total, tp_size, tp_rank)
+    if n != num_kv_heads:
+        raise LayoutError(f"tp_rank {tp_rank} of {tp_size} holds {n} of {total} KV heads, but the cache has {num_kv_heads}")
+    base = np.stack([ptrs, ptrs + tile], axis=1)  # K then V inside each (block, head)
+    return KVLayout(
+        engine="vllm-cpu",
+        num_layers=int(ptrs.size),
+        kv_factor=2,
+        num_heads=num_kv_heads,
+        head_offset=head_offset,
+        total_heads=total,
+        head_dim=head_size,
+        dtype=canonical_dtype(dtype),
+        tokens_per_block=block_size,
+        num_blocks=num_blocks,
+        first_block=1,
+        block_stride=block_stride,
+        token_stride=head_size * isz,  # V's; K's is in row_strides
+        head_stride=head_stride,
+        base=base,
+        region_of=np.repeat(np.arange(ptrs.size, dtype=np.int64)[:, None], 2, axis=1),
+        regions=tuple(Region(int(p), int(layer_nbytes)) for p in ptrs),
+        layer_offset=layer_offset,
+        tensors=tuple(tensors) if tensors is not None else None,
+        row_strides=((isz, block_size * isz), (head_size * isz, isz)),
+    )
+
+
+def vllm_cpu_layout(
+    kv_caches: Sequence[torch.Tensor],
+    *,
+    isa: str = "vec",
+    dtype: Any = None,
+    total_heads: int | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layer_offset: int = 0,
+) -> KVLayout:
+    """Layout of the per-layer tensors vLLM's CPU backend hands ``register_kv_caches``
+    (in model layer order), each ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+    and contiguous; their tensors are attached."""
+    if not kv_caches:
+        raise LayoutError("vLLM KV cache: no layer tensors")
+    t0 = kv_caches[0]
+    for t in kv_caches:
+        if t.dim() != 4 or tuple(t.shape) != tuple(t0.shape) or t.dtype != t0.dtype or not t.is_contiguous():
+            raise LayoutError(f"vLLM CPU KV cache tensors must all be contiguous [num_blocks, num_kv_heads, block_size, "
+                              f"2 * head_size] of one dtype, got {tuple(t.shape)} {t.dtype} "
+                              f"(contiguous: {t.is_contiguous()}) beside {tuple(t0.shape)} {t0.dtype}")
+    num_blocks, heads, block_size, two_hd = t0.shape
+    if two_hd % 2:
+        raise LayoutError(f"vLLM CPU KV cache: last dimension {two_hd} is not 2 * head_size")
+    return vllm_cpu_layout_from_geometry(
+        [t.data_ptr() for t in kv_caches], t0.numel() * t0.element_size(), int(num_blocks), int(heads), int(block_size),
+        int(two_hd) // 2, dtype if dtype is not None else t0.dtype, isa=isa, total_heads=total_heads, tp_rank=tp_rank,
+        tp_size=tp_size, layer_offset=layer_offset, tensors=kv_caches)
+
+
+def vllm_cpu_mla_layout(kv_caches: Sequence[torch.Tensor], *, dtype: Any = None, layer_offset: int = 0) -> KVLayout:
+    """Layout of the per-layer tensors vLLM's CPU MLA backend hands ``register_kv_caches``
+    (model layer order), each contiguous ``[num_blocks, 1, block_size, latent]`` (or
+    ``[num_blocks, block_size, latent]``); one latent "head" replicated on every TP rank."""
+    if not kv_caches:
+        raise LayoutError("vLLM KV cache: no layer tensors")
+    t0 = kv_caches[0]
+    shape = tuple(t0.shape)
+    if len(shape) == 4 and shape[1] == 1:
+        shape = (shape[0], shape[2], shape[3])
+    if len(shape) != 3:
+        raise LayoutError(f"vLLM CPU MLA cache must be [num_blocks, 1, block_size, latent], got {tuple(t0.shape)}")
+    for t in kv_caches:
+        if tuple(t.shape) != tuple(t0.shape) or t.dtype != t0.dtype or not t.is_contiguous():
+            raise LayoutError(f"vLLM CPU MLA cache tensors must be alike and contiguous, got {tuple(t.shape)} {t.dtype} "
+                              f"beside {tuple(t0.shape)} {t0.dtype}")
+    num_blocks, block_size, latent = (int(x) for x in shape)
+    dt = dtype if dtype is not None else t0.dtype
+    isz = dtype_itemsize(dt)
+    if isz == 1:
+        raise LayoutError("vLLM's CPU fp8 KV cache is not supported")
+    row = latent * isz
+    ptrs = np.asarray([t.data_ptr() for t in kv_caches], dtype=np.int64)
+    nbytes = num_blocks * block_size * row
+    return KVLayout(
+        engine="vllm-mla", num_layers=int(ptrs.size), kv_factor=1, num_heads=1, head_offset=0, total_heads=1,
+        head_dim=latent, dtype=canonical_dtype(dt), tokens_per_block=block_size, num_blocks=num_blocks, first_block=1,
+        block_stride=block_size * row, token_stride=row, head_stride=row, base=ptrs[:, None].copy(),
+        region_of=np.arange(ptrs.size, dtype=np.int64)[:, None], regions=tuple(Region(int(p), nbytes) for p in ptrs),
+        layer_offset=layer_offset, tensors=tuple(kv_caches))

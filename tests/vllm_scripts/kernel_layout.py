@@ -1,0 +1,53 @@
+"""Run in the vLLM venv: vLLM's own CPU kernel writes known K/V into a cache tensor of its
+backend's shape; kvbridge's layout of that tensor must find every element where the
+kernel put it. Prints one JSON line."""
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+import vllm  # noqa: F401  (selects CpuPlatform, loads the _C kernels)
+from vllm import _custom_ops as ops
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from kvbridge.layout import CopySpec, allocate_pool, vllm_cpu_layout
+from kvbridge.layout.repack import Gather
+
+current_platform.import_kernels()
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    nb, nh, bs, hd, layers = 6, 2, 32, 32, 2
+    isa = _get_attn_isa(dtype, bs, hd)
+    shape = (nb, nh, bs, 2 * hd)  # what register_kv_caches gets per layer (LBHNC, [B, H, N, 2 * head_size])
+    one = torch.zeros((layers,) + tuple(shape), dtype=dtype)
+    caches = list(one.unbind(0))
+    g = torch.Generator().manual_seed(0)
+    n = 70
+    slots = torch.tensor(np.r_[np.arange(3 * bs, 3 * bs + 32), np.arange(1 * bs, 1 * bs + 32), np.arange(5 * bs, 5 * bs + 6)])
+    keys, values = [], []
+    for c in caches:  # the backend's own write path (CPUAttentionBackendImpl.do_kv_cache_update)
+        k = torch.randn(n, nh, hd, generator=g).to(dtype)
+        v = torch.randn(n, nh, hd, generator=g).to(dtype)
+        kc, vc = c.view(nb, nh, bs * 2, hd).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+        keys.append(k)
+        values.append(v)
+    lay = vllm_cpu_layout(caches, isa=isa)
+    # gather the request's rows into an NHD pool (SGLang's order) with kvbridge's kernels
+    dst = allocate_pool("sglang", layers=layers, total_heads=nh, head_dim=hd, dtype=str(dtype).split(".")[1],
+                        tokens_per_block=1, num_blocks=n + 1)
+    spec = CopySpec.build(lay, [3, 1, 5], dst, np.arange(1, n + 1), n)
+    staging = torch.empty(spec.nbytes, dtype=torch.uint8)
+    Gather(spec).run(staging)
+    rows = staging.view(dtype).view(-1, hd)
+    # staging is in the destination's address order: K of layer 0, ... (SGLang: per layer K then V)
+    want = torch.cat([torch.stack([keys[l], values[l]]).reshape(-1, hd) for l in range(layers)])
+    order = np.argsort(np.concatenate([np.asarray(dst.base[l, kv] + np.arange(n)[:, None] * dst.token_stride
+                                                  + np.arange(nh)[None, :] * dst.head_stride).reshape(-1)
+                                       for l in range(layers) for kv in range(2)]), kind="stable")
+    out[str(dtype)] = {"isa": isa, "shape": list(shape), "equal": bool(torch.equal(rows, want[order])),
+                       "row_strides": [list(p) for p in lay.row_strides], "nonzero_elems": int((one != 0).sum())}
+print(json.dumps(out))
