@@ -708,9 +708,14 @@ class TRTServers:
         return ld
 
     def close(self) -> None:
-        for s in (self.pre, self.dec):
-            if s is not None:
-                s.stop()
+        """Stop both servers (at once: a rank takes seconds to exit)."""
+        import threading
+
+        stops = [threading.Thread(target=s.stop) for s in (self.pre, self.dec) if s is not None]
+        for t in stops:
+            t.start()
+        for t in stops:
+            t.join()
         self.switch.close()
 
 
