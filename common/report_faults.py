@@ -130,7 +130,7 @@ def render_faults(r: dict) -> str:
     ch = r.get("cross_host", {})
     lines += ["", "Across hosts (two network namespaces joined by a veth pair, 10.203.0.1 / 10.203.0.2; TensorRT-LLM "
               "connector; endpoints advertised with each host's address, no listener on 127.0.0.1):", "",
-              "| handoff | result |", "|---|---|"]
+              "| handoff | result (seconds: the decode's handoff, from its receiver's record) |", "|---|---|"]
     p2p, etcd = ch.get("p2p_handoff"), ch.get("etcd_handoff")
     lines.append("| P2PHANDSHAKE metadata, discovery through the prefill's bus | "
                  + (f"byte-exact, {p2p['bytes']:,} B in {p2p['seconds']:.2f} s |" if p2p else "not run |"))

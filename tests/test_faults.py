@@ -833,6 +833,9 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
             # what each side reports: nobody told the connector of the cancel
             extra["observed"] = {"decode_load": {"verdict": ld["verdict"], "state": _trt_state(ld)},
                                  "prefill_save": _trt_state(sv)}
+            extra["note"] = (f"the decode's connector recorded the load as {_trt_state(ld).lower()} (verdict "
+                             f"{ld['verdict']}) and the prefill its send as {_trt_state(sv).lower()}: neither learned of "
+                             "the cancel")
             landed = not torch.equal(at_free.view(torch.uint8), farm.dec.pool(0)[blocks].view(torch.uint8))
             extra["landed_after_free"] = landed
             if landed:
