@@ -26,6 +26,8 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
     faults = sys.modules.get("test_faults")
     if faults is not None and faults.RESULTS:
-        terminalreporter.section("fault matrix (surviving sides: seconds from fault to terminal / bound)")
+        terminalreporter.section("fault matrix (each side: the state it reports, seconds from fault to terminal / bound)")
         for line in faults.format_matrix():
             terminalreporter.write_line(line)
+        if os.environ.get("KVBRIDGE_RELIABILITY_DIR"):  # else the rows went to a temporary folder
+            terminalreporter.write_line(f"rows written to {os.path.join(faults.OUT, 'faults.json')}")

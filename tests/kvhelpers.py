@@ -150,10 +150,20 @@ def stop_process(conn, proc, grace_s: float = 5.0) -> None:
 # -- fault-injection hooks for peer processes ---------------------------------------------
 # A peer process calls ``install_test_hooks(opts)`` first thing (its driver passes ``opts``
 # through): ``netns`` moves the process into a network namespace (as ``ip netns exec``
-# would), ``dir`` makes every Mooncake transport created afterwards write through a
-# throttle the parent switches on and off with a file, and records the process's kvbridge
-# warnings (room failures with their reasons, refused second releases) with their
-# monotonic times, which are system-wide, so the parent can time them against its own.
+# would); ``dir`` makes every Mooncake transport created afterwards consult the parent's
+# switch file ``<dir>/armed`` on each write, and records the process's kvbridge warnings
+# (room failures with their reasons, refused second releases) with their monotonic times,
+# which are system-wide, so the parent can time them against its own.
+#
+# While ``armed`` exists it holds a JSON mode (``FaultSwitch.on`` writes it):
+# ``piece_bytes`` / ``inflight`` (0: the transport's own defaults) replace the
+# transport's ``max_piece_bytes`` / ``max_inflight_per_peer`` for the writes started
+# while armed, ``delay_s`` makes each piece wait that long before it goes to the engine
+# (the bytes still go through the real engine), and the ``started_at``-th piece creates
+# ``<dir>/started`` (the transfer is under way). If ``<dir>/hold`` exists then, that piece
+# waits (at most ``hold_s``) until the parent removes it: the piece is past kvbridge's
+# per-piece write guard, so a parent that stops the process meanwhile knows a piece is
+# in flight. Not armed: the transport runs untouched (its defaults, no delay).
 _HOOKS: dict = {}
 
 
@@ -170,28 +180,42 @@ def enter_netns(name: str) -> None:
         _os.close(fd)
 
 
-class _ThrottledEngine:
-    """A Mooncake engine whose piece submissions sleep ``delay_s`` each while the file
-    ``<dir>/slow`` exists (the bytes still go through the real engine); after the second
-    throttled piece it creates ``<dir>/started``: the transfer is under way and far from done."""
+def armed_mode(folder: str) -> dict | None:
+    """The mode in ``<folder>/armed`` (None while not armed)."""
+    import json
+    import os as _os
 
-    def __init__(self, engine, folder: str, delay_s: float):
-        self._engine, self._dir, self._delay, self._n, self._epoch = engine, folder, delay_s, 0, None
+    try:
+        with open(_os.path.join(folder, "armed")) as f:
+            return json.loads(f.read() or "{}")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class _FaultEngine:
+    """A Mooncake engine that applies the armed mode's per-piece delay, marks the
+    ``started_at``-th piece submitted since the parent armed it, and holds that piece
+    while ``<dir>/hold`` exists."""
+
+    def __init__(self, engine, folder: str):
+        self._engine, self._dir, self._n, self._epoch = engine, folder, 0, None
 
     def batch_transfer_async_write(self, *args):
         import os as _os
         import time as _time
 
-        try:
-            epoch = _os.stat(_os.path.join(self._dir, "slow")).st_mtime_ns
-        except FileNotFoundError:
-            epoch = None
-        if epoch is not None:
-            self._n = self._n + 1 if epoch == self._epoch else 1  # counted afresh each time it is switched on
+        mode = armed_mode(self._dir)
+        if mode is not None:
+            epoch = mode.get("epoch")
+            self._n = self._n + 1 if epoch == self._epoch else 1  # counted afresh each time it is armed
             self._epoch = epoch
-            if self._n == 2:
+            if self._n == int(mode.get("started_at", 2)):
                 open(_os.path.join(self._dir, "started"), "w").close()
-            _time.sleep(self._delay)
+                end = _time.monotonic() + float(mode.get("hold_s", 30.0))
+                while _os.path.exists(_os.path.join(self._dir, "hold")) and _time.monotonic() < end:
+                    _time.sleep(0.002)
+            if mode.get("delay_s"):
+                _time.sleep(float(mode["delay_s"]))
         return self._engine.batch_transfer_async_write(*args)
 
     def __getattr__(self, name):
@@ -217,8 +241,8 @@ class _EventLog:
 
 
 def install_test_hooks(opts: dict | None) -> None:
-    """Apply fault-injection hooks ``opts`` (``netns``, ``dir``, ``delay_s``, ``piece_bytes``)
-    to this process; later calls change the folder and throttle of transports made after."""
+    """Apply fault-injection hooks ``opts`` (``netns``, ``dir``) to this process; a later
+    call moves the event log and the switch to its ``dir`` for transports made after."""
     import logging
     import os as _os
 
@@ -229,7 +253,7 @@ def install_test_hooks(opts: dict | None) -> None:
         _HOOKS["netns"] = opts["netns"]
     if not opts.get("dir"):
         return
-    _HOOKS.update(dir=opts["dir"], delay_s=float(opts.get("delay_s", 0.05)), piece_bytes=int(opts.get("piece_bytes", 16 << 10)))
+    _HOOKS["dir"] = opts["dir"]
     ev = _HOOKS.get("events")
     if ev is None:
         ev = _HOOKS["events"] = _EventLog("")
@@ -241,13 +265,22 @@ def install_test_hooks(opts: dict | None) -> None:
 
     init = MooncakeTransport.__init__
 
-    def throttled_init(self, *a, **kw):
+    def hooked_init(self, *a, **kw):
         init(self, *a, **kw)
-        self._engine = _ThrottledEngine(self._engine, _HOOKS["dir"], _HOOKS["delay_s"])
-        self.max_piece_bytes = _HOOKS["piece_bytes"]  # many small pieces, one at a time: a transfer takes a while
-        self.max_inflight_per_peer = 1
+        folder = _HOOKS["dir"]
+        self._engine = _FaultEngine(self._engine, folder)
+        defaults = (self.max_piece_bytes, self.max_inflight_per_peer)
+        write_async = self.write_async
 
-    MooncakeTransport.__init__ = throttled_init
+        def armed_write_async(*wa, **wk):
+            mode = armed_mode(folder) or {}
+            self.max_piece_bytes = int(mode.get("piece_bytes") or defaults[0])
+            self.max_inflight_per_peer = int(mode.get("inflight") or defaults[1])
+            return write_async(*wa, **wk)
+
+        self.write_async = armed_write_async
+
+    MooncakeTransport.__init__ = hooked_init
     _HOOKS["patched"] = True
 
 
@@ -262,3 +295,87 @@ def read_events(folder: str) -> list[dict]:
         with open(p) as f:
             out += [dict(json.loads(line), pid=int(p.rsplit("-", 1)[1].split(".")[0])) for line in f if line.strip()]
     return sorted(out, key=lambda e: e["t"])
+
+
+def wait_until(cond, timeout_s: float, what: str, poll_s: float = 0.002) -> float:
+    """Poll ``cond()`` until it holds; returns when it held (monotonic). TimeoutError
+    naming ``what`` after ``timeout_s``."""
+    import time as _time
+
+    end = _time.monotonic() + timeout_s
+    while not cond():
+        if _time.monotonic() > end:
+            raise TimeoutError(f"{what}: not within {timeout_s:.1f} s")
+        _time.sleep(poll_s)
+    return _time.monotonic()
+
+
+class FaultSwitch:
+    """The parent's side of ``install_test_hooks``: a folder the peers watch (pass
+    ``hooks`` to them), armed in a mode for one transfer, and their recorded warnings."""
+
+    def __init__(self):
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="kvb-faults-")
+        self.hooks = {"dir": self.dir}
+        self.started_path = self._path("started")  # created by the piece that marks a transfer under way
+        self._epoch = 0
+
+    def _path(self, name: str) -> str:
+        import os as _os
+
+        return _os.path.join(self.dir, name)
+
+    def _rm(self, *names: str) -> None:
+        import os as _os
+
+        for n in names:
+            try:
+                _os.unlink(self._path(n))
+            except FileNotFoundError:
+                pass
+
+    def on(self, mode: dict, hold: bool = False) -> None:
+        """Arm the peers' next writes in ``mode`` (``piece_bytes``, ``inflight``,
+        ``delay_s``, ``started_at``); ``hold``: the ``started_at``-th piece waits, past
+        kvbridge's write guard, until ``release``."""
+        import json
+        import os as _os
+
+        self._rm("started", "hold")
+        if hold:
+            open(self._path("hold"), "w").close()
+        self._epoch += 1
+        tmp = self._path("armed.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(mode, epoch=self._epoch), f)
+        _os.replace(tmp, self._path("armed"))
+
+    def off(self) -> None:
+        self._rm("armed", "started", "hold")
+
+    def release(self) -> None:
+        """Let a held piece go."""
+        self._rm("hold")
+
+    def started(self) -> bool:
+        import os as _os
+
+        return _os.path.exists(self.started_path)
+
+    def events(self, since: float, pid: int | None = None) -> list[dict]:
+        return [e for e in read_events(self.dir) if e["t"] >= since and (pid is None or e["pid"] == pid)]
+
+    def logged(self, since: float, pid: int, text: str) -> float | None:
+        """When (monotonic) ``pid`` first logged a warning containing ``text`` since ``since``."""
+        return next((e["t"] for e in self.events(since, pid) if text in e["msg"]), None)
+
+    def double_releases(self, since: float) -> list[str]:
+        return [e["msg"] for e in self.events(since) if "already released" in e["msg"]]
+
+    def close(self) -> None:
+        import shutil
+
+        self.off()
+        shutil.rmtree(self.dir, ignore_errors=True)
