@@ -754,9 +754,9 @@ _ABORT_PREFILL_NOTE = (
     "of a request it no longer holds (the stand-in keeps it, in DISAGG_CONTEXT_TRANS_IN_PROGRESS, and skips it); "
     "the send completes and the decode decodes from the moved KV")
 _ABORT_DECODE_GAP = (
-    "TensorRT-LLM frees a cancelled request's blocks at once, loading or not (no connector hook for a cancel), while "
-    "the prefill still writes into them: bytes landed in the decode's freed blocks after TensorRT-LLM gave them back, "
-    "and the prefill, never told, completed the send")
+    "TensorRT-LLM frees a cancelled request's blocks at once, loading or not (no connector hook for a cancel): the "
+    "decode's connector sees the request gone at its next get_finished and aborts the room (the prefill stops "
+    "sending), but pieces already under way landed in the decode's blocks after TensorRT-LLM gave them back")
 _SIGSTOP_TRT_GAP = (
     "the piece the stopped prefill had under way landed when it resumed, in blocks the decode had given up, "
     "recomputed, freed and handed to another request (whose KV it overwrote): a peer timeout cannot tell stopped "
@@ -830,12 +830,13 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
                    and h.drid in farm.dec.state()["finished_loads"])
             ld = farm.dec.state()["finished_loads"][h.drid]
             sv = farm.pre.state()["finished_saves"][h.prid]
-            # what each side reports: nobody told the connector of the cancel
+            # the connector learns of the cancel only by the request's absence: it aborts the room, both ends record it
             extra["observed"] = {"decode_load": {"verdict": ld["verdict"], "state": _trt_state(ld)},
                                  "prefill_save": _trt_state(sv)}
-            extra["note"] = (f"the decode's connector recorded the load as {_trt_state(ld).lower()} (verdict "
-                             f"{ld['verdict']}) and the prefill its send as {_trt_state(sv).lower()}: neither learned of "
-                             "the cancel")
+            assert ld.get("cancelled_by_engine") and _trt_state(ld) == "ABORTED", ld
+            assert _trt_state(sv) == "ABORTED" and "cancelled" in (sv["record"] or {}).get("reason", ""), sv
+            extra["note"] = ("the decode's connector found the request dropped, aborted the room (load recorded "
+                             f"{_trt_state(ld).lower()}), and the prefill ended its send as {_trt_state(sv).lower()}")
             landed = not torch.equal(at_free.view(torch.uint8), farm.dec.pool(0)[blocks].view(torch.uint8))
             extra["landed_after_free"] = landed
             if landed:

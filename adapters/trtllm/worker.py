@@ -49,6 +49,7 @@ class _Loading:
     verdict: str = ""
     cancelled: bool = False
     started: bool = False
+    gone: bool = False  # the engine dropped the request while it loaded
 
 
 @dataclass
@@ -108,6 +109,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._announced_loading: set[int] = set()
         self._announced_saving: set[int] = set()
         self._forget_sent: set[int] = set()
+        self._rewound: set[int] = set()  # requests rewound for recompute whose chunk is still to be widened
         self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
         self.finished_saves: OrderedDict[int, dict] = OrderedDict()  # request id -> how its send ended (+ record)
         self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
@@ -172,6 +174,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         meta = self.get_connector_meta()
         if isinstance(meta, KVBridgeConnectorMetadata):
             self._apply(meta.orders)
+        if self._rewound:
+            self._widen_rewound_chunks()
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any):
         """Called by the forward pre-hook of decoder layer ``layer_idx``: nothing to wait
@@ -206,13 +210,15 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                 self.sender.forget(room)
                 if self.sender.record(room) is None:
                     self._forget_sent.discard(room)
+            self._abort_cancelled_loads()
             loaded = []
             for r, ld in list(self._loads.items()):
                 if r in self._announced_loading and ld.verdict and self._settle_load(ld):
                     loaded.append(r)
                     del self._loads[r]
                     self._announced_loading.discard(r)
-                    done = {"room": ld.room, "ok": ld.ok, "reason": ld.reason, "verdict": ld.verdict}
+                    done = {"room": ld.room, "ok": ld.ok and not ld.gone, "reason": ld.reason, "verdict": ld.verdict,
+                            "cancelled_by_engine": ld.gone}
                     if ld.started:
                         rec = self.receiver.record(ld.room)
                         done.update(aux=self.receiver.aux(ld.room), record=rec.as_dict() if rec else None)
@@ -331,6 +337,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             if req is None:  # gone already (cancelled by the client): nothing to rewind
                 return True
             req.context_current_position = ld.start
+            self._rewound.add(ld.req)
             log.warning("kvbridge worker rank %d: request %s recomputes tokens %d.. after a failed handoff",
                         self.rank, ld.req, ld.start)
             return True
@@ -338,10 +345,48 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         # KV), and rank 0 cancels the request through the executor's request queue
         if req is not None:
             req.context_current_position = ld.start
+            self._rewound.add(ld.req)
         if self.rank == 0 and hasattr(self._executor, "cancel_request"):
             log.warning("kvbridge: request %s failed to load; cancelling it", ld.req)
             self._executor.cancel_request(ld.req)
         return True
+
+    def _abort_cancelled_loads(self) -> None:
+        """A load whose request the engine has dropped (its client cancelled it) is aborted:
+        on 1.2 TensorRT-LLM frees such a request's blocks at once (the connector API has no
+        hook for it), so the prefill must stop writing into them as soon as we can tell.
+        Pieces already in flight can still land: see README's Limits."""
+        if self._executor is None:
+            return
+        for ld in self._loads.values():
+            if ld.started and not ld.gone and not ld.released.is_set() and self._request(ld.req) is None:
+                ld.gone = True
+                log.warning("kvbridge worker rank %d: request %s was dropped by the engine while its KV loaded; "
+                            "aborting room %s", self.rank, ld.req, ld.room)
+                self.receiver.abort(ld.room, "the engine cancelled the request while its KV loaded")
+
+    def _widen_rewound_chunks(self) -> None:
+        """A request rewound for recompute is back in the context phase now: its chunk is
+        still the one token TensorRT-LLM left after the load (``setPrepopulatedPromptLen``
+        clamps it, ``moveToNextContextChunk`` zeroes it, and without chunked prefill nothing
+        sets it again), so it is set to the rest of the prompt (the setter refuses outside
+        the context phase; the scheduler's own chunk wins under chunked prefill)."""
+        with self._lock:
+            rewound, self._rewound = self._rewound, set()
+        for rid in rewound:
+            req = self._request(rid)
+            if req is None:
+                continue
+            if getattr(req.state, "name", "") != "CONTEXT_INIT":
+                with self._lock:
+                    self._rewound.add(rid)  # not scheduled yet: next time
+                continue
+            if not getattr(self._llm_args, "enable_chunked_prefill", False) or req.context_chunk_size <= 0:
+                try:
+                    req.context_chunk_size = req.context_remaining_length
+                except RuntimeError as e:
+                    log.error("kvbridge worker rank %d: request %s: cannot set its chunk for the recompute: %s",
+                              self.rank, rid, e)
 
     def _request(self, req_id: int) -> Any:
         for r in getattr(self._executor, "active_requests", None) or ():

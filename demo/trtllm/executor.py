@@ -311,7 +311,8 @@ class PyExecutor:
                 kvm.add_sequence(req, mgr)
                 if mgr is not None:
                     mgr.update_state_after_alloc(req, kvm.get_cache_indices(req))
-            self._chunk(req)  # the scheduler's chunk for this iteration (a rewound request computes all of it)
+            if self.llm_args.enable_chunked_prefill:
+                self._chunk(req)  # the micro-batch scheduler's chunk for this iteration
         for req in gen:
             kvm.add_token(req, self._gen_position(req))
         if mgr is not None:
@@ -367,11 +368,10 @@ class PyExecutor:
         return ctx, gen
 
     def _chunk(self, req: PyLlmRequest) -> None:
-        remaining = req.context_remaining_length
-        if self.llm_args.enable_chunked_prefill:
-            req.context_chunk_size = max(1, min(remaining, int(self.llm_args.max_num_tokens)))
-        else:
-            req.context_chunk_size = remaining
+        """Chunked prefill: this iteration's chunk within ``max_num_tokens``. Without it the
+        scheduler never sets a chunk: a request's chunk is its prompt, cut only by
+        ``setPrepopulatedPromptLen`` (``microBatchScheduler.cpp``)."""
+        req.context_chunk_size = max(1, min(req.context_remaining_length, int(self.llm_args.max_num_tokens)))
 
     def _gen_position(self, req: PyLlmRequest) -> int:
         """Where the coming generation step's input token sits."""
@@ -386,6 +386,10 @@ class PyExecutor:
         for req in ctx:
             if req.context_remaining_length <= 0:  # a loaded request resumes at its last prompt token
                 raise AssertionError(f"request {req.request_id} scheduled with no context left")
+            if req.context_chunk_size <= 0:  # LlmRequest::moveToNextContextChunk's check, in the engine
+                raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: Full context out of bounds (request "
+                                   f"{req.request_id} at {req.context_current_position} of {req.prompt_len} with "
+                                   "no chunk to compute)")
             a = req.context_current_position
             b = min(req.prompt_len, a + req.context_chunk_size)
             toks = req.get_tokens(0)[a:b]

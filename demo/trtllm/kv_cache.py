@@ -135,7 +135,7 @@ class KVCacheManager:
         while len(blocks) * tpb < prompt_len:
             blocks.append(self._take())
         self._blocks[request.request_id] = blocks
-        request._set_prepopulated(prepop + matched)
+        request._set_prepopulated(prepop + matched, tpb)
 
     def add_token(self, request: Any, position: int) -> None:
         """Room for a token at ``position`` (a new block when it starts one)."""

@@ -138,7 +138,21 @@ class CppLlmRequest:
     seq_slot = _rw("seq_slot")
     state = _rw("state")
     context_current_position = _rw("context_current_position")
-    context_chunk_size = _rw("context_chunk_size")
+    @property
+    def context_chunk_size(self) -> int:
+        return self._core.context_chunk_size
+
+    @context_chunk_size.setter
+    def context_chunk_size(self, size: int) -> None:
+        """C++ ``setContextChunkSize``: context phase only, clamped to what is left."""
+        c = self._core
+        if c.state != LlmRequestState.CONTEXT_INIT:
+            raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: setContextChunkSize is only possible during "
+                               "the context phase.")
+        if size < 0:
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: The chunk size of context ({size}) can't be negative.")
+        c.context_chunk_size = min(int(size), c.prompt_len - c.context_current_position)
+
     is_dummy_request = _rw("is_dummy_request")
     streaming = _rw("streaming")
     draft_tokens = _rw("draft_tokens")
@@ -194,13 +208,26 @@ class CppLlmRequest:
         self._core.tokens.extend(int(t) for t in beam_tokens)
 
     def move_to_next_context_chunk(self) -> None:
+        """C++ ``moveToNextContextChunk``: past this chunk; the chunk size goes back to 0."""
         c = self._core
-        c.context_current_position = min(c.prompt_len, c.context_current_position + c.context_chunk_size)
+        c.context_current_position += c.context_chunk_size
+        c.context_chunk_size = 0
 
-    def _set_prepopulated(self, n: int) -> None:
-        """C++ ``setPrepopulatedPromptLen`` (not bound: the KV cache manager's call)."""
-        self._core.prepopulated_prompt_len = int(n)
-        self._core.context_current_position = int(n)
+    def _set_prepopulated(self, n: int, tokens_per_block: int) -> None:
+        """C++ ``setPrepopulatedPromptLen`` (the KV cache manager's call, not bound): the
+        context starts at ``n``; a chunk that does not reach the end is cut back to a block
+        boundary, and the chunk never exceeds what is left."""
+        c = self._core
+        if not 0 <= n < c.prompt_len:
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] Invalid state: prepopulatedPromptLen ({n}) >= promptLen "
+                               f"({c.prompt_len}) for request {c.request_id}")
+        c.prepopulated_prompt_len = int(n)
+        if n > 0:
+            chunk = c.context_chunk_size
+            if n + chunk < c.prompt_len:
+                chunk = (n + chunk) // tokens_per_block * tokens_per_block - n
+            c.context_current_position = int(n)
+            c.context_chunk_size = min(chunk, c.prompt_len - n)
 
     def _finish(self, reason: str) -> None:
         """C++ ``finishByReason`` (the executor's call)."""
