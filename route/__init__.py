@@ -11,7 +11,7 @@ server that computes it alone when the cost model says moving the KV is not wort
 | ``pool`` | servers' health and load; least-outstanding choice of pairs and compute targets |
 | ``gates`` | the cost gate of each pair's link |
 | ``engines`` | each engine's request shapes and calls (SGLang ``/generate``, trtllm-serve ``/v1/completions`` + announce) |
-| ``aborts`` | aborting a prefill's room from the router (kvbridge ``Abort`` to its ranks) |
+| ``ranks`` | a prefill's kvbridge ranks: their endpoints (announced to TensorRT-LLM decodes) and room aborts |
 | ``dispatch`` | one request: choose, hand off or compute, retry, stream |
 | ``admission`` | bounded queue (429 / 503 with Retry-After) |
 | ``text``, ``protocol`` | tokenizer and detokenizer; OpenAI and SGLang request/response shapes |

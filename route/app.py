@@ -23,7 +23,7 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from .aborts import RoomAborter
+from .ranks import PrefillRanks
 from .admission import Admission
 from .config import RouteConfig
 from .dispatch import Dispatcher, Job, Trace
@@ -52,7 +52,7 @@ class Router:
         self.pool = ServerPool(cfg, on_change=self._server_changed)
         self.gates = PairGates(cfg)
         self.admission = Admission(cfg.limits.max_inflight, cfg.limits.max_queue, cfg.limits.retry_after_s, self.metrics)
-        self.aborter = RoomAborter(cfg.secret)
+        self.ranks = PrefillRanks(cfg.secret)
         self.http: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None
         self._health: asyncio.Task | None = None
@@ -61,6 +61,8 @@ class Router:
 
     def _server_changed(self, s) -> None:
         self.metrics.server_up.labels(s.name, s.engine, s.role).set(1 if s.healthy else 0)
+        if s.healthy and hasattr(self, "ranks"):
+            self.ranks.forget(s.spec)  # back in rotation: maybe restarted, with new ranks
 
     async def start(self, app: web.Application | None = None) -> None:
         """Open the client pool, probe every server once, start health checking."""
@@ -69,7 +71,7 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=None, connect=d.connect_s, sock_connect=d.connect_s),
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False),
             read_bufsize=1 << 22, trust_env=False)
-        self.dispatcher = Dispatcher(self.cfg, self.pool, self.gates, self.metrics, self.http, self.aborter)
+        self.dispatcher = Dispatcher(self.cfg, self.pool, self.gates, self.metrics, self.http, self.ranks)
         await self.pool.check_all(self.http)
         self._health = asyncio.create_task(self.pool.health_loop(self.http))
 
@@ -81,7 +83,7 @@ class Router:
             await self.dispatcher.drain()
         if self.http is not None:
             await self.http.close()
-        self.aborter.close()
+        self.ranks.close()
 
     # -- handlers ---------------------------------------------------------------------------
     def _deadline(self, request: web.Request, arrived: float) -> float:

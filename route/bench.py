@@ -34,6 +34,15 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)), 2) if xs else None
 
 
+async def _parsed(raw):
+    """A raw response's parsed body (``parse()`` is a coroutine for plain answers in the
+    async client, and hands streams back as they are)."""
+    import inspect
+
+    obj = raw.parse()
+    return await obj if inspect.isawaitable(obj) else obj
+
+
 async def _one(client, i: int, prompt: list[int], ref: list[int], max_new: int, stream: bool, deadline_s: float) -> dict:
     from openai import APIError
 
@@ -45,7 +54,7 @@ async def _one(client, i: int, prompt: list[int], ref: list[int], max_new: int, 
             if stream:
                 raw = await client.completions.with_raw_response.create(stream=True, **args)
                 ids, finish, info, first = [], None, {}, None
-                async for ch in await raw.parse():
+                async for ch in await _parsed(raw):
                     extra = ch.model_extra or {}
                     if "error" in extra:
                         out.update(outcome="failed", reason=str(extra["error"].get("reason")),
@@ -64,7 +73,7 @@ async def _one(client, i: int, prompt: list[int], ref: list[int], max_new: int, 
                 client_ttft = (first or time.monotonic()) - t0
             else:
                 raw = await client.completions.with_raw_response.create(**args)
-                r = await raw.parse()
+                r = await _parsed(raw)
                 ids, info = list(r.choices[0].model_extra["token_ids"]), r.model_extra.get("kvbridge") or {}
                 client_ttft = time.monotonic() - t0
             hdr = raw.headers.get("X-KVBridge-TTFT-Ms")
@@ -113,8 +122,12 @@ async def _load(url: str, prompts, refs, max_new: int, concurrency: int, kill_af
 
 def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float = 0.3, max_new: int = 16, seed: int = 0,
                 trtllm: bool = True, model_dir: str | None = None, log_dir: str | None = None,
-                progress: Callable[[str], None] | None = None) -> dict:
-    """Run the load (see the module doc); the report (JSON-ready)."""
+                progress: Callable[[str], None] | None = None, deployment=None) -> dict:
+    """Run the load (see the module doc); the report (JSON-ready). ``deployment``: a
+    running ``LocalDeployment`` with its router to use instead of starting one (its p0
+    is killed all the same)."""
+    import contextlib
+
     from kvbridge.demo.models import random_prompt, reference_generate
     from kvbridge.demo.run import ensure_tiny_model
 
@@ -122,7 +135,7 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
 
     say = progress or (lambda m: None)
     say("building the tiny model")
-    md = Path(model_dir) if model_dir else ensure_tiny_model("llama")[0]
+    md = Path(model_dir) if model_dir else (deployment.model_dir if deployment else ensure_tiny_model("llama")[0])
     rng = random.Random(seed)
     lens = [rng.choice([6, 10, 14]) if rng.random() < 0.2 else rng.randint(40, 128) for _ in range(requests)]
     prompts = [random_prompt(n, seed=seed * 100003 + i) for i, n in enumerate(lens)]
@@ -131,10 +144,12 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
     deadline_s = 60.0
     say("starting the deployment")
     t_start = time.monotonic()
-    with LocalDeployment(md, prefills=2, decode=True, aggregated=True, trtllm=trtllm, log_dir=log_dir,
-                         route={"deadlines": {"request_s": deadline_s, "prefill_s": 15.0}}) as dep:
+    owned = deployment is None
+    with (LocalDeployment(md, prefills=2, decode=True, aggregated=True, trtllm=trtllm, log_dir=log_dir,
+                          route={"deadlines": {"request_s": deadline_s, "prefill_s": 15.0}})
+          if owned else contextlib.nullcontext(deployment)) as dep:
         started_s = time.monotonic() - t_start
-        router = dep.start_router()
+        router = dep.start_router() if owned else dep.router
         say(f"{requests} requests, {concurrency} at a time; p0 killed after {kill_after:.0%}")
         t0 = time.monotonic()
         results, killed_at = asyncio.run(_load(router.url, prompts, refs, max_new, concurrency, kill_after,
@@ -169,7 +184,7 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
         "ok_after_kill_on_p0": sum(1 for r in after_kill if "p0" in (r.get("servers") or [])),
         "ok_after_kill": len(after_kill),
         "router_retries": retries, "router_metrics": metrics,
-        "servers_started_s": round(started_s, 1), "trtllm": trtllm,
+        "servers_started_s": round(started_s, 1) if owned else None, "trtllm": bool(dep.trt),
     }
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .aborts import bootstrap_endpoints, bus_endpoints
+from .ranks import bootstrap_endpoints, bus_endpoints
 from .config import RouteConfig, ServerSpec, pairable
 
 __all__ = ["check", "format_report"]

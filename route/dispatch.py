@@ -32,7 +32,7 @@ from typing import AsyncIterator
 import aiohttp
 
 from . import engines as E
-from .aborts import RoomAborter
+from .ranks import PrefillRanks
 from .config import RouteConfig
 from .errors import RouteError
 from .gates import PairGates
@@ -54,6 +54,16 @@ class Job:
     ids: list[int]
     sampling: E.Sampling
     deadline: float
+
+    @property
+    def key(self) -> str:
+        """The prompt's key (what a TensorRT-LLM announcement is filed under)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            from kvbridge.adapters.trtllm import prompt_key
+
+            k = self.__dict__["_key"] = prompt_key(self.ids)
+        return k
 
 
 @dataclass
@@ -118,10 +128,14 @@ class Dispatcher:
     """Runs requests over a server pool (see the module doc)."""
 
     def __init__(self, cfg: RouteConfig, pool: ServerPool, gates: PairGates, metrics: RouteMetrics,
-                 http: aiohttp.ClientSession, aborter: RoomAborter):
-        self.cfg, self.pool, self.gates, self.m, self.http, self.aborter = cfg, pool, gates, metrics, http, aborter
+                 http: aiohttp.ClientSession, ranks: PrefillRanks):
+        self.cfg, self.pool, self.gates, self.m, self.http, self.ranks = cfg, pool, gates, metrics, http, ranks
         self.model = cfg.model.name
         self._background: set[asyncio.Task] = set()
+        # (server name, prompt key) -> until when a TensorRT-LLM server may hold a handle announced
+        # for a try that failed: its next request with that prompt would take it (announcements are
+        # keyed by the prompt and cannot be withdrawn), so it gets no request with that prompt until then
+        self._stale: dict[tuple[str, str], float] = {}
 
     # -- housekeeping -------------------------------------------------------------------
     def _later(self, coro) -> None:
@@ -135,15 +149,19 @@ class Dispatcher:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
     def _noted(self, err: E.EngineError) -> None:
-        """Passive health: a refused connection takes the server out of rotation now."""
+        """Passive health: a refused connection takes the server out of rotation now; a
+        server whose connection failed or broke may come back with new ranks."""
         srv = err.server if isinstance(err.server, Server) else self.pool.by_name.get(err.server.name)
-        if srv is not None and err.code == "connect":
+        if srv is None:
+            return
+        if err.code == "connect":
             self.pool.mark_down(srv, str(err))
-            self.aborter.forget(srv.spec)
+        if err.code in ("connect", "disconnect", "timeout"):
+            self.ranks.forget(srv.spec)
 
     def _abort_room(self, p: Server, room: int, reason: str) -> None:
         async def go():
-            if await self.aborter.abort(p.spec, room, reason):
+            if await self.ranks.abort(p.spec, room, reason):
                 self.m.room_aborts.labels(p.engine).inc()
         self._later(go())
 
@@ -157,8 +175,23 @@ class Dispatcher:
         return RouteError(504, "deadline", f"request {job.rid}: deadline passed {where} "
                                            f"({self.cfg.deadlines.request_s:g} s or the client's X-Request-Timeout)")
 
+    # -- stale announcements -------------------------------------------------------------
+    def _stale_servers(self, job: Job) -> set[Server]:
+        now = asyncio.get_running_loop().time()
+        for k in [k for k, until in self._stale.items() if until <= now]:
+            del self._stale[k]
+        return {s for s in self.pool.servers if (s.name, job.key) in self._stale}
+
+    def _mark_stale(self, job: Job, servers: list[Server]) -> None:
+        until = job.deadline + 1.0  # announcements live no longer than the request (announce's ttl_s)
+        for s in servers:
+            if s.engine == "trtllm":
+                self._stale[(s.name, job.key)] = max(until, self._stale.get((s.name, job.key), 0.0))
+
     # -- choice -------------------------------------------------------------------------
     def _choose(self, job: Job, trace: Trace, tried: set, failed: set, handoffs: int, last: _HalfFailed | None):
+        stale = self._stale_servers(job)
+        tried, failed = set(tried) | stale, set(failed) | stale
         pair = self.pool.pick_pair(exclude=tried) if handoffs < self.cfg.retry.prefill_attempts else None
         if pair is not None:
             p, d = pair
@@ -272,17 +305,22 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         room = new_room()
         h = E.Handoff(room, p.spec)
+        if d.engine == "trtllm":
+            h = await self._with_endpoints(job, h, p)
         rid_p, rid_d = f"{job.rid}-p{n}", f"{job.rid}-d{n}"
         trace.route, trace.mode, trace.servers, trace.why = f"{p.engine}->{d.engine}", "disaggregated", [p.name, d.name], ""
         trace.rooms.append(room)
         relay = prefill = None
+        announced: list[Server] = []
         first_out = False
         ok = False
         with self.pool.lease(p, d):
             try:
                 try:
+                    announced = [x for x in (d, p) if x.engine == "trtllm"]
                     await asyncio.wait_for(
-                        E.announce_halves(p, d, job.ids, h, on_failure="fail", timeout_s=max(0.1, self._left(job))),
+                        E.announce_halves(p, d, job.ids, h, on_failure="fail", ttl_s=max(1.0, self._left(job) + 1.0),
+                                          timeout_s=max(0.1, self._left(job))),
                         max(0.0, self._left(job)))
                 except asyncio.TimeoutError:
                     raise self._deadline_error(job, "while announcing the handoff") from None
@@ -306,6 +344,7 @@ class Dispatcher:
                 raise
             except E.EngineError as e:  # the decode failed (the prefill did not)
                 self._noted(e)
+                self.ranks.forget(p.spec)  # in case the decode could not reach ranks the prefill no longer has
                 raise RouteError(502, "decode_failed",
                                  f"request {job.rid}: decode {d.name} failed "
                                  f"{'while streaming' if first_out else 'before the first token'}: {e} "
@@ -320,8 +359,22 @@ class Dispatcher:
                     self._abort_rid(p, rid_p)
                 if not ok:
                     self._abort_room(p, room, f"router: request {job.rid} ended without this handoff")
+                    self._mark_stale(job, announced)
                 if prefill is not None and ok and not prefill.done():
                     self._later(_settle(prefill, 10.0))
+
+    async def _with_endpoints(self, job: Job, h: E.Handoff, p: Server) -> E.Handoff:
+        """The handoff with the prefill's rank endpoints (for a TensorRT-LLM decode's handle);
+        a prefill whose ranks cannot be found has failed."""
+        try:
+            eps = await asyncio.wait_for(self.ranks.endpoints(p.spec, min(2.0, max(0.1, self._left(job)))),
+                                         max(0.0, self._left(job)))
+        except asyncio.TimeoutError:
+            raise self._deadline_error(job, "while finding the prefill's ranks") from None
+        except Exception as e:
+            self.ranks.forget(p.spec)
+            raise _HalfFailed("prefill_failed", E.EngineError(p, "connect", f"its kvbridge ranks: {e}")) from None
+        return E.Handoff(h.room, h.prefill, tuple(eps))
 
     async def _compute(self, job: Job, trace: Trace, s: Server, why: str) -> AsyncIterator[E.Piece]:
         rid = f"{job.rid}-c{len(trace.attempts)}"

@@ -67,10 +67,12 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Handoff:
-    """One try at moving a request's KV: its room and the prefill it comes from."""
+    """One try at moving a request's KV: its room, the prefill it comes from, and that
+    prefill's kvbridge rank endpoints (TP order) when a TensorRT-LLM decode pulls it."""
 
     room: int
     prefill: ServerSpec
+    endpoints: tuple[str, ...] = ()
 
 
 @dataclass
@@ -121,11 +123,14 @@ def trtllm_completion_body(model: str, ids: list[int], s: Sampling, *, stream: b
 
 
 def decode_handle(handoff: Handoff, on_failure: str):
-    """The ``recv`` handle a TensorRT-LLM decode is announced: pull from a TensorRT-LLM
-    prefill through its bus, or from an SGLang(-compatible) one through its bootstrap."""
+    """The ``recv`` handle a TensorRT-LLM decode is announced: pull from the prefill's
+    rank endpoints when the router knows them, else from a TensorRT-LLM prefill found
+    through its bus, or an SGLang(-compatible) one through its bootstrap server."""
     from kvbridge.adapters.trtllm import Handle
 
     p = handoff.prefill
+    if handoff.endpoints:
+        return Handle("recv", handoff.room, endpoints=tuple(handoff.endpoints), on_failure=on_failure)
     if p.engine == "trtllm":
         return Handle("recv", handoff.room, prefill=p.bus, on_failure=on_failure)
     return Handle("recv", handoff.room, bootstrap=p.bootstrap, on_failure=on_failure)
@@ -211,26 +216,27 @@ async def _status_error(server: Server, r: aiohttp.ClientResponse) -> EngineErro
     return EngineError(server, "http", f"HTTP {r.status}: {text}")
 
 
-async def _announce(server: Server, ids: list[int], handle, timeout_s: float) -> None:
+async def _announce(server: Server, ids: list[int], handle, ttl_s: float, timeout_s: float) -> None:
     from kvbridge.adapters.trtllm import AnnounceError, announce
 
     try:
-        await asyncio.to_thread(announce, server.spec.bus, ids, handle, ttl_s=max(5.0, timeout_s),
+        await asyncio.to_thread(announce, server.spec.bus, ids, handle, ttl_s=ttl_s,
                                 timeout_s=min(5.0, max(0.5, timeout_s)))
     except AnnounceError as e:
         raise EngineError(server, "announce", str(e)) from None
 
 
 async def announce_halves(prefill: Server, decode: Server, ids: list[int], handoff: Handoff, *, on_failure: str,
-                          timeout_s: float) -> None:
+                          ttl_s: float, timeout_s: float) -> None:
     """Announce the handoff to whichever halves are TensorRT-LLM servers (decode first,
-    so that nothing runs on the prefill for a decode that cannot take it)."""
+    so that nothing runs on the prefill for a decode that cannot take it); the server
+    keeps each handle ``ttl_s`` (the request's time left)."""
     from kvbridge.adapters.trtllm import Handle
 
     if decode.engine == "trtllm":
-        await _announce(decode, ids, decode_handle(handoff, on_failure), timeout_s)
+        await _announce(decode, ids, decode_handle(handoff, on_failure), ttl_s, timeout_s)
     if prefill.engine == "trtllm":
-        await _announce(prefill, ids, Handle("send", handoff.room), timeout_s)
+        await _announce(prefill, ids, Handle("send", handoff.room), ttl_s, timeout_s)
 
 
 async def run_prefill(http: aiohttp.ClientSession, server: Server, model: str, ids: list[int], s: Sampling,

@@ -72,17 +72,19 @@ class ServerPool:
         self.servers = [Server(s) for s in cfg.servers]
         self.by_name = {s.name: s for s in self.servers}
         self.health = cfg.health
-        self._turn = itertools.count()
+        self._turns: dict[str, Iterator[int]] = {}
         self._on_change = on_change or (lambda s: None)
 
     # -- selection ----------------------------------------------------------------------
-    def _least_busy(self, cands: Iterable[Server]) -> Server | None:
+    def _least_busy(self, cands: Iterable[Server], turn: str) -> Server | None:
+        """The candidate with the fewest outstanding requests; ties in turn (one turn
+        counter per kind of choice, so that choices of one kind alternate)."""
         cands = list(cands)
         if not cands:
             return None
         low = min(s.outstanding for s in cands)
         tied = [s for s in cands if s.outstanding == low]
-        return tied[next(self._turn) % len(tied)]
+        return tied[next(self._turns.setdefault(turn, itertools.count())) % len(tied)]
 
     def healthy(self, role: str) -> list[Server]:
         return [s for s in self.servers if s.role == role and s.healthy]
@@ -94,16 +96,17 @@ class ServerPool:
         prefills = [p for p in self.healthy("prefill") if p not in ex]
         decodes = [d for d in self.healthy("decode") if d not in ex
                    and any(pairable(p.spec, d.spec) for p in prefills)]
-        d = self._least_busy(decodes)
+        d = self._least_busy(decodes, "decode")
         if d is None:
             return None
-        p = self._least_busy(p for p in prefills if pairable(p.spec, d.spec))
+        p = self._least_busy((p for p in prefills if pairable(p.spec, d.spec)), "prefill")
         return (p, d) if p is not None else None
 
     def pick_prefill(self, decode: Server, exclude: Iterable[Server] = ()) -> Server | None:
         """Another prefill ``decode`` can pull from (for a retry)."""
         ex = set(exclude)
-        return self._least_busy(p for p in self.healthy("prefill") if p not in ex and pairable(p.spec, decode.spec))
+        return self._least_busy((p for p in self.healthy("prefill") if p not in ex and pairable(p.spec, decode.spec)),
+                                "prefill")
 
     def pick_compute(self, prefer: Server | None = None, exclude: Iterable[Server] = ()) -> Server | None:
         """A healthy server that computes a request alone: ``prefer`` when it can (a
@@ -114,7 +117,7 @@ class ServerPool:
             return prefer
         cands = [s for s in self.servers if s.healthy and s not in ex and s.spec.can_compute]
         agg = [s for s in cands if s.role == "aggregated"]
-        return self._least_busy(agg or cands)
+        return self._least_busy(agg or cands, "compute")
 
     def can_serve(self) -> bool:
         """Whether any request could be dispatched now."""

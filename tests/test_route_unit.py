@@ -215,6 +215,9 @@ def test_engine_request_shapes():
     assert t["prompt"] == [1, 2] and t["max_tokens"] == 1 and t["detokenize"] is False and t["seed"] == 3
     assert decode_handle(Handoff(42, p_sg), "fail").to_dict() == {"op": "recv", "room": 42, "bootstrap": "10.0.0.1:8998",
                                                                   "on_failure": "fail"}
+    # the router's own lookup of the prefill's ranks wins over the connector's discovery
+    assert decode_handle(Handoff(42, p_sg, ("tcp://10.0.0.1:5000",)), "fail").to_dict() == {
+        "op": "recv", "room": 42, "endpoints": ["tcp://10.0.0.1:5000"], "on_failure": "fail"}
     assert decode_handle(Handoff(7, p_trt), "recompute").to_dict() == {"op": "recv", "room": 7,
                                                                        "prefill": "tcp://10.0.0.2:18500",
                                                                        "on_failure": "recompute"}
@@ -276,3 +279,48 @@ def codec(tiny_model):
     from kvbridge.route.text import TextCodec
 
     return TextCodec(tiny_model, "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+
+
+def test_a_failed_try_keeps_its_trtllm_servers_off_that_prompt(tiny_model):
+    """Announcements are keyed by the prompt and cannot be withdrawn: after a try that
+    announced to a TensorRT-LLM server failed, that server gets no request with the same
+    prompt (its next one would take the stale handle) until the request's deadline; other
+    prompts still go there."""
+    from kvbridge.route.dispatch import Dispatcher, Job, Trace
+    from kvbridge.route.metrics import RouteMetrics
+
+    cfg = parse_config(_yaml(MIXED, "cost: {enabled: false}", tiny_model))
+
+    async def go():
+        pool = ServerPool(cfg)
+        by = pool.by_name
+        disp = Dispatcher(cfg, pool, PairGates(cfg), RouteMetrics(), None, None)
+        loop = asyncio.get_running_loop()
+        job = Job("r1", [5, 6, 7], Sampling(4), loop.time() + 0.5)
+        other = Job("r2", [5, 6, 8], Sampling(4), loop.time() + 10)
+        pool.mark_down(by["d0"], "test")  # t0 is the only decode
+        assert disp._choose(job, Trace(), set(), set(), 0, None)[2] is by["t0"]
+        disp._mark_stale(job, [by["p0"], by["t0"]])  # p0 is SGLang: no announcement to go stale
+        kind, target, _, why = disp._choose(job, Trace(), set(), set(), 0, None)
+        assert (kind, target, why) == ("compute", by["a0"], "no_pair")  # t0 neither decodes nor computes it
+        assert disp._choose(other, Trace(), set(), set(), 0, None)[2] is by["t0"]
+        pool.mark_down(by["a0"], "test")
+        with pytest.raises(RouteError) as e:
+            disp._choose(job, Trace(), set(), set(), 0, None)
+        assert e.value.status == 503
+        await asyncio.sleep(1.6)  # past the request's deadline (+1 s): t0 takes that prompt again
+        assert disp._choose(job, Trace(), set(), set(), 0, None)[2] is by["t0"]
+
+    asyncio.run(go())
+
+
+def test_ties_alternate_per_kind_of_choice(tiny_model):
+    """With equal load, successive pairs alternate decodes even with a single prefill
+    (each kind of choice takes its own turns)."""
+    servers = """  - {name: p0, engine: sglang, role: prefill, url: "http://h:1", bootstrap: "h:2"}
+  - {name: d0, engine: sglang, role: decode, url: "http://h:5"}
+  - {name: t0, engine: trtllm, role: decode, url: "http://h:6", bus: "tcp://h:7"}"""
+    pool = ServerPool(parse_config(_yaml(servers, "", tiny_model)))
+    picks = [pool.pick_pair() for _ in range(4)]
+    assert [d.name for _, d in picks] in (["d0", "t0", "d0", "t0"], ["t0", "d0", "t0", "d0"])
+    assert all(p.name == "p0" for p, _ in picks)

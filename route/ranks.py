@@ -1,6 +1,12 @@
-"""Abort a prefill's room from the router, whatever its engine.
+"""A prefill's kvbridge ranks, seen from the router: where they are, and aborting a room.
 
-When a decode half fails (or a prefill half is given up), the prefill may hold the
+Where: a TensorRT-LLM decode is announced the prefill's rank endpoints themselves
+(``Handle("recv", room, endpoints=...)``), looked up here once per server and again
+after it failed or came back into rotation (the connector would otherwise keep the
+endpoints it discovered first for that address: a restarted prefill's new ranks are
+never found; see ``KVBridgeConnectorScheduler._discovered``).
+
+Abort: when a decode half fails (or a prefill half is given up), the prefill may hold the
 prompt's KV for a decode that will never ask. The router tells every kvbridge rank of
 that prefill that the room is off: a kvbridge ``Abort`` (signed with the deployment's
 secret when one is set) on the control channel, as a declining decode sends it
@@ -22,7 +28,7 @@ import time
 
 from .config import ServerSpec
 
-__all__ = ["RoomAborter", "bus_endpoints", "bootstrap_endpoints"]
+__all__ = ["PrefillRanks", "bus_endpoints", "bootstrap_endpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +64,9 @@ def bootstrap_endpoints(address: str, timeout_s: float = 2.0) -> list[str]:
     return endpoints_by_tp_rank(fetch_ranks(address, timeout_s), address)
 
 
-class RoomAborter:
-    """Sends room aborts to prefill ranks; one control channel for the router."""
+class PrefillRanks:
+    """Prefill rank endpoints (cached per server) and room aborts to them; one control
+    channel for the router."""
 
     def __init__(self, secret: str = ""):
         self.secret = secret
@@ -72,7 +79,7 @@ class RoomAborter:
             from kvbridge.common.control import ControlChannel
 
             # replies (TransferFailed "abort acknowledged", Heartbeat) need no action
-            self._chan = ControlChannel(lambda peer, payload: None, name="kvbridge-route-abort")
+            self._chan = ControlChannel(lambda peer, payload: None, name="kvbridge-route-ranks")
         return self._chan
 
     async def endpoints(self, server: ServerSpec, timeout_s: float = 2.0) -> list[str]:
