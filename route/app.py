@@ -113,6 +113,10 @@ class Router:
                 return await self._answer(request, kind, job, parsed, trace, arrived)
         except RouteError as e:
             return self._error(e, trace, rid)
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+            if not request.get("kvbridge_counted"):
+                self.metrics.failures.labels(trace.route or "none", "client_gone").inc()
+            raise
         except Exception as e:  # nothing is dropped silently: an unexpected error is an answer too
             log.exception("route: request %s failed", rid)
             return self._error(RouteError(500, "internal", f"request {rid}: {type(e).__name__}: {e}"), trace, rid)
@@ -167,6 +171,7 @@ class Router:
                 await _send(resp, e.body())
             except (ConnectionResetError, asyncio.CancelledError):
                 m.failures.labels(trace.route or "none", "client_gone").inc()
+                request["kvbridge_counted"] = True
                 raise
             else:
                 m.latency.labels(trace.route, trace.mode).observe(loop.time() - arrived)

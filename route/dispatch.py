@@ -335,8 +335,11 @@ class Dispatcher:
                 relay.server = d  # type: ignore[attr-defined]
                 first = await self._first(job, relay, prefill, loop.time() + self.cfg.deadlines.prefill_s)
                 first_out = True
+                # done once the last piece is out: a consumer may stop at the finish without exhausting us
+                ok = first.finish is not None
                 yield first
                 async for piece in self._rest(job, relay):
+                    ok = piece.finish is not None
                     yield piece
                 ok = True
             except _HalfFailed as f:
@@ -390,8 +393,10 @@ class Dispatcher:
                 except E.EngineError as e:
                     self._noted(e)
                     raise _HalfFailed("compute_failed", e) from None
+                ok = first.finish is not None
                 yield first
                 async for piece in self._rest(job, relay):
+                    ok = piece.finish is not None
                     yield piece
                 ok = True
             except E.EngineError as e:

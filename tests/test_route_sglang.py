@@ -108,7 +108,12 @@ def test_openai_client_concurrent_completions_match_transformers(dep, tiny_llama
         assert info["mode"] == "disaggregated" and info["route"] in ("sglang->sglang", "sglang->trtllm"), info
     used = {s for _, info, _ in outs for s in info["servers"]}
     assert {"p0", "p1", "d0", "t0"} <= used, used
+    time.sleep(0.5)  # the router's background clean-up, had there been any
     after = _metrics(url)
+    # finished handoffs are not cleaned up as failed ones: no room aborted, nothing retried
+    assert _m(after, "kvbridge_route_room_aborts_total", engine="sglang") == _m(
+        before, "kvbridge_route_room_aborts_total", engine="sglang")
+    assert not [k for k in after if k[0] == "kvbridge_route_retries_total" and after[k] != before.get(k, 0.0)]
     for route in ("sglang->sglang", "sglang->trtllm"):
         n = sum(1 for _, info, _ in outs if info["route"] == route)
         got = (_m(after, "kvbridge_route_requests_total", route=route, mode="disaggregated")

@@ -140,6 +140,10 @@ def test_route_trtllm_prefill_to_trtllm_decode(trt, tiny_llama_dir):
             out = list(ex.map(ask, range(4)))
         m = router.router.metrics
         assert m.value("kvbridge_route_requests_total", {"route": "trtllm->trtllm", "mode": "disaggregated"}) == 4
+        # a finished handoff is not cleaned up as a failed one: no room aborted, no retry
+        router.call(router.router.dispatcher.drain)
+        assert m.value("kvbridge_route_room_aborts_total", {"engine": "trtllm"}) == 0
+        assert not router.router.dispatcher._stale
     for (ids, info), ref in zip(out, refs):
         assert ids == ref and info["route"] == "trtllm->trtllm" and info["mode"] == "disaggregated"
         assert info["servers"] == ["tp", "td"]
