@@ -175,6 +175,10 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
         "ttft_client_stream_p99_ms": _pct([r["client_ttft_ms"] for r in ok if r["stream"]], 99),
         "latency_p50_ms": _pct([r["seconds"] * 1e3 for r in ok], 50),
         "latency_p99_ms": _pct([r["seconds"] * 1e3 for r in ok], 99),
+        # per route: the TensorRT-LLM stand-in reports a request's tokens when it finishes, so its
+        # "first token" is its last; SGLang's decode streams them as it makes them
+        "ttft_router_by_route_ms": {
+            k: {"n": len(v), "p50": _pct(v, 50), "p99": _pct(v, 99)} for k, v in sorted(_by_route(ok).items())},
         "throughput_rps": round(len(results) / wall, 2), "wall_s": round(wall, 1),
         "routes": dict(Counter(f"{r['route']} ({r['mode']})" for r in ok)),
         "killed": "p0" if killed_at is not None else None,
@@ -186,6 +190,14 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
         "router_retries": retries, "router_metrics": metrics,
         "servers_started_s": round(started_s, 1) if owned else None, "trtllm": bool(dep.trt),
     }
+
+
+def _by_route(ok: list[dict]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for r in ok:
+        if r.get("router_ttft_ms") is not None:
+            out.setdefault(f"{r['route']} ({r['mode']})", []).append(r["router_ttft_ms"])
+    return out
 
 
 def _retries(url: str) -> dict:
@@ -204,7 +216,7 @@ def _retries(url: str) -> dict:
 
 def format_bench(r: dict) -> str:
     keys = ["requests", "concurrency", "ok", "wrong", "failed", "lost", "failure_reasons", "ttft_router_p50_ms",
-            "ttft_router_p99_ms", "ttft_client_stream_p50_ms", "ttft_client_stream_p99_ms", "latency_p50_ms",
+            "ttft_router_p99_ms", "ttft_router_by_route_ms", "ttft_client_stream_p50_ms", "ttft_client_stream_p99_ms", "latency_p50_ms",
             "latency_p99_ms", "throughput_rps", "routes", "killed", "inflight_at_kill", "inflight_at_kill_outcomes",
             "retried_requests", "ok_after_kill", "ok_after_kill_on_p0", "router_retries"]
     return "\n".join(f"{k:>28}: {r[k]}" for k in keys)
