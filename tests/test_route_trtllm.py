@@ -226,7 +226,9 @@ def test_saturation_429_and_deadline_504(trt, tiny_llama_dir):
     long_body = {"model": "tiny-llama", "prompt": random_prompt(40, seed=4), "max_tokens": 600, "temperature": 0}
     with BackgroundRouter(cfg) as router:
         box = {}
-        th = threading.Thread(target=lambda: box.update(r=_post(router.url + "/v1/completions", long_body)))
+        t_long = time.monotonic()
+        th = threading.Thread(target=lambda: box.update(r=_post(router.url + "/v1/completions", long_body),
+                                                         took=time.monotonic() - t_long))
         th.start()
         _wait(lambda: router.router.admission.inflight == 1, 10, "the first request is dispatched")
         t0 = time.monotonic()
@@ -237,10 +239,12 @@ def test_saturation_429_and_deadline_504(trt, tiny_llama_dir):
         assert box["r"][0] == 200 and len(json.loads(box["r"][2])["choices"][0]["token_ids"]) == 600
         _wait(lambda: _state(d)["active"] == 0, 10, "the decode is idle")
         t0 = time.monotonic()
-        status, _, body = _post(router.url + "/v1/completions", long_body, {"X-Request-Timeout": "0.5"})
+        status, _, body = _post(router.url + "/v1/completions", {**long_body, "max_tokens": 1500},
+                                {"X-Request-Timeout": "0.5"})
         took = time.monotonic() - t0
         assert status == 504 and json.loads(body)["error"]["reason"] == "deadline" and took < 1.5, (status, took, body)
-        # the server's request was cancelled: the decode has nothing active and every block back
-        _wait(lambda: (lambda s: s["active"] == 0 and s["free"] == s["total"])(_state(d)), 10,
-              "the decode's request was cancelled")
+        # the server's request was cancelled: the decode is idle with every block back sooner than
+        # 600 tokens took, let alone the 1500 asked for
+        _wait(lambda: (lambda s: s["active"] == 0 and s["free"] == s["total"])(_state(d)), box["took"],
+              f"the decode's request was cancelled (600 tokens took {box['took']:.1f} s)")
         assert router.router.metrics.value("kvbridge_route_failures_total", {"route": "trtllm", "reason": "deadline"}) == 1
