@@ -324,3 +324,39 @@ def test_ties_alternate_per_kind_of_choice(tiny_model):
     picks = [pool.pick_pair() for _ in range(4)]
     assert [d.name for _, d in picks] in (["d0", "t0", "d0", "t0"], ["t0", "d0", "t0", "d0"])
     assert all(p.name == "p0" for p, _ in picks)
+
+
+def test_no_server_is_a_503_with_retry_after_and_bad_input_a_400(tiny_model):
+    """Through HTTP: with its only server refusing connections the router says so on
+    /health and answers 503 with Retry-After; a malformed request is a 400 naming what is
+    wrong; both counted by reason."""
+    import urllib.error
+    import urllib.request
+
+    from kvbridge.demo.sglang_server import free_port
+    from kvbridge.route.app import BackgroundRouter
+
+    cfg = parse_config(_yaml(f"  - {{name: a0, engine: sglang, role: aggregated, url: 'http://127.0.0.1:{free_port()}'}}",
+                             "health: {fail_after: 1, interval_s: 0.2}\nlimits: {retry_after_s: 3}", tiny_model))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def call(path, body=None):
+        req = urllib.request.Request(path, None if body is None else json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with opener.open(req, timeout=10) as r:
+                return r.status, dict(r.headers), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read())
+
+    with BackgroundRouter(cfg) as router:
+        st, hd, body = call(router.url + "/health")
+        assert st == 503 and "Retry-After" in hd and body["servers"][0]["healthy"] is False, body
+        st, hd, body = call(router.url + "/v1/completions", {"model": "m", "prompt": [5, 6], "max_tokens": 2})
+        assert st == 503 and hd.get("Retry-After") == "3" and body["error"]["reason"] == "no_server", (st, hd, body)
+        assert "a0 down" in body["error"]["message"]
+        st, _, body = call(router.url + "/v1/completions", {"model": "m", "prompt": [5, 6], "n": 3})
+        assert st == 400 and "'n'" in body["error"]["message"]
+        m = router.router.metrics
+        assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "no_server"}) == 1
+        assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "bad_request"}) == 1
