@@ -165,10 +165,10 @@ def sglang_delta(ev: dict, emitted: int) -> tuple[list[int], str | None, str | N
     """(new ids, finish type, abort message) of one SGLang ``/generate`` answer, given the
     ids already taken: cumulative answers (``len(output_ids) == completion_tokens``) give
     their tail, incremental ones their ids."""
-    ids = [int(t) for t in ev.get("output_ids") or []]
+    ids = ev.get("output_ids") or []
     mi = ev.get("meta_info") or {}
     n = mi.get("completion_tokens")
-    new = ids[emitted:] if isinstance(n, int) and len(ids) == n and n >= emitted else ids
+    new = [int(t) for t in (ids[emitted:] if isinstance(n, int) and len(ids) == n and n >= emitted else ids)]
     fr = mi.get("finish_reason")
     if isinstance(fr, dict):
         kind = str(fr.get("type") or "")
