@@ -238,7 +238,9 @@ def reference_generate(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         min_new_tokens=0,
-        eos_token_id=None,
+        # not None: transformers (5.x) fills a None from the model's generation_config
+        # (eos 2), and generation then stops at the first EOS
+        eos_token_id=[],
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         output_logits=True,

@@ -410,13 +410,13 @@ def start_server(model_dir: str | os.PathLike, role: str, *, backend: str = "kvb
                  extra_env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), page_size: int = 1,
                  max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS, log_dir: str | os.PathLike | None = None,
                  timeout: float = DEFAULT_START_TIMEOUT, port_retries: int = 2) -> tuple[Server, int]:
-    """Start one ``role`` ("prefill" | "decode") server for ``model_dir`` with transfer
+    """Start one ``role`` ("prefill" | "decode" | "null": aggregated) server for ``model_dir`` with transfer
     backend ``backend`` and wait until it is healthy; returns (server, bootstrap port:
     the prefill's own bootstrap server, unused by a decode). On failure nothing is left
     running and ``ServerError`` carries the command line and the log tail; a lost port
     race is retried with new ports (``port_retries`` times)."""
-    if role not in ("prefill", "decode"):
-        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if role not in ("prefill", "decode", "null"):
+        raise ValueError(f"role must be 'prefill', 'decode' or 'null' (aggregated), got {role!r}")
     model_dir = Path(model_dir).resolve()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-sglang-{role}-"))
     env_extra = {"SGLANG_PLUGINS": "kvbridge"} if backend == "kvbridge" else {}

@@ -1,7 +1,8 @@
 """The ``kvbridge`` command line: ``demo`` (the mixed-engine handoff, checked), ``bench``
-(``layout``, ``transfer``, ``link``, ``sglang``, ``load``, ``all``), ``plan`` (is moving a
-request's KV worth it), ``report`` (the reliability report) and ``announce`` (a router's
-handoff announcement to a TensorRT-LLM server)."""
+(``layout``, ``transfer``, ``link``, ``sglang``, ``load``, ``all``; ``route`` apart), ``plan`` (is moving a
+request's KV worth it), ``report`` (the reliability report), ``announce`` (a router's
+handoff announcement to a TensorRT-LLM server) and ``route`` (the OpenAI-compatible
+front of a mixed disaggregated deployment)."""
 
 from __future__ import annotations
 
@@ -419,6 +420,9 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.demo.run import DemoError
     from kvbridge.demo.sglang_server import ServerError
 
+    if args.router:
+        return _demo_router(args)
+
     def _term(signum, frame):  # so that the server's process group is killed on the way out
         raise SystemExit(128 + signum)
 
@@ -598,6 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
         _load_args(b)
         b.add_argument("--markdown", metavar="FILE", help="load: also write its section of the reliability report into FILE")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
+    _add_route_bench(bsub)
 
     rep = sub.add_parser("report", help="regenerate the reliability report (load figures, fault matrix) in one go")
     rep.add_argument("--out", default="docs/reliability.md", help="markdown file (sections replaced between markers)")
@@ -645,6 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model-dir", help="a tiny model folder to use instead (default: built into ~/.cache/kvbridge/demo)")
     demo.add_argument("--trtllm-version", choices=("1.2", "main"), default="1.2",
                       help="the TensorRT-LLM version the executor stand-in models (default 1.2, PyPI's newest line)")
+    demo.add_argument("--router", action="store_true",
+                      help="the mixed deployment behind `kvbridge route`, driven by an OpenAI client (kvbridge.route.demo)")
     demo.set_defaults(func=_demo)
 
     ann = sub.add_parser("announce", help="tell a TensorRT-LLM server which handoff its next request with a prompt plays")
@@ -654,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help='the handle as JSON, e.g. \'{"op": "recv", "room": 42, "prefill": "tcp://10.0.0.1:18500"}\'')
     ann.add_argument("--ttl", type=float, default=60.0, help="seconds the server keeps it (default 60)")
     ann.set_defaults(func=_announce)
+    _add_route_command(sub)
     return p
 
 
@@ -670,6 +678,74 @@ def _announce(args: argparse.Namespace) -> int:
         _console().print(f"kvbridge announce: {e}", markup=False, highlight=False)
         return 2
     return 0
+
+
+def _add_route_command(sub) -> None:
+    r = sub.add_parser("route", help="OpenAI-compatible front for a mixed disaggregated deployment (route.yaml)")
+    r.add_argument("--config", required=True, help="the route.yaml (servers, links, deadlines, retry policy)")
+    r.add_argument("--check", action="store_true", help="validate the file, probe every server, and exit (0: all good)")
+    r.add_argument("--json", action="store_true", help="with --check: print the report as one JSON object")
+    r.add_argument("--host", help="listen address (default: the file's listen.host)")
+    r.add_argument("--port", type=int, help="listen port (default: the file's listen.port)")
+    r.set_defaults(func=_route)
+
+
+def _route(args: argparse.Namespace) -> int:
+    """``kvbridge route``: serve (kvbridge.route.app.serve), or ``--check`` the deployment."""
+    import asyncio
+
+    from kvbridge.route import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        if args.check:
+            from kvbridge.route.check import check, format_report
+
+            rep = asyncio.run(check(cfg))
+            print(json.dumps(rep) if args.json else format_report(rep))
+            return 0 if rep["ok"] else 1
+        from kvbridge.route.app import serve
+
+        logging.getLogger("kvbridge").setLevel(logging.INFO)
+        serve(cfg, host=args.host, port=args.port, print_fn=lambda m: _console().print(m, markup=False))
+    except ConfigError as e:
+        _console().print(f"kvbridge route: {e}", markup=False, highlight=False)
+        return 2
+    return 0
+
+
+def _add_route_bench(bsub) -> None:
+    b = bsub.add_parser("route", help="route benchmark: a load through `kvbridge route`, a prefill killed part-way "
+                                      "(not part of `bench all`: it starts five servers)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--requests", type=int, default=200, help="requests sent (default 200)")
+    b.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
+    b.add_argument("--kill-after", type=float, default=0.3, help="kill a prefill after this fraction of the requests")
+    b.add_argument("--max-new", type=int, default=16, help="tokens generated per request")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-trtllm", action="store_true", help="SGLang servers only (no TensorRT-LLM decode stand-in)")
+    b.set_defaults(func=_bench_route)
+
+
+def _bench_route(args: argparse.Namespace) -> int:
+    from kvbridge.route.bench import bench_route, format_bench
+
+    res = _run_with_status("kvbridge bench route", lambda say: bench_route(
+        requests=args.requests, concurrency=args.concurrency, kill_after=args.kill_after, max_new=args.max_new,
+        seed=args.seed, trtllm=not args.no_trtllm, progress=say), args.json)
+    print(json.dumps(res) if args.json else format_bench(res))
+    return 0 if res["lost"] == 0 and res["wrong"] == 0 else 1
+
+
+def _demo_router(args: argparse.Namespace) -> int:
+    """``kvbridge demo --router``: the mixed deployment behind ``kvbridge route`` (kvbridge.route.demo)."""
+    from kvbridge.route.demo import format_router_demo, run_router_demo
+
+    res = _run_with_status("kvbridge demo --router", lambda say: run_router_demo(
+        model_dir=args.model_dir, prompt_len=args.prompt_len, max_new=args.max_new, trtllm_version=args.trtllm_version,
+        progress=say), args.json)
+    print(json.dumps(res) if args.json else format_router_demo(res))
+    return 0 if res["match"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -223,6 +223,9 @@ def test_wheel_contains_every_subpackage(tmp_path):
                 "kvbridge/common/__init__.py", "kvbridge/adapters/sglang/__init__.py", "kvbridge/adapters/trtllm/__init__.py",
                 "kvbridge/adapters/vllm/connector.py", "kvbridge/layout/vllm_pool.py", "kvbridge/demo/vllm_server.py",
                 "kvbridge/common/bootstrap.py", "kvbridge/demo/__init__.py", "kvbridge/demo/run.py",
+                # the router (kvbridge route) and the stand-in's trtllm-serve HTTP shape
+                "kvbridge/route/__init__.py", "kvbridge/route/app.py", "kvbridge/route/dispatch.py",
+                "kvbridge/demo/trtllm/http.py",
                 # package data the demo's SGLang server needs on its PYTHONPATH
                 "kvbridge/demo/sgl_shim/sgl_kernel/__init__.py",
                 "kvbridge/demo/sgl_shim/mla_torch_native/kvbridge_tests_mla_torch_native.py",

@@ -1,0 +1,330 @@
+"""``route.yaml``: what ``kvbridge route`` serves, read and checked before anything starts.
+
+The file lists servers by engine and role, the link between each prefill/decode pair
+(a preset or a ``kvbridge bench link --out`` file), the cost model's inputs, deadlines,
+the retry policy, admission limits and health checking::
+
+    model:
+      name: llama-3.1-8b               # what /v1/models answers and responses carry
+      tokenizer: /models/llama-3.1-8b  # a Hugging Face folder: tokenizer (and config.json)
+    listen: {host: 0.0.0.0, port: 8000}
+    servers:
+      - {name: p0, engine: sglang, role: prefill, url: "http://10.0.0.1:30000", bootstrap: "10.0.0.1:8998"}
+      - {name: d0, engine: trtllm, role: decode, url: "http://10.0.0.2:8200", bus: "tcp://10.0.0.2:18500"}
+      - {name: a0, engine: sglang, role: aggregated, url: "http://10.0.0.3:30000"}
+    links: {default: tcp, "sglang->trtllm": /etc/kvbridge/link.json}
+    cost: {prefill_tps: 20000, decode_prefill_tps: 10000}
+
+Every other section has defaults (``RouteConfig``). Errors name the key that is wrong
+(``ConfigError``). Nothing here touches the network: ``kvbridge.route.check`` probes
+the servers.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+import msgspec
+
+__all__ = ["ConfigError", "ModelSpec", "ServerSpec", "CostSpec", "Deadlines", "RetryPolicy", "Limits", "HealthSpec",
+           "ListenSpec", "RouteConfig", "load_config", "parse_config", "ENGINES", "ROLES"]
+
+ENGINES = ("sglang", "trtllm")
+ROLES = ("prefill", "decode", "aggregated")
+
+
+class ConfigError(ValueError):
+    """A route configuration that cannot be served; the message names the key."""
+
+
+class _S(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelSpec(_S):
+    """The served model: its public name and the tokenizer folder the router tokenizes
+    with (every server must see the same token ids). ``chat_template``: a Jinja template
+    for /v1/chat/completions when the tokenizer has none (or to override it)."""
+
+    name: str
+    tokenizer: str
+    chat_template: str = ""
+
+
+class ServerSpec(_S):
+    """One server. ``bootstrap``: an SGLang prefill's bootstrap server ``host:port``, or a
+    TensorRT-LLM prefill's SGLang-compatible one (its ``sglang_bootstrap_port``), which an
+    SGLang decode needs to pull from it. ``bus``: a TensorRT-LLM server's kvbridge bus
+    ``tcp://host:port`` (where the router announces handles)."""
+
+    name: str
+    engine: Literal["sglang", "trtllm"]
+    role: Literal["prefill", "decode", "aggregated"]
+    url: str
+    bootstrap: str = ""
+    bus: str = ""
+
+    @property
+    def can_compute(self) -> bool:
+        """Whether a request can be sent to this server alone (no handoff): an aggregated
+        server, or a TensorRT-LLM decode (its connector computes unannounced prompts). An
+        SGLang disaggregated decode cannot: it only runs requests whose KV arrives."""
+        return self.role == "aggregated" or (self.engine == "trtllm" and self.role == "decode")
+
+
+class CostSpec(_S):
+    """Inputs of the cost gate (``kvbridge.common.gate.CostGate``), one per pair's link.
+    ``model``: a preset or a ``config.json`` (default: the tokenizer folder's). Rates in
+    prompt tokens/s (0: from FLOPs); ``queue_s``: expected wait for a prefill."""
+
+    model: str = ""
+    kv_dtype_bytes: int = 2
+    prefill_tps: float = 0.0
+    decode_prefill_tps: float = 0.0
+    queue_s: float = 0.0
+    enabled: bool = True
+
+
+class Deadlines(_S):
+    """``request_s``: a client never waits longer (a header ``X-Request-Timeout`` may
+    shorten it); ``prefill_s``: a prefill half that has not handed off by then is given up
+    (its room aborted) and retried; ``connect_s``: TCP connect to a server."""
+
+    request_s: float = 60.0
+    prefill_s: float = 20.0
+    connect_s: float = 2.0
+
+
+class RetryPolicy(_S):
+    """``prefill_attempts``: handoffs tried per request (each on another prefill, with a
+    new room); ``recompute``: when they are used up, or no prefill is left, compute the
+    request on a server that can (aggregated, or a TensorRT-LLM decode), within the
+    deadline; ``backoff_s``: pause before a retry."""
+
+    prefill_attempts: int = 2
+    recompute: bool = True
+    backoff_s: float = 0.0
+
+
+class Limits(_S):
+    """Admission: at most ``max_inflight`` requests dispatched at once and ``max_queue``
+    waiting; a request beyond that gets 429, one that cannot be served (no server, or
+    its deadline passes in the queue) 503, both with ``Retry-After: retry_after_s``."""
+
+    max_inflight: int = 64
+    max_queue: int = 256
+    retry_after_s: float = 1.0
+
+
+class HealthSpec(_S):
+    """Each server's ``path`` is polled every ``interval_s``; ``fail_after`` failures in a
+    row take it out of rotation, ``pass_after`` successes put it back. A refused
+    connection on the request path takes it out at once."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 5.0
+    fail_after: int = 2
+    pass_after: int = 1
+    path: str = "/health"
+
+
+class ListenSpec(_S):
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class RouteConfig(_S):
+    """The whole file (see the module doc)."""
+
+    model: ModelSpec
+    servers: list[ServerSpec]
+    listen: ListenSpec = msgspec.field(default_factory=ListenSpec)
+    links: dict[str, str] = msgspec.field(default_factory=lambda: {"default": "tcp"})
+    cost: CostSpec = msgspec.field(default_factory=CostSpec)
+    deadlines: Deadlines = msgspec.field(default_factory=Deadlines)
+    retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    health: HealthSpec = msgspec.field(default_factory=HealthSpec)
+    secret: str = ""  # the servers' KVBRIDGE_SECRET: the router's room aborts are signed with it
+
+    def server(self, name: str) -> ServerSpec:
+        for s in self.servers:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def by_role(self, role: str) -> list[ServerSpec]:
+        return [s for s in self.servers if s.role == role]
+
+    def link_spec(self, prefill: ServerSpec, decode: ServerSpec) -> str:
+        """The link of this pair: ``links["p->d"]`` by server names, else by engines
+        (``"sglang->trtllm"``), else ``links["default"]``."""
+        for key in (f"{prefill.name}->{decode.name}", f"{prefill.engine}->{decode.engine}", "default"):
+            if key in self.links:
+                return self.links[key]
+        raise ConfigError(f"links: no entry for {prefill.name}->{decode.name} and no 'default'")
+
+
+def pairable(prefill: ServerSpec, decode: ServerSpec) -> bool:
+    """Whether ``decode`` can pull from ``prefill``: an SGLang decode finds its prefill
+    through an SGLang(-compatible) bootstrap server; a TensorRT-LLM decode through the
+    prefill's bootstrap (SGLang) or bus (TensorRT-LLM)."""
+    if prefill.role != "prefill" or decode.role != "decode":
+        return False
+    if decode.engine == "sglang":
+        return bool(prefill.bootstrap)
+    return bool(prefill.bootstrap) if prefill.engine == "sglang" else bool(prefill.bus)
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_ADDR = re.compile(r"^[^:/\s]+:\d{1,5}$")
+
+
+def _validate(cfg: RouteConfig) -> RouteConfig:
+    def bad(where: str, what: str) -> ConfigError:
+        return ConfigError(f"{where}: {what}")
+
+    if not cfg.model.name:
+        raise bad("model.name", "must not be empty")
+    if not cfg.servers:
+        raise bad("servers", "lists no server")
+    seen: set[str] = set()
+    for i, s in enumerate(cfg.servers):
+        where = f"servers[{i}] ({s.name or 'no name'})"
+        if not _NAME.match(s.name):
+            raise bad(f"servers[{i}].name", f"{s.name!r} is not a name (letters, digits, _ . -)")
+        if s.name in seen:
+            raise bad(f"servers[{i}].name", f"{s.name!r} is used twice")
+        seen.add(s.name)
+        u = urlparse(s.url)
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+            raise bad(f"{where}.url", f"{s.url!r} is not an http(s)://host:port address")
+        if s.bootstrap and not _ADDR.match(s.bootstrap):
+            raise bad(f"{where}.bootstrap", f"{s.bootstrap!r} is not host:port")
+        if s.bus and not re.match(r"^tcp://[^:/\s]+:\d{1,5}$", s.bus):
+            raise bad(f"{where}.bus", f"{s.bus!r} is not tcp://host:port")
+        if s.engine == "sglang" and s.role == "prefill" and not s.bootstrap:
+            raise bad(f"{where}.bootstrap", "an SGLang prefill needs its bootstrap server's host:port")
+        if s.engine == "sglang" and s.bus:
+            raise bad(f"{where}.bus", "only TensorRT-LLM servers have a kvbridge bus")
+        if s.engine == "trtllm" and s.role in ("prefill", "decode") and not s.bus:
+            raise bad(f"{where}.bus", "a TensorRT-LLM prefill or decode needs its kvbridge bus (tcp://host:bus_port)")
+        if s.role != "prefill" and s.bootstrap:
+            raise bad(f"{where}.bootstrap", "only prefill servers have a bootstrap server")
+    prefills, decodes = cfg.by_role("prefill"), cfg.by_role("decode")
+    for d in decodes:
+        if not any(pairable(p, d) for p in prefills):
+            need = ("a prefill with a bootstrap address (SGLang, or TensorRT-LLM with sglang_bootstrap_port)"
+                    if d.engine == "sglang" else "a prefill")
+            raise bad(f"servers ({d.name})", f"decode {d.name} has no prefill it can pull from: it needs {need}")
+    if not any(s.can_compute for s in cfg.servers) and not decodes:
+        raise bad("servers", "no decode and no server that computes requests alone (aggregated)")
+    if decodes and not prefills:
+        raise bad("servers", "decode servers but no prefill")
+    for key, spec in cfg.links.items():
+        if key != "default":
+            parts = key.split("->")
+            names = {s.name for s in cfg.servers} | set(ENGINES)
+            if len(parts) != 2 or not all(p in names for p in parts):
+                raise bad(f"links[{key!r}]", "keys are 'default', 'engine->engine' or 'prefill_name->decode_name'")
+        _check_link(f"links[{key!r}]", spec)
+    for p in prefills:
+        for d in decodes:
+            if pairable(p, d):
+                cfg.link_spec(p, d)
+    c = cfg.cost
+    for name in ("prefill_tps", "decode_prefill_tps", "queue_s"):
+        if getattr(c, name) < 0:
+            raise bad(f"cost.{name}", "must be >= 0")
+    if c.kv_dtype_bytes not in (1, 2, 4):
+        raise bad("cost.kv_dtype_bytes", "must be 1, 2 or 4")
+    dl = cfg.deadlines
+    for name in ("request_s", "prefill_s", "connect_s"):
+        if getattr(dl, name) <= 0:
+            raise bad(f"deadlines.{name}", "must be > 0")
+    if cfg.retry.prefill_attempts < 1:
+        raise bad("retry.prefill_attempts", "must be >= 1")
+    if cfg.retry.backoff_s < 0:
+        raise bad("retry.backoff_s", "must be >= 0")
+    lim = cfg.limits
+    if lim.max_inflight < 1 or lim.max_queue < 0 or lim.retry_after_s <= 0:
+        raise bad("limits", "max_inflight >= 1, max_queue >= 0 and retry_after_s > 0 are needed")
+    h = cfg.health
+    if h.interval_s <= 0 or h.timeout_s <= 0 or h.fail_after < 1 or h.pass_after < 1 or not h.path.startswith("/"):
+        raise bad("health", "interval_s > 0, timeout_s > 0, fail_after >= 1, pass_after >= 1, path starting with /")
+    if not 0 <= cfg.listen.port < 65536:
+        raise bad("listen.port", f"{cfg.listen.port} is not a TCP port")
+    return cfg
+
+
+def _check_link(where: str, spec: str) -> None:
+    from kvbridge.common.costmodel import load_link
+
+    try:
+        load_link(spec)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parse_config(text: str | bytes, source: str = "route.yaml") -> RouteConfig:
+    """A checked ``RouteConfig`` from YAML text; ConfigError naming the key otherwise.
+    Relative file paths in ``links`` and ``model`` are resolved by the caller."""
+    import msgspec.yaml
+
+    try:
+        cfg = msgspec.yaml.decode(text, type=RouteConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    try:
+        return _validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_config(path: str | Path) -> RouteConfig:
+    """Read and check ``path``; file paths inside it (tokenizer, cost model, link files)
+    are taken relative to the file's folder."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    import msgspec.yaml
+
+    try:
+        raw = msgspec.yaml.decode(text)
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if isinstance(raw, dict):
+        base = p.resolve().parent
+        _resolve_paths(raw, base)
+        text = msgspec.yaml.encode(raw)
+    return parse_config(text, str(p))
+
+
+def _resolve_paths(raw: dict, base: Path) -> None:
+    """Relative paths (that exist relative to ``base``) become absolute."""
+    from kvbridge.common.costmodel import LINK_PRESETS, MODEL_PRESETS
+
+    def fix(v):
+        if not isinstance(v, str) or not v or v in LINK_PRESETS or v in MODEL_PRESETS:
+            return v
+        if not Path(v).is_absolute() and (base / v).exists():
+            return str(base / v)
+        return v
+
+    model = raw.get("model")
+    if isinstance(model, dict) and "tokenizer" in model:
+        model["tokenizer"] = fix(model["tokenizer"])
+    cost = raw.get("cost")
+    if isinstance(cost, dict) and "model" in cost:
+        cost["model"] = fix(cost["model"])
+    links = raw.get("links")
+    if isinstance(links, dict):
+        for k, v in links.items():
+            links[k] = fix(v)

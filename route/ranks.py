@@ -1,0 +1,127 @@
+"""A prefill's kvbridge ranks, seen from the router: where they are, and aborting a room.
+
+Where: a TensorRT-LLM decode is announced the prefill's rank endpoints themselves
+(``Handle("recv", room, endpoints=...)``), looked up here once per server and again
+after it failed or came back into rotation (the connector would otherwise keep the
+endpoints it discovered first for that address: a restarted prefill's new ranks are
+never found; see ``KVBridgeConnectorScheduler._discovered``).
+
+Abort: when a decode half fails (or a prefill half is given up), the prefill may hold the
+prompt's KV for a decode that will never ask. The router tells every kvbridge rank of
+that prefill that the room is off: a kvbridge ``Abort`` (signed with the deployment's
+secret when one is set) on the control channel, as a declining decode sends it
+(``KVReceiver.decline``). A sender ends the room and releases its blocks at once, or as
+soon as its engine adds the room when the request is still queued
+(``KVSender._on_abort``). An unknown room is answered and forgotten.
+
+The ranks' endpoints come from the prefill's bootstrap server (``GET /kvbridge/ranks``:
+SGLang on the kvbridge backend, or a TensorRT-LLM prefill with ``sglang_bootstrap_port``)
+or, for a TensorRT-LLM prefill, from its bus (``Who`` -> ``Endpoints``); they are looked
+up once per server and again after a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from .config import ServerSpec
+
+__all__ = ["PrefillRanks", "bus_endpoints", "bootstrap_endpoints"]
+
+log = logging.getLogger(__name__)
+
+
+def bus_endpoints(bus: str, timeout_s: float = 2.0) -> list[str]:
+    """A TensorRT-LLM server's rank endpoints, asked on its kvbridge bus (``Who``).
+    Raises TimeoutError or ValueError (a bad answer)."""
+    import zmq
+
+    from kvbridge.adapters.trtllm import bus as B
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(bus)
+        sock.send(B.encode(B.Who()))
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise TimeoutError(f"bus {bus} did not answer Who within {timeout_s:g} s")
+            msg = B.decode(sock.recv())
+            if isinstance(msg, B.Endpoints):
+                return list(msg.endpoints)
+    finally:
+        sock.close(0)
+
+
+def bootstrap_endpoints(address: str, timeout_s: float = 2.0) -> list[str]:
+    """A prefill's rank endpoints from its bootstrap server (``/kvbridge/ranks``)."""
+    from kvbridge.common.bootstrap import endpoints_by_tp_rank, fetch_ranks
+
+    return endpoints_by_tp_rank(fetch_ranks(address, timeout_s), address)
+
+
+class PrefillRanks:
+    """Prefill rank endpoints (cached per server) and room aborts to them; one control
+    channel for the router."""
+
+    def __init__(self, secret: str = ""):
+        self.secret = secret
+        self._eps: dict[str, list[str]] = {}
+        self._chan = None
+        self.sent = 0
+
+    def _channel(self):
+        if self._chan is None:
+            from kvbridge.common.control import ControlChannel
+
+            # replies (TransferFailed "abort acknowledged", Heartbeat) need no action
+            self._chan = ControlChannel(lambda peer, payload: None, name="kvbridge-route-ranks")
+        return self._chan
+
+    async def endpoints(self, server: ServerSpec, timeout_s: float = 2.0) -> list[str]:
+        """The server's rank endpoints (cached)."""
+        eps = self._eps.get(server.name)
+        if eps is None:
+            if server.bootstrap:
+                eps = await asyncio.to_thread(bootstrap_endpoints, server.bootstrap, timeout_s)
+            elif server.bus:
+                eps = await asyncio.to_thread(bus_endpoints, server.bus, timeout_s)
+            else:
+                raise ValueError(f"{server.name}: neither a bootstrap address nor a bus to find its ranks")
+            self._eps[server.name] = eps
+        return eps
+
+    async def abort(self, server: ServerSpec, room: int, reason: str) -> bool:
+        """Tell every rank of ``server`` that ``room`` is off; False when its ranks cannot
+        be found (a dead server holds nothing)."""
+        from kvbridge.common import protocol as P
+
+        try:
+            eps = await self.endpoints(server)
+        except Exception as e:  # unreachable: nothing to abort there, or it is gone
+            self._eps.pop(server.name, None)
+            log.info("route: cannot abort room %s on %s: %s", room, server.name, e)
+            return False
+        msg = P.Abort(room=int(room), reason=reason[:4000])
+        if self.secret:
+            msg = P.sign(msg, self.secret)
+        payload = P.encode(msg)
+        chan = self._channel()
+        for ep in eps:
+            chan.send(ep, payload)
+        self.sent += 1
+        log.info("route: room %s aborted on %s (%d rank(s)): %s", room, server.name, len(eps), reason)
+        return True
+
+    def forget(self, server: ServerSpec) -> None:
+        """Look the server's ranks up again next time (it restarted)."""
+        self._eps.pop(server.name, None)
+
+    def close(self) -> None:
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
