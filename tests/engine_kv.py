@@ -8,7 +8,11 @@ than against the layout model:
   head_dim)[head, slot, :]`` with ``block = blocks[t // tokens_per_block]``,
   ``slot = t % tokens_per_block`` (HND inside a block; ``kvCacheUtils.h`` ``getKVLocalIdx``);
 - SGLang ``MHATokenToKVPool``: ``k_buffer[layer][page * page_size + t % page_size, head, :]``
-  with ``page = pages[t // page_size]``.
+  with ``page = pages[t // page_size]``;
+- vLLM's CPU cache (``CPU_ATTN``): per layer ``[num_blocks, heads, block_size, 2 * head_dim]``;
+  in the (block, head) tile K element (t, j) is element ``j * block_size + t`` and V element
+  (t, j) is ``block_size * head_dim + t * head_dim + j`` (``csrc/cpu/cpu_attn_vec.hpp``,
+  ``reshape_and_cache``).
 
 ``transformers_kv`` is the reference: per layer and position, K after RoPE and V (or an
 MLA model's latent row ``[kv_a_layernorm(ckv) | k_pe]``, k_pe in the model's interleaved
@@ -21,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["trtllm_kv", "sglang_kv", "transformers_kv", "fp8_round", "as_float", "assert_kv_close"]
+__all__ = ["trtllm_kv", "sglang_kv", "vllm_kv", "transformers_kv", "fp8_round", "as_float", "assert_kv_close"]
 
 
 def trtllm_kv(pool: torch.Tensor, blocks: Sequence[int], tokens_per_block: int, head_dim: int,
@@ -49,6 +53,23 @@ def sglang_kv(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tenso
     slots = [int(pages[t // page_size]) * page_size + t % page_size for t in positions]
     kvs = [k_buffers] if v_buffers is None else [k_buffers, v_buffers]
     return torch.stack([torch.stack([buf[layer][slots] for layer in range(len(k_buffers))]) for buf in kvs], dim=1)
+
+
+def vllm_kv(layer_caches: Sequence[torch.Tensor], blocks: Sequence[int], block_size: int,
+            positions: Sequence[int]) -> torch.Tensor:
+    """``[layers, 2, T, heads, head_dim]`` of ``positions`` from vLLM's CPU cache, one
+    ``[num_blocks, heads, block_size, 2 * head_dim]`` tensor per layer."""
+    nb, heads, bs, hd2 = layer_caches[0].shape
+    hd = hd2 // 2
+    out = torch.empty(len(layer_caches), 2, len(positions), heads, hd, dtype=layer_caches[0].dtype)
+    for layer, cache in enumerate(layer_caches):
+        for i, t in enumerate(positions):
+            b, slot = int(blocks[t // block_size]), t % block_size
+            for h in range(heads):
+                tile = cache[b, h].reshape(-1)
+                out[layer, 0, i, h] = tile[: bs * hd].view(hd, bs)[:, slot]  # K stored transposed
+                out[layer, 1, i, h] = tile[bs * hd + slot * hd: bs * hd + (slot + 1) * hd]
+    return out
 
 
 def transformers_kv(model_dir, prompt: Sequence[int]) -> torch.Tensor:

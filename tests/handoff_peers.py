@@ -26,6 +26,26 @@ def build_pool(spec: dict):
     return lay, list(lay.tensors)
 
 
+def engine_read(spec: dict, tensors: list, blocks, positions) -> np.ndarray:
+    """``[layers, kv, T, heads, element bytes]`` uint8 of ``positions`` in ``blocks``, read by
+    the engine's own indexing rule (tests/engine_kv.py), not through ``KVLayout``."""
+    import torch
+
+    from engine_kv import sglang_kv, trtllm_kv, vllm_kv
+
+    eng, tpb = spec["engine"], spec["tpb"]
+    if eng == "sglang":  # K of every layer, then V: each [slots, heads, head_dim]
+        n = spec["layers"]
+        kv = sglang_kv(tensors[:n], tensors[n:] or None, blocks, tpb, positions)
+    elif eng == "trtllm":  # one [blocks, layers, kv, heads * tpb * head_dim] pool
+        kv = trtllm_kv(tensors[0], blocks, tpb, spec["head_dim"], positions)
+    elif eng == "vllm":
+        kv = vllm_kv(tensors, blocks, tpb, positions)
+    else:
+        raise ValueError(f"no indexing rule for engine {eng!r}")
+    return kv.contiguous().view(torch.uint8).numpy().copy()
+
+
 class BlockAllocator:
     """A free list of block ids handing out scattered blocks; counts what is free."""
 
@@ -133,6 +153,8 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             blocks = alloc.alloc(-(-num_tokens // lay.tokens_per_block))
             sender.add_room(room, blocks, release=release_for(room))
             return ("registered", blocks.tolist())
+        if op == "engine_read":  # blocks, positions -> bytes by the engine's own indexing
+            return ("read", engine_read(spec, tensors, *args))
         if op == "asked":  # decode ranks whose request for the room the sender accepted
             return ("asked", len(sender.requests(args[0])))
         if op == "declined":  # a decline the sender holds for a room it has not been given yet
@@ -218,6 +240,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                 alloc.free(blocks)  # the "request finished": its blocks go back
                 result["free"] = alloc.free_count
             return ("pulled", result)
+        if op == "engine_read":
+            return ("read", engine_read(spec, tensors, *args))
         if op == "start_pull":  # fire and return at once (fault tests)
             room, endpoints, start, stop = args[:4]
             blocks = alloc.alloc(-(-stop // lay.tokens_per_block))

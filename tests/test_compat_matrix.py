@@ -12,7 +12,9 @@ request (with a prefix the receiver holds) from every source rank to every desti
 rank that shares heads with it, with the plan kvbridge chooses (and the gather/scatter
 kernels when it stages), and checks every byte of every destination rank and that
 nothing else changed. Cells that cannot apply are marked, not dropped; the matrix is
-printed at the end of the run (conftest.py).
+printed at the end of the run (conftest.py). The cells move bytes with memmove; one cell
+per engine pair also moves them through Mooncake TCP between two OS processes and is read
+back by each engine's own indexing rule (``test_one_cell_per_engine_pair_through_mooncake``).
 """
 
 from __future__ import annotations
@@ -160,3 +162,60 @@ def format_matrix() -> list[str]:
               "n/a (pages): SGLang requires equal page sizes on both sides (vLLM -> vLLM: equal block sizes). "
               "n/a (vLLM): vLLM's CPU caches: no fp8; GQA blocks are multiples of 32, MLA blocks are 16."]
     return lines
+
+
+# -- one cell per engine pair through Mooncake, between two OS processes -------------------
+MOONCAKE_PAGE = {"sglang": 16, "trtllm": 32, "vllm": 32}  # vLLM -> vLLM needs equal blocks
+MOONCAKE_TOKENS, MOONCAKE_PREFIX = 150, 20
+_CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20)
+
+
+def _peer_spec(engine: str, seed: int) -> dict:
+    return dict(engine=engine, layers=LAYERS, total_heads=HEADS, tp=1, rank=0, head_dim=HEAD_DIM, dtype="bf16",
+                tpb=MOONCAKE_PAGE[engine], blocks=2 * (-(-MOONCAKE_TOKENS // MOONCAKE_PAGE[engine])) + 4, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def mooncake_peers():
+    """A prefill and a decode peer process per engine (tests/handoff_peers.py), each with a
+    pool of that engine's format and a real Mooncake transport on 127.0.0.1."""
+    import handoff_peers
+    from kvhelpers import PipePeer
+
+    peers: dict = {}
+    try:
+        for i, eng in enumerate(PAGES):
+            peers["prefill", eng] = PipePeer(handoff_peers.prefill_main, _peer_spec(eng, 100 + i), _CFG)
+            # a vLLM decode offers staging as its adapter does (its K rows are element-strided)
+            staging = {"recv_staging_bytes": 4 << 20} if eng == "vllm" else {}
+            peers["decode", eng] = PipePeer(handoff_peers.decode_main, _peer_spec(eng, 200 + i), {**_CFG, **staging})
+        yield peers
+    finally:
+        for p in peers.values():
+            p.stop()
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "->".join(p))
+def test_one_cell_per_engine_pair_through_mooncake(mooncake_peers, pair):
+    """GQA bf16, TP 1 -> 1, each engine's page size: the prefill process serves a room in two
+    chunks, the decode process pulls it over Mooncake TCP (holding the first 20 tokens
+    already) into scattered blocks. The destination's K/V, read back by the destination
+    engine's own indexing rule, equals the source's, read by the source engine's rule
+    (tests/engine_kv.py, independent of ``KVLayout``); both pools get every block back."""
+    src, dst = pair
+    pre, dec = mooncake_peers["prefill", src], mooncake_peers["decode", dst]
+    room = 7000 + PAIRS.index(pair)
+    sblocks = pre.call("serve", room, MOONCAKE_TOKENS, 96)[1]
+    res = dec.call("pull", room, [pre.ready[1]], MOONCAKE_PREFIX, MOONCAKE_TOKENS, 1, [(pre.spec, sblocks)],
+                   {"scattered": True}, timeout=90)[1]
+    done = pre.call("wait", room, 30)
+    assert res["state"] == "SUCCESS" and done[1] == "SUCCESS", (res["reason"], done[2])
+    positions = list(range(MOONCAKE_PREFIX, MOONCAKE_TOKENS))
+    want = pre.call("engine_read", sblocks, positions)[1]
+    got = dec.call("engine_read", res["blocks"], positions)[1]
+    assert got.shape == want.shape == (LAYERS, 2, len(positions), HEADS, HEAD_DIM * 2), got.shape
+    assert np.array_equal(got, want), f"{src} -> {dst}: the decode engine reads other K/V than the prefill wrote"
+    assert res["bytes_ok"] and res["untouched_ok"], res  # the decode peer's own check: nothing else changed
+    assert res["record"]["bytes"] == res["written_bytes"] == want.nbytes, res["record"]
+    assert done[4] == pre.ready[2] and done[5] == 0, "prefill blocks not all back once"
+    assert dec.call("free")[1:] == (dec.ready[2], 0), "decode blocks not all back once"
