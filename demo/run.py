@@ -505,8 +505,10 @@ def _with_vllm(p_eng: str, d_eng: str, *, model_dir, prompts, refs, max_new, pro
                 "first_prefill": int(r["first_prefill"]),
                 "first_aux": int((aux.get("output_ids") or [got[0] if got else -1])[0]),
                 "logits_diff": None, "logits_of": "not exposed by the real servers (the generated ids are compared)",
+                # the decode's own count where it reports one (vLLM: prompt - external tokens + 1;
+                # the stand-in: tokens it ran); SGLang's decode reports none
                 "context_tokens_computed": (len(prompt) - int(r["external_tokens"]) + 1) if "external_tokens" in r
-                else r.get("context_tokens_computed", len(prompt)),
+                else r.get("context_tokens_computed"),
                 "plan_reason": rec.get("plan_reason", ""),
                 "plan_reason_source": ("the sender's own plan (vLLM side)" if p_eng == "vllm" else
                                        "the receiver's record (the sender's explanation stays in its process)"),
