@@ -93,3 +93,41 @@ def test_decode_fails_cleanly_when_prefill_is_gone_and_stays_healthy(kvbridge_pa
     assert any(w in text.lower() for w in ("prefill", "bootstrap", "unreachable", "timeout", "failed")), text[:1000]
     assert requests.get(kvbridge_pair.decode.url + "/health", timeout=10).status_code == 200
     print(f"[kvbridge pair] dead prefill: decode failed the request in {dt:.1f}s: {text[:300]}")
+
+
+def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridge_pair, tiny_llama_dir):
+    """A client aborts its decode request (SGLang's ``/abort_request``) while the decode
+    server waits for the KV (the prefill has not been asked yet): the decode answers with
+    an abort; the prefill request for that room, sent afterwards, ends within the handoff
+    timeouts instead of holding its KV; both servers stay healthy and the next request
+    through the pair equals transformers' output (the same behaviour tests/sglang_peers.py
+    drives by hand, through the real servers)."""
+    import requests
+
+    from sglang_servers import _post
+
+    prompt = random_prompt(40, seed=77)
+    body = kvbridge_pair.request_body(prompt, 4)
+    rid = f"abort-{body['bootstrap_room']}"
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(_post, kvbridge_pair.decode.url + "/generate", {**body, "rid": rid}, 90)
+        # give the decode time to admit the request (milliseconds) and make its receiver:
+        # nothing over HTTP shows that
+        time.sleep(2.0)
+        ab = requests.post(kvbridge_pair.decode.url + "/abort_request", json={"rid": rid}, timeout=30)
+        assert ab.status_code == 200, ab.text
+        res = fut.result(timeout=90)
+    assert not isinstance(res, BaseException), res
+    assert res.status_code != 200 or '"abort"' in res.text, f"decode answered {res.status_code} {res.text[:500]}"
+    t0 = time.monotonic()
+    pre = _post(kvbridge_pair.prefill.url + "/generate", body, 120)
+    dt = time.monotonic() - t0
+    assert not isinstance(pre, BaseException), pre
+    assert dt < 60 + 1, f"the prefill's room for the aborted decode took {dt:.1f}s to end"
+    # kvbridge's decode receiver declined the room when SGLang aborted it: the prefill names that
+    assert pre.status_code != 200 and "aborted by decode" in pre.text, pre.text
+    for srv in (kvbridge_pair.prefill, kvbridge_pair.decode):
+        assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+    nxt = random_prompt(33, seed=78)
+    assert kvbridge_pair.generate(nxt, MAX_NEW) == reference_generate(tiny_llama_dir, nxt, MAX_NEW).token_ids
+    print(f"[kvbridge pair] decode abort: prefill answered {pre.status_code} in {dt:.1f}s: {pre.text[:300]}")
