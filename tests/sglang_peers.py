@@ -9,6 +9,29 @@ via ``get_parallel().override_permanently``), builds real ``MHATokenToKVPool`` /
 ``_init_kv_manager`` in prefill.py / decode.py does, and gets every class through
 ``get_kv_class(TransferBackend("kvbridge"), ...)``. Requests are driven in the call
 order of SGLang's schedulers (line numbers: sglang 0.5.23).
+
+What it mirrors, at sglang 0.5.23 (``sglang/srt/disaggregation/``):
+
+- prefill (``serve``): ``PrefillBootstrapQueue`` creating the sender (``prefill.py``
+  ``add`` -> ``create_sender``), ``pop_bootstrapped``'s ``finalize_bootstrap`` and
+  ``sender.init``, and ``send_kv_chunk``'s page slicing, ``set_buf`` and ``sender.send`` per
+  chunk (chunked prefill), then polling as ``process_disagg_prefill_inflight_queue`` does;
+- decode (``pull``): ``DecodePreallocQueue`` (``_ensure_prefill_info`` ->
+  ``try_ensure_parallel_info``, ``_init_receiver``), ``_send_kv_metadata`` ->
+  ``receiver.send_metadata`` with ``decode_prefix_len``, and ``DecodeTransferQueue``'s
+  polling and metadata read (``get_buf``) after ``Success``;
+- aborts: ``sender.abort()`` / ``receiver.abort()`` where the schedulers call them when a
+  client aborts (``scheduler.py`` ``abort_request``).
+
+It exists for fault injection (throttled writes, SIGSTOP, kills at exact points), which a
+real server cannot be stopped at. Every behaviour it drives also runs through SGLang's
+REAL servers: handoffs and concurrency (tests/test_sglang_server_kvbridge.py,
+tests/test_sglang_server_page_sizes.py), chunked prefill, prefix reuse and early send
+(test_sglang_server_page_sizes.py), a dead prefill (``test_decode_fails_cleanly_when_
+prefill_is_gone_and_stays_healthy``), a client's decode abort (``test_decode_abort_while_
+waiting_for_kv_ends_the_room_on_both_servers``), a prefill killed mid-run and a slow
+prefill given up within its deadline (tests/test_route_sglang.py), an incompatible decode
+(``test_incompatible_decode_fails_requests_and_servers_stay_up``).
 """
 
 from __future__ import annotations
