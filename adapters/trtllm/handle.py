@@ -35,13 +35,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvbridge.common.bootstrap import parse_address
+from kvbridge.common.handles import HandleError, check_handle
 
 __all__ = ["Handle", "HandleError", "AnnounceError", "announce", "prompt_key"]
-
-
-class HandleError(ValueError):
-    """A handle that is not valid (the message names the field)."""
 
 
 class AnnounceError(RuntimeError):
@@ -68,22 +64,9 @@ class Handle:
     bootstrap: str = ""
 
     def __post_init__(self) -> None:
-        if self.op not in ("send", "recv"):
-            raise HandleError(f"handle op must be 'send' or 'recv', got {self.op!r}")
-        if not isinstance(self.room, int) or isinstance(self.room, bool) or not 0 <= self.room < 2**63:
-            raise HandleError(f"handle room must be a non-negative 64-bit integer, got {self.room!r}")
-        if self.op == "recv" and not (self.prefill or self.endpoints or self.bootstrap):
-            raise HandleError(f"room {self.room}: a decode handle needs 'prefill', 'endpoints' or 'bootstrap'")
-        if self.op == "send" and (self.prefill or self.endpoints or self.bootstrap):
-            raise HandleError(f"room {self.room}: a prefill handle names no peer")
-        if self.bootstrap:
-            try:
-                parse_address(self.bootstrap)
-            except ValueError as e:
-                raise HandleError(f"room {self.room}: {e}") from None
-        for ep in ((self.prefill,) if self.prefill else ()) + tuple(self.endpoints):
-            if not isinstance(ep, str) or not ep.startswith("tcp://"):
-                raise HandleError(f"room {self.room}: endpoint {ep!r} is not a tcp:// address")
+        check_handle(self.op, self.room, bootstrap=self.bootstrap,
+                     endpoints=((self.prefill,) if self.prefill else ()) + tuple(self.endpoints),
+                     decode_needs="'prefill', 'endpoints' or 'bootstrap'")
         if self.on_failure not in ("", "recompute", "fail"):
             raise HandleError(f"room {self.room}: on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
 

@@ -24,15 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.common.bootstrap import parse_address
+from kvbridge.common.handles import HandleError, check_handle
 
 __all__ = ["KEY", "Handle", "HandleError", "handle_of"]
 
 KEY = "kvbridge"
-
-
-class HandleError(ValueError):
-    """A handle that is not valid (the message names the field)."""
 
 
 @dataclass(frozen=True)
@@ -45,22 +41,7 @@ class Handle:
     endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.op not in ("send", "recv"):
-            raise HandleError(f"kvbridge handle op must be 'send' or 'recv', got {self.op!r}")
-        if not isinstance(self.room, int) or isinstance(self.room, bool) or not 0 <= self.room < 2**63:
-            raise HandleError(f"kvbridge handle room must be a non-negative 64-bit integer, got {self.room!r}")
-        if self.op == "recv" and not (self.bootstrap or self.endpoints):
-            raise HandleError(f"room {self.room}: a decode handle needs 'bootstrap' or 'endpoints'")
-        if self.op == "send" and (self.bootstrap or self.endpoints):
-            raise HandleError(f"room {self.room}: a prefill handle names no peer")
-        if self.bootstrap:
-            try:
-                parse_address(self.bootstrap)
-            except ValueError as e:
-                raise HandleError(f"room {self.room}: {e}") from None
-        for ep in self.endpoints:
-            if not isinstance(ep, str) or not ep.startswith("tcp://"):
-                raise HandleError(f"room {self.room}: endpoint {ep!r} is not a tcp:// address")
+        check_handle(self.op, self.room, bootstrap=self.bootstrap, endpoints=self.endpoints)
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` that carry this handle."""
