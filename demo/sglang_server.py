@@ -406,6 +406,23 @@ def wait_healthy(servers: Sequence[Server], timeout: float, details: Callable[[]
         time.sleep(0.5)
 
 
+def healthy_or_retry(srv: Server, timeout: float, *, last_attempt: bool) -> bool:
+    """Wait for a started ``srv`` to be healthy: True when it is; False (killed) when it
+    lost a race for a port and another attempt with new ports may follow; any other
+    failure (or a lost race on the last attempt) kills it and raises."""
+    try:
+        wait_healthy([srv], timeout, lambda: f"{srv.command_line()}\n--- {srv.log_path} ---\n{srv.log_tail(60)}")
+    except PortInUse:
+        srv.kill()
+        if last_attempt:
+            raise
+        return False
+    except BaseException:
+        srv.kill()
+        raise
+    return True
+
+
 def start_server(model_dir: str | os.PathLike, role: str, *, backend: str = "kvbridge",
                  extra_env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), page_size: int = 1,
                  max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS, log_dir: str | os.PathLike | None = None,
@@ -428,17 +445,8 @@ def start_server(model_dir: str | os.PathLike, role: str, *, backend: str = "kvb
                            list(extra_args))
         srv = Server(role=role, port=port, argv=argv, env_delta=delta, log_path=log_dir / f"{role}.log")
         srv.start(env)
-        try:
-            wait_healthy([srv], timeout, lambda: f"{srv.command_line()}\n--- {srv.log_path} ---\n{srv.log_tail(60)}")
-        except PortInUse:
-            srv.kill()
-            if attempt == port_retries:
-                raise
-            continue
-        except BaseException:
-            srv.kill()
-            raise
-        return srv, boot
+        if healthy_or_retry(srv, timeout, last_attempt=attempt == port_retries):
+            return srv, boot
     raise AssertionError("unreachable")
 
 

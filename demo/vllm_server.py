@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from .sglang_server import HOST, PortInUse, Server, ServerError, free_ports, post_json, wait_healthy
+from .sglang_server import HOST, Server, ServerError, free_ports, healthy_or_retry, post_json
 
 __all__ = ["VLLM_ENV", "VllmServer", "complete", "start_vllm_server", "vllm_python", "vllm_server"]
 
@@ -137,17 +137,8 @@ def start_vllm_server(model_dir: str | os.PathLike, role: str = "kv_both", *, bo
         srv.start(env)
         if not wait:
             return srv
-        try:
-            wait_healthy([srv], timeout, lambda: f"{srv.command_line()}\n--- {srv.log_path} ---\n{srv.log_tail(60)}")
-        except PortInUse:
-            srv.kill()
-            if attempt == port_retries:
-                raise
-            continue
-        except BaseException:
-            srv.kill()
-            raise
-        return srv
+        if healthy_or_retry(srv, timeout, last_attempt=attempt == port_retries):
+            return srv
     raise AssertionError("unreachable")
 
 
