@@ -1,8 +1,20 @@
-"""The ``kvbridge`` command line: ``demo`` (the mixed-engine handoff, checked), ``bench``
-(``layout``, ``transfer``, ``link``, ``sglang``, ``load``, ``all``; ``route`` apart), ``plan`` (is moving a
-request's KV worth it), ``report`` (the reliability report), ``announce`` (a router's
-handoff announcement to a TensorRT-LLM server) and ``route`` (the OpenAI-compatible
-front of a mixed disaggregated deployment)."""
+"""The ``kvbridge`` command line. Every command:
+
+- ``kvbridge demo``: a request's KV moved between engines (``--prefill``/``--decode``:
+  sglang, trtllm, vllm; ``--reverse``; ``--router``: the deployment behind ``route``), checked
+  against transformers.
+- ``kvbridge bench layout|transfer|link|sglang|load|vllm|all``: the benchmarks
+  (``kvbridge.bench``); ``all`` runs every one of them, ``--plot DIR`` draws charts.
+- ``kvbridge bench route``: a load through ``kvbridge route`` with a prefill killed part-way
+  (not part of ``all``).
+- ``kvbridge report``: regenerate the reliability report (``docs/reliability.md``).
+- ``kvbridge plan``: is moving a request's KV worth it (the cost model).
+- ``kvbridge announce``: a router's handoff announcement to a TensorRT-LLM server.
+- ``kvbridge route``: the OpenAI-compatible front of a mixed disaggregated deployment
+  (``--check``: probe it and exit).
+
+Benchmark, report and chart code lives in ``kvbridge.bench``; this module parses
+arguments and prints results."""
 
 from __future__ import annotations
 

@@ -95,3 +95,22 @@ def test_importing_the_core_loads_no_engine_network_or_bench_module():
     core = set(got["core"])
     assert "kvbridge.common.transport" in core  # the walk imported the core's modules
     assert not {m for m in core if m.startswith("kvbridge.bench") or m.split(".")[0] in ("matplotlib", "pytest")}
+
+
+def test_cli_docstring_names_every_command():
+    import argparse
+
+    import kvbridge.cli as cli
+
+    def subcommands(parser) -> dict:
+        acts = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(acts[0].choices) if acts else {}
+
+    top = subcommands(cli.build_parser())
+    assert {"demo", "bench", "report", "plan", "announce", "route"} <= set(top)
+    for name, p in top.items():
+        assert f"``kvbridge {name}" in cli.__doc__, name
+    import re
+
+    named = {s for m in re.findall(r"``kvbridge bench ([a-z|]+)``", cli.__doc__) for s in m.split("|")}
+    assert set(subcommands(top["bench"])) == named
