@@ -12,5 +12,7 @@ run. A serving process never imports this package; the core (``kvbridge.layout``
 | ``vllm`` | ``bench vllm``: vLLM's MooncakeConnector anchor, or why it cannot run here |
 | ``route`` | ``bench route``: a load through ``kvbridge route`` with a prefill killed part-way |
 | ``plots`` | PNG charts of those results and the cost model's break-even chart |
+| ``cli`` | the ``bench`` and ``report`` commands: arguments, runs, printed tables (``kvbridge.cli`` adds them) |
+| ``console`` | status lines, progress bars and tables on the terminal |
 | ``report``, ``report_faults`` | ``kvbridge report``: the reliability report's sections (``docs/reliability.md``) |
 """

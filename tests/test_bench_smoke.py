@@ -99,14 +99,15 @@ def test_bench_all_json_is_one_object_keyed_by_suite(monkeypatch, capsys):
     one object per suite; the suites themselves are replaced here by instant stand-ins
     that report the way the real ones do (each suite runs for real in its own test)."""
     from kvbridge import cli
+    from kvbridge.bench import cli as bench_cli
 
     def suite(name):
         def run(args):
-            cli._print_json(args, name, {"suite": name, "value": len(name)})
+            bench_cli._print_json(args, name, {"suite": name, "value": len(name)})
             return 0
         return run
 
-    monkeypatch.setattr(cli, "BENCHES", {n: suite(n) for n in ("layout", "transfer", "link")})
+    monkeypatch.setattr(bench_cli, "BENCHES", {n: suite(n) for n in ("layout", "transfer", "link")})
     assert cli.main(["bench", "all", "--json"]) == 0
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0, out
