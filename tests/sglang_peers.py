@@ -40,7 +40,7 @@ import os
 import time
 import traceback
 
-from kvbridge.adapters.sglang.bench import SinglePPGroup, failure_reason, poll_until
+from kvbridge.bench.sglang_worker import SinglePPGroup, failure_reason, poll_until
 
 ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",

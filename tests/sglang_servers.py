@@ -104,10 +104,6 @@ class Pair:
         """For failure tests: kill the prefill server's process group (SIGKILL now, or SIGTERM first)."""
         self.prefill.kill(hard=hard)
 
-    def kill_decode(self, *, hard: bool = True) -> None:
-        """For failure tests: kill the decode server's process group."""
-        self.decode.kill(hard=hard)
-
     def add_decode(self, name: str, *, model_dir: str | os.PathLike | None = None, page_size: int | None = None,
                    args: Sequence[str] = (), timeout: float = DEFAULT_START_TIMEOUT) -> Server:
         """Start (once) another decode server ``name`` beside the pair: the decode's backend,

@@ -41,7 +41,7 @@ def test_bench_rejects_bad_lengths():
 def test_bench_load_smoke_and_its_report_section(tmp_path):
     """20 handoffs, 4 in flight, two processes: none lost, none corrupted, no block leaked;
     its section lands in the report file between its markers, twice written once present."""
-    from kvbridge.common.report import render_load, write_section
+    from kvbridge.bench.report import render_load, write_section
 
     md = tmp_path / "reliability.md"
     md.write_text("# kept\n\n<!-- kvbridge:faults:begin -->\n## Fault matrix\n\nrows\n<!-- kvbridge:faults:end -->\n")
@@ -70,7 +70,7 @@ def test_bench_load_checksum_sees_one_changed_byte():
     import numpy as np
     import torch
 
-    from kvbridge.common.bench_load import GEOM, _digest, read_room, token_bytes, write_room
+    from kvbridge.bench.load import GEOM, _digest, read_room, token_bytes, write_room
     from kvbridge.layout import allocate_pool, plan_transfer
     from kvhelpers import execute_segments
 
@@ -99,14 +99,15 @@ def test_bench_all_json_is_one_object_keyed_by_suite(monkeypatch, capsys):
     one object per suite; the suites themselves are replaced here by instant stand-ins
     that report the way the real ones do (each suite runs for real in its own test)."""
     from kvbridge import cli
+    from kvbridge.bench import cli as bench_cli
 
     def suite(name):
         def run(args):
-            cli._print_json(args, name, {"suite": name, "value": len(name)})
+            bench_cli._print_json(args, name, {"suite": name, "value": len(name)})
             return 0
         return run
 
-    monkeypatch.setattr(cli, "BENCHES", {n: suite(n) for n in ("layout", "transfer", "link")})
+    monkeypatch.setattr(bench_cli, "BENCHES", {n: suite(n) for n in ("layout", "transfer", "link")})
     assert cli.main(["bench", "all", "--json"]) == 0
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0, out

@@ -233,8 +233,15 @@ def test_wheel_contains_every_subpackage(tmp_path):
                 # the TensorRT-LLM stand-in and its per-version import trees
                 "kvbridge/demo/trtllm/executor.py",
                 "kvbridge/demo/trtllm/site/v1_2/tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py",
-                "kvbridge/demo/trtllm/site/main/tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py"):
+                "kvbridge/demo/trtllm/site/main/tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py",
+                # the benchmarks, reports and charts: their own room
+                "kvbridge/bench/__init__.py", "kvbridge/bench/transfer.py", "kvbridge/bench/load.py",
+                "kvbridge/bench/layout.py", "kvbridge/bench/sglang.py", "kvbridge/bench/sglang_worker.py",
+                "kvbridge/bench/route.py", "kvbridge/bench/vllm.py", "kvbridge/bench/plots.py",
+                "kvbridge/bench/report.py", "kvbridge/bench/report_faults.py"):
         assert mod in names, mod
+    core = [n for n in names if n.startswith(("kvbridge/common/", "kvbridge/layout/", "kvbridge/adapters/"))]
+    assert core and not [n for n in core if any(w in n.rsplit("/", 1)[-1] for w in ("bench", "report", "plot"))]
 
 
 def test_local_repack_between_pools_is_exact():

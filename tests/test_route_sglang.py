@@ -334,7 +334,7 @@ def test_bench_route_smoke(dep):
     """``kvbridge bench route``'s load on this deployment, smaller: 24 requests, 8 at a
     time, p0 killed after a quarter: nothing lost, nothing wrong, TTFT reported. (The
     benchmark itself runs 200 requests, 16 at a time: a measurement, not a test.)"""
-    from kvbridge.route.bench import bench_route
+    from kvbridge.bench.route import bench_route
 
     if not dep.sglang["p0"][0].alive():
         dep.restart("p0")

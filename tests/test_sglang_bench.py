@@ -1,4 +1,4 @@
-"""Smoke test of ``kvbridge bench sglang`` (kvbridge.adapters.sglang.bench): tiny sizes,
+"""Smoke test of ``kvbridge bench sglang`` (kvbridge.bench.sglang): tiny sizes,
 both backends (kvbridge's and SGLang's own Mooncake backend) in real worker processes
 with the real sglang package on CPU. Checks the report's keys and that every transfer
 of both backends landed the right bytes; no timing assertions.
@@ -22,7 +22,7 @@ REPS = 1
 
 @pytest.fixture(scope="module")
 def report():
-    from kvbridge.adapters.sglang.bench import bench_sglang
+    from kvbridge.bench.sglang import bench_sglang
 
     return bench_sglang(tokens=128, tp_tokens=64, layers=2, heads=4, head_dim=16, reps=REPS, timeout_s=60.0,
                         sweep=(64,), sweep_layers=3)
@@ -57,7 +57,7 @@ def test_segment_counts(report):
 
 def test_sweep_per_length_and_its_chart(report, tmp_path):
     """The prompt-length sweep (``bench all --plot`` feeds it to the GB/s chart)."""
-    from kvbridge.common.plots import plot_sglang
+    from kvbridge.bench.plots import plot_sglang
 
     (p,) = report["per_length"]
     assert p["tokens"] == 64 and p["layers"] == 3 and p["bytes"] == 64 * 3 * 2 * 4 * 16 * 2

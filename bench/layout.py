@@ -17,12 +17,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .geometry import dtype_itemsize
-from .plan import PlanKind, plan_transfer
-from .repack import Gather, row_addresses
-from .segments import count_segments
-from .sglang_pool import sglang_layout_from_buffers
-from .trtllm_pool import trtllm_layout_from_geometry
+from kvbridge.layout.geometry import dtype_itemsize
+from kvbridge.layout.plan import PlanKind, plan_transfer
+from kvbridge.layout.repack import Gather, row_addresses
+from kvbridge.layout.segments import count_segments
+from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
+from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
 
 __all__ = ["bench_layout"]
 

@@ -72,7 +72,7 @@ def run_faults(opts: dict) -> dict:
                 res["peer_timeout_s"] = data.get("peer_timeout_s")
     if proc.returncode != 0:
         log.warning("fault tests failed (%s):\n%s", summary, proc.stdout[-4000:])
-    from kvbridge.common.report import _stamp
+    from kvbridge.bench.report import _stamp
 
     res["when"] = _stamp()
     return res

@@ -135,7 +135,7 @@ def render_load(r: dict) -> str:
 
 
 def _run_load(opts: dict) -> dict:
-    from kvbridge.common.bench_load import bench_load
+    from kvbridge.bench.load import bench_load
 
     res = bench_load(**{k: opts[k] for k in ("count", "inflight", "min_tokens", "max_tokens", "seed") if k in opts})
     res["when"] = _stamp()

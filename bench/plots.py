@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import textwrap
 
-__all__ = ["plot_transfer", "plot_sglang"]
+__all__ = ["plot_break_even", "plot_transfer", "plot_sglang"]
 
 _MARK = dict(markersize=5, linewidth=1.6)
 
@@ -182,6 +182,61 @@ def _breakdown_chart(rows: list[dict], path: str, what: str) -> str:
              "on that thread (writes of earlier parts run during a gather), notify is the wall time left. On a "
              "2-core host the gather competes with both peers' TCP copies; on a GPU host it is a device copy."]
     fig.tight_layout(rect=(0, _footer(fig, notes), 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
+    """PNG: first-token time disaggregated vs recompute over prompt lengths, saying which
+    inputs are measured and which are presets or modelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from kvbridge.common.costmodel import decide
+
+    if break_even is None:
+        from kvbridge.common.costmodel import break_even_prompt_len
+
+        break_even = break_even_prompt_len(model, link, **kw)
+    top = 131072 if not break_even else min(1 << 21, max(131072, int(break_even * 2)))
+    lens = np.unique(np.geomspace(64, top, 48).astype(int))
+    ds = [decide(model, link, int(n), **kw) for n in lens]
+    fig, ax = plt.subplots(figsize=(8.2, 5.0))
+    ax.plot(lens, [d.disaggregated_ttft_s * 1e3 for d in ds], label="prefill worker + KV handoff")
+    ax.plot(lens, [d.handoff.total_s * 1e3 for d in ds], "--", label="KV handoff alone")
+    ax.plot(lens, [d.local_ttft_s * 1e3 for d in ds], label="recompute on the decode worker")
+    if break_even:
+        ax.axvline(break_even, color="grey", lw=0.8)
+        ax.text(break_even * 0.93, 0.04, f"break-even: {break_even:,} tokens", rotation=90, fontsize=8, ha="right",
+                va="bottom", transform=ax.get_xaxis_transform())
+    else:
+        ax.text(0.98, 0.04, "moving never wins in this range", ha="right", fontsize=8, transform=ax.transAxes)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length (tokens, log)")
+    ax.set_ylabel("time to first token (ms, log)")
+    measured = link.source.startswith("measured")
+    ax.set_title(f"Move the KV or recompute? {model.name} (cost model predictions)\nlink "
+                 f"{'measured' if measured else 'preset'}: {link.name}; prefill compute "
+                 f"{'given' if kw.get('prefill_tps') else 'modelled from FLOPs'}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, which="major")
+    tps = kw.get("prefill_tps"), kw.get("decode_prefill_tps")
+    compute = ("prefill tokens/s given: prefill worker {}, decode worker {}".format(*tps) if any(tps) else
+               "prefill compute MODELLED from FLOPs: 989 TFLOP/s x 45% MFU (H100-class), the decode worker at half that")
+    notes = [f"link: {link.describe()}",
+             f"model geometry: {model.name} ({model.source}); {compute}; prefill queue {kw.get('queue_s', 0) * 1e3:.0f} ms.",
+             "Curves are predictions of kvbridge.common.costmodel, not measurements."]
+    import textwrap
+
+    lines = [w for n in notes for w in textwrap.wrap(n, 150, subsequent_indent="  ")]
+    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=7, color="dimgrey")
+    fig.tight_layout(rect=(0, 0.02 + 0.026 * len(lines), 1, 1))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path

@@ -131,7 +131,7 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
     from kvbridge.demo.models import random_prompt, reference_generate
     from kvbridge.demo.run import ensure_tiny_model
 
-    from .local import LocalDeployment
+    from kvbridge.route.local import LocalDeployment
 
     say = progress or (lambda m: None)
     say("building the tiny model")
@@ -155,7 +155,7 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
         results, killed_at = asyncio.run(_load(router.url, prompts, refs, max_new, concurrency, kill_after,
                                                lambda: dep.kill("p0"), deadline_s, say))
         wall = time.monotonic() - t0
-        from .demo import _metrics
+        from kvbridge.route.demo import _metrics
 
         metrics = _metrics(router.url)
         retries = _retries(router.url)
