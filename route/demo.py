@@ -13,7 +13,6 @@ transformers' greedy ``generate()`` on the same weights.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 from pathlib import Path
