@@ -58,8 +58,13 @@ def bench_layout(
     ring_parts: int = 8,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    keep: dict | None = None,
 ) -> dict:
-    """Run the layout benchmark; returns a JSON-ready dict (see module docstring)."""
+    """Run the layout benchmark; returns a JSON-ready dict (see module docstring).
+    ``keep``: filled with the repack's inputs and output for a check outside the bench
+    (``src_tensors``: the 2 x layers SGLang tensors ``[pages * page, heads, head_dim]``, K of
+    every layer then V; ``src_pages``, ``dst_blocks``; ``plan``: the staged plan, whose
+    destination is addresses only; ``staging``: what the whole-request gather wrote)."""
     say = progress or (lambda _msg: None)
     rng = np.random.default_rng(seed)
     item = dtype_itemsize(dtype)
@@ -124,6 +129,8 @@ def bench_layout(
     inline_s = statistics.median(t_inline)
     # the bytes are right: staging row i is the destination's i-th row, read from the source
     check = _check_gather(rplan, whole_stage)
+    if keep is not None:
+        keep.update(src_tensors=ts, src_pages=rsb, dst_blocks=rdb, plan=rplan, staging=whole_stage)
 
     # the same repack on CUDA, when there is one
     cuda = None

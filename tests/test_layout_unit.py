@@ -343,3 +343,31 @@ def test_relative_key_is_the_same_pool_anywhere_in_memory():
     shifted = [0x30_0000_0000 + i * (1 << 24) for i in range(4)]
     assert sglang_at(shifted).relative_key == s.relative_key
     assert sglang_at(shifted[::-1]).relative_key != s.relative_key  # buffers in another order
+
+
+def test_bench_layout_repack_read_back_by_each_engines_indexing():
+    """Not the bench's own ``repack_bytes_verified``: its staged bytes are sent to a real
+    TensorRT-LLM-format pool along the plan's wire segments (as a transport would), then the
+    destination is read by TensorRT-LLM's indexing rule and compared with the source read by
+    SGLang's (tests/engine_kv.py, written apart from ``KVLayout``)."""
+    from engine_kv import sglang_kv, trtllm_kv
+    from kvbridge.bench.layout import bench_layout
+    from kvhelpers import execute_segments
+
+    layers, heads, hd, page, tpb, tokens = 2, 2, 16, 64, 32, 256
+    keep: dict = {}
+    res = bench_layout(layers=layers, heads=heads, head_dim=hd, src_page=page, dst_tokens_per_block=tpb,
+                       plan_tokens=512, repack_tokens=tokens, reps=1, keep=keep)
+    plan, stage, dblocks = keep["plan"], keep["staging"], keep["dst_blocks"]
+    dst = plan.spec.dst
+    pool = torch.full((dst.num_blocks, layers, 2, heads * tpb * hd), -1, dtype=torch.int16).view(torch.bfloat16)
+    execute_segments(plan.wire.shifted(src_by=stage.data_ptr(), dst_by=pool.data_ptr() - int(dst.base.min())))
+    ts = keep["src_tensors"]
+    positions = range(tokens)
+    want = sglang_kv(ts[:layers], ts[layers:], keep["src_pages"], page, positions)
+    got = trtllm_kv(pool, dblocks, tpb, hd, positions)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "the repacked bytes are not the source's K/V"
+    untouched = torch.ones(dst.num_blocks, dtype=torch.bool)
+    untouched[torch.as_tensor(dblocks)] = False
+    assert (pool.view(torch.int16)[untouched] == -1).all(), "bytes outside the destination blocks changed"
+    assert res["repack_bytes_verified"] is True and res["repack_bytes"] == stage.numel() == want.numel() * 2
