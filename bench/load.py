@@ -145,7 +145,23 @@ def _pool(engine: str, inflight: int, max_tokens: int, seed: int | None):
     return allocate_pool(engine, tokens_per_block=tpb, num_blocks=blocks, seed=seed, **GEOM)
 
 
-def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: int, cfg: dict) -> None:
+def sample_room(folder: str, side: str, room: int, n: int, lay, blocks: np.ndarray) -> None:
+    """Save a room's blocks as the pool holds them, indexed by block id only (no layout):
+    prefill (SGLang format): ``pages`` uint8 ``[layers * kv, blocks, page, heads, head_bytes]``
+    (K of every layer, then V); decode (TensorRT-LLM format): ``blocks`` uint8
+    ``[blocks, layers, kv, heads * tpb * head_bytes]``."""
+    idx = torch.from_numpy(np.asarray(blocks, dtype=np.int64))
+    if side == "prefill":
+        tpb = lay.tokens_per_block
+        data = torch.stack([t.view(torch.uint8).reshape(-1, tpb, *t.shape[1:-1], t.shape[-1] * t.element_size())
+                            .index_select(0, idx) for t in lay.tensors])
+    else:
+        data = lay.tensors[0].view(torch.uint8).index_select(0, idx)
+    torch.save({"n": int(n), "data": data.clone()}, os.path.join(folder, f"{side}-{room}.pt"))
+
+
+def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: int, cfg: dict,
+                  sample_dir: str | None = None) -> None:
     """Register rooms (at most 2 x inflight open), write their KV, serve them; report at the end."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from kvbridge.common.handoff import HandoffConfig, KVSender
@@ -175,6 +191,8 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
             if blocks is None:
                 return
             write_room(lay, blocks, _room_bytes(noise, room, n))  # the prefill "computes" the room's KV
+            if sample_dir:
+                sample_room(sample_dir, "prefill", room, n, lay, blocks)
 
             def release(b, ok, room=room):
                 free.free(b)
@@ -226,7 +244,7 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
 
 
 def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: int, endpoint: str, cfg: dict,
-                 lost_after_s: float) -> None:
+                 lost_after_s: float, sample_dir: str | None = None) -> None:
     """Keep ``inflight`` requests outstanding; verify each landed room by checksum."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from kvbridge.common.handoff import HandoffConfig, KVReceiver
@@ -284,6 +302,8 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
         outstanding -= 1
         if ok:
             lat.append(now - t_start)
+            if sample_dir:
+                sample_room(sample_dir, "decode", room, n, lay, blocks)
             if verify(room, n, blocks):
                 succeeded += 1
                 nbytes += n * token_bytes()
@@ -312,10 +332,13 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
 
 
 def bench_load(*, count: int = 500, inflight: int = 32, min_tokens: int = 16, max_tokens: int = 8192, seed: int = 0,
-               deadline_s: float = 120.0, progress: Callable[[int, int, int], None] | None = None) -> dict:
+               deadline_s: float = 120.0, progress: Callable[[int, int, int], None] | None = None,
+               sample_dir: str | None = None) -> dict:
     """Run the load benchmark in two spawned processes; returns a JSON-ready dict.
 
-    ``progress(done, total, outstanding)`` is called as handoffs finish."""
+    ``progress(done, total, outstanding)`` is called as handoffs finish. ``sample_dir``:
+    each side also saves every room's raw pool bytes there (``sample_room``), for a check
+    outside the bench."""
     if not 1 <= min_tokens <= max_tokens:
         raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
     if count < 1 or inflight < 1:
@@ -325,14 +348,14 @@ def bench_load(*, count: int = 500, inflight: int = 32, min_tokens: int = 16, ma
     ctx = mp.get_context("spawn")
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
-    pre = ctx.Process(target=_prefill_peer, args=(pchild, sizes, inflight, max_tokens, seed, cfg), daemon=True,
+    pre = ctx.Process(target=_prefill_peer, args=(pchild, sizes, inflight, max_tokens, seed, cfg, sample_dir), daemon=True,
                       name="kvbridge-load-prefill")
     pre.start()
     dec = None
     try:
         endpoint = _expect(pc, pre, "ready", 120)[1]
         dec = ctx.Process(target=_decode_peer, args=(dchild, sizes, inflight, max_tokens, seed, endpoint, cfg,
-                                                     deadline_s + 30), daemon=True, name="kvbridge-load-decode")
+                                                     deadline_s + 30, sample_dir), daemon=True, name="kvbridge-load-decode")
         dec.start()
         _expect(dc, dec, "ready", 120)
         while True:

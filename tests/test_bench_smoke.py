@@ -113,3 +113,31 @@ def test_bench_all_json_is_one_object_keyed_by_suite(monkeypatch, capsys):
     assert out.count("\n") == 0, out
     assert json.loads(out) == {"layout": {"suite": "layout", "value": 6}, "transfer": {"suite": "transfer", "value": 8},
                                "link": {"suite": "link", "value": 4}, "plots": []}
+
+
+def test_bench_load_rooms_read_back_by_each_engines_indexing(tmp_path):
+    """Not the bench's own ``corrupted`` count: each side saves every room's blocks as its pool
+    holds them (indexed by block id only), and here the decode's TensorRT-LLM-format blocks,
+    read by TensorRT-LLM's indexing rule, equal the prefill's SGLang-format pages read by
+    SGLang's (tests/engine_kv.py, written apart from ``KVLayout``), room by room."""
+    import torch
+
+    from engine_kv import sglang_kv, trtllm_kv
+    from kvbridge.bench.load import DST_BLOCK, GEOM, SRC_PAGE, bench_load
+
+    res = bench_load(count=12, inflight=4, max_tokens=512, seed=3, sample_dir=str(tmp_path))
+    assert res["succeeded"] == 12, res
+    layers, hb = GEOM["layers"], GEOM["head_dim"] * 2
+    rooms = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("decode-*.pt"))
+    assert rooms == list(range(1, 13)), rooms
+    for room in rooms:
+        pre = torch.load(tmp_path / f"prefill-{room}.pt")
+        dec = torch.load(tmp_path / f"decode-{room}.pt")
+        n, pages = pre["n"], pre["data"]  # [layers * kv, k, page, heads, head_bytes]
+        assert dec["n"] == n
+        bufs = [pages[i].reshape(-1, pages.shape[3], hb) for i in range(2 * layers)]
+        positions = range(n)
+        want = sglang_kv(bufs[:layers], bufs[layers:], range(pages.shape[1]), SRC_PAGE, positions)
+        got = trtllm_kv(dec["data"], range(dec["data"].shape[0]), DST_BLOCK, hb, positions)
+        assert torch.equal(got, want), f"room {room} ({n} tokens): the decode holds other bytes than the prefill sent"
+        assert want.reshape(-1).unique().numel() > 16, f"room {room}: the prefill's KV is not the bench's noise"
