@@ -108,9 +108,11 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, room_ids) -> dict:
+def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, room_ids, keep: dict | None = None) -> dict:
     """Set a case up on the workers, transfer (warm-up + ``reps`` per backend, alternating),
-    verify every transfer, tear down. Returns per-backend samples and checks."""
+    verify every transfer, tear down. Returns per-backend samples and checks. ``keep``:
+    per backend, the last successful transfer's rows (``rows``) of each prefill rank and of
+    the decode, for a check outside the bench."""
     p_tp, d_tp, ps = case["p_tp"], case["d_tp"], case["page_size"]
     pre, dec = peers[:p_tp], peers[p_tp:p_tp + d_tp]
     assert d_tp == 1, "the decode side is one rank here"
@@ -145,6 +147,9 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
                 log.warning("%s %s failed: %s", case["name"], backend, r["reasons"][-1])
                 continue
             r["ok"] += 1
+            if keep is not None:
+                keep[(case["name"], backend)] = {"prefill": [p.call("rows", src_pages) for p in pre],
+                                                 "decode": d.call("rows", dst_pages), "tokens": case["tokens"]}
             got = d.call("digest", dst_pages, p_tp)
             good = got == want and pulled["output_id"] == first
             r["verified"] += int(good)
@@ -190,8 +195,11 @@ def bench_sglang(
     sweep: tuple[int, ...] = (),
     sweep_layers: int | None = None,
     progress: Callable[[str], None] | None = None,
+    keep: dict | None = None,
 ) -> dict:
     """Run the benchmark in three spawned worker processes; returns a JSON-ready dict.
+    ``keep``: filled per (case name, backend) with the last transfer's token rows on each
+    side (see ``_run_case``).
 
     ``mc_tcp_max_queued``: if set, ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` for the worker
     processes (Mooncake's default is 1024 per peer; SGLang's slice path may need more at
@@ -226,8 +234,8 @@ def bench_sglang(
             return dict(name=name, tokens=ntok, p_tp=p_tp, d_tp=1, slots=slots, seed=seed,
                         ports={"kvbridge": port0, "sglang_mooncake": port0 + 1}, **{**geom, **over})
 
-        same = _run_case([peers[0], peers[2]], case("same_tp", tokens, 1, base, 1), reps, timeout_s, say, rooms)
-        tp21 = _run_case(peers, case("tp2to1", tp_tokens, 2, base + 2, 2), reps, timeout_s, say, rooms)
+        same = _run_case([peers[0], peers[2]], case("same_tp", tokens, 1, base, 1), reps, timeout_s, say, rooms, keep)
+        tp21 = _run_case(peers, case("tp2to1", tp_tokens, 2, base + 2, 2), reps, timeout_s, say, rooms, keep)
         s_layers = sweep_layers or layers
         swept = [(int(n), _run_case([peers[0], peers[2]], case(f"sweep {n} tokens", int(n), 1, base + 4 + 2 * i, 3 + i,
                                                                layers=s_layers), reps, timeout_s, say, rooms))

@@ -221,6 +221,14 @@ class _Rank:
                 hs[i].update(rows[:, i * h:(i + 1) * h].contiguous().numpy().tobytes())
         return [h.hexdigest() for h in hs]
 
+    def rows(self, pages) -> list:
+        """Every buffer's token rows of ``pages`` (K layers, then V layers), as SGLang indexes
+        them (``buf[page * page_size + t]``): int16 numpy ``[tokens, heads, head_dim]`` each."""
+        import torch
+
+        idx = self.slots(pages)
+        return [b.view(torch.int16)[idx].numpy().copy() for b in self.bufs]
+
     def zero(self, pages) -> None:
         idx = self.slots(pages)
         for b in self.bufs:
@@ -372,6 +380,8 @@ def worker_main(conn, env: dict) -> None:
                 conn.send(("ok", _pull(rank, *args)))
             elif op == "digest":
                 conn.send(("ok", rank.digest(*args)))
+            elif op == "rows":
+                conn.send(("ok", rank.rows(*args)))
             elif op == "zero":
                 rank.zero(*args)
                 conn.send(("ok", None))

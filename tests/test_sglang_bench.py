@@ -20,12 +20,15 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(420)]
 REPS = 1
 
 
+KEPT: dict = {}  # (case, backend) -> the last transfer's token rows on each side (bench_sglang's keep)
+
+
 @pytest.fixture(scope="module")
 def report():
     from kvbridge.bench.sglang import bench_sglang
 
     return bench_sglang(tokens=128, tp_tokens=64, layers=2, heads=4, head_dim=16, reps=REPS, timeout_s=60.0,
-                        sweep=(64,), sweep_layers=3)
+                        sweep=(64,), sweep_layers=3, keep=KEPT)
 
 
 def test_keys(report):
@@ -44,6 +47,21 @@ def test_both_backends_moved_correct_bytes(report):
             # warm-up + reps, each checked (decode pages digest == prefill pages digest, first token row)
             assert s["transfers_ok"] == s["transfers_verified"] == REPS + 1, (case, backend, s)
             assert s["transfers_failed"] == 0 and not s["errors"]
+
+
+def test_decode_rows_are_the_prefill_ranks_rows(report):
+    """Not the bench's own ``verified``: the decode's token rows of every K and V buffer (read
+    by SGLang's indexing, ``buf[page * page_size + t]``) equal the prefill's, each prefill rank
+    holding its slice of the heads (TP 2 -> 1), for both backends and both cases."""
+    import numpy as np
+
+    assert set(KEPT) == {(c, b) for c in ("same_tp", "tp2to1") for b in ("kvbridge", "sglang_mooncake")}, set(KEPT)
+    for (case, backend), k in KEPT.items():
+        want = [np.concatenate(bufs, axis=1) for bufs in zip(*k["prefill"])]  # heads of rank 0, then rank 1
+        assert len(k["decode"]) == len(want) == 2 * 2 and k["decode"][0].shape[0] >= k["tokens"]
+        for i, (got, exp) in enumerate(zip(k["decode"], want)):
+            assert got.shape == exp.shape and np.array_equal(got[: k["tokens"]], exp[: k["tokens"]]), (case, backend, i)
+        assert len(np.unique(want[0])) > 16, "the prefill's rows are not random KV"
 
 
 def test_segment_counts(report):
