@@ -34,7 +34,8 @@ _ids = itertools.count()
 
 
 class ControlChannel:
-    """One process side of the control plane: an optional bound ROUTER plus DEALERs."""
+    """One process side of the control plane: an optional bound ROUTER plus DEALERs.
+    ``hwm``: messages queued per peer and direction before a send to it is dropped."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class ControlChannel:
         tick_s: float = 0.05,
         name: str = "kvbridge-control",
         max_message_bytes: int = 16 << 20,
+        hwm: int = 100_000,
     ):
         self._ctx = zmq.Context.instance()
         self._on_message = on_message
@@ -63,11 +65,17 @@ class ControlChannel:
         # a frame this large (plus msgpack slack) makes ZMQ drop the sending peer's connection
         self._max_frame = int(max_message_bytes) + 4096
         self.refused_frames = 0  # messages dropped for having the wrong frame count
+        # ZMQ's default 1000-message queues drop a burst when the peer's reader is starved of
+        # CPU (a non-blocking send fails with EAGAIN): control messages are small, so allow
+        # deep queues and leave lost peers to the deadlines
+        self._hwm = int(hwm)
         if bind_host is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._router.setsockopt(zmq.SNDHWM, self._hwm)
+            self._router.setsockopt(zmq.RCVHWM, self._hwm)
             if port:
                 self._router.bind(f"tcp://{bind_host}:{port}")
             else:
@@ -158,6 +166,8 @@ class ControlChannel:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IMMEDIATE, 0)
             s.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+            s.setsockopt(zmq.SNDHWM, self._hwm)
+            s.setsockopt(zmq.RCVHWM, self._hwm)
             s.connect(endpoint)
             self._dealers[endpoint] = s
             self._poller.register(s.getsockopt(zmq.FD), zmq.POLLIN)
