@@ -20,12 +20,12 @@ SGLang-style pools of the model's geometry, blocks as a fresh pool hands them ou
 from __future__ import annotations
 
 import json
-
-import numpy as np
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvbridge.layout import KVLayout, PlanCosts, PlanKind, TransferPlan, plan_transfer, sglang_layout_from_buffers
 
@@ -74,9 +74,11 @@ class LinkProfile:
 # Presets. ``tcp`` is MEASURED: Mooncake TCP between two processes on 127.0.0.1 on a
 # 2-core CPU machine (../shared/reference/mooncake.md: 1 GiB as 16 x 64 MiB at 1.6-2.5
 # GB/s; 1000 scattered 16 KiB pieces in one batch at 0.4-0.6 GB/s, i.e. ~25-35 us per
-# piece beyond the bytes; first write to a peer 1-7 ms, later small writes 73-163 us), with
-# the CPU gather this repo's ``kvbridge bench layout`` measures at ~5 GB/s on that machine.
-# These are also ``kvbridge.layout.PlanCosts``' defaults (a test keeps them equal).
+# piece beyond the bytes; first write to a peer 1-7 ms, later small writes 73-163 us). Its
+# repack, 5 GB/s, is the CPU gather figure the plan chooser has always used; ``kvbridge
+# bench layout`` measured 0.5-2.2 GB/s (4096 tokens) on that machine while shared, so
+# it is optimistic there. These are also ``kvbridge.layout.PlanCosts``' defaults (a test
+# keeps them equal).
 # The others are NOMINAL, from public figures, not measured here: ``nvlink`` NVLink 4
 # ~450 GB/s per direction (~380 measured with large copies); ``pcie5`` PCIe Gen5 x16 ~64
 # GB/s per direction (~50 effective); ``rdma`` / ``ib400`` one 400G NDR InfiniBand port
@@ -196,7 +198,7 @@ def resolve_link(spec: str = "", protocol: str = "tcp") -> LinkProfile:
 _DTYPE_OF_BYTES = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}
 
 
-def model_layout(model: "ModelGeometry", tokens: int, *, page: int = 16, engine_base: int = 1 << 40) -> KVLayout:
+def model_layout(model: "ModelGeometry", tokens: int, *, page: int = 16, base_addr: int = 1 << 40) -> KVLayout:
     """An SGLang-style pool of ``model``'s whole KV (all heads, one rank) with room for
     ``tokens`` tokens in pages of ``page`` (page 0 padding), at made-up addresses: for
     planning only (no memory behind it)."""
@@ -206,7 +208,7 @@ def model_layout(model: "ModelGeometry", tokens: int, *, page: int = 16, engine_
     mla = model.kv_factor == 1
     item = page * model.kv_heads * model.head_dim * model.dtype_bytes
     n = model.layers * model.kv_factor
-    ptrs = [engine_base + i * (pages * item + 4096) for i in range(n)]
+    ptrs = [base_addr + i * (pages * item + 4096) for i in range(n)]
     return sglang_layout_from_buffers(ptrs, [pages * item] * n, [item] * n, page, model.kv_heads, model.kv_heads,
                                       _DTYPE_OF_BYTES[model.dtype_bytes], is_mla=mla)
 
