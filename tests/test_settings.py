@@ -98,6 +98,8 @@ def test_sglang_settings_keep_their_environment_names_and_defaults(tmp_path):
     assert c.handoff(receiver=True).recv_staging_bytes == 4096 and c.handoff().recv_staging_bytes == 0
     assert c.link_profile() is LINK_PRESETS["rdma"]  # derived from the protocol in use
     assert SglangBridgeConfig.load(ib_device="mlx5_0", environ={}).protocol == "rdma"
+    assert SglangBridgeConfig.load(environ={"MOONCAKE_PROTOCOL": "nvlink"}).protocol == "nvlink"
+    assert SglangBridgeConfig.load(environ={}).protocol == "tcp"
     assert SglangBridgeConfig.load(ib_device="mlx5_0", environ={"MC_FORCE_TCP": "1"}).protocol == "tcp"
     assert SglangBridgeConfig.load(environ={**env, "KVBRIDGE_PROTOCOL": "tcp"}).protocol == "tcp"
     assert SglangBridgeConfig.load(environ={"KVBRIDGE_DEADLINE_S": "5"}, sglang_timeout_s=42.0).deadline_s == 5.0
