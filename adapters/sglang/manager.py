@@ -103,8 +103,9 @@ class KVBridgeKVManager(CommonKVManager):
             raise
         if disaggregation_mode == DisaggregationMode.PREFILL:
             threading.Thread(target=self._prefill_control_loop, daemon=True, name="kvbridge-sglang-ctl").start()
-        log.info("kvbridge %s manager up: tp %d/%d, %s, endpoint %s", disaggregation_mode.value, self._kvb_tp[0],
-                 self._kvb_tp[1], self.layout, self.kv_sender.endpoint if self.kv_sender else "-")
+        log.info("kvbridge %s manager up: tp %d/%d, %s, endpoint %s; plans costed on %s", disaggregation_mode.value,
+                 self._kvb_tp[0], self._kvb_tp[1], self.layout, self.kv_sender.endpoint if self.kv_sender else "-",
+                 self.kvb_settings.link_profile().describe())
 
     # -- geometry --------------------------------------------------------------------
     def _make_layout(self, args: KVArgs, heads: int | None = None, total: int | None = None) -> KVLayout:
