@@ -7,22 +7,32 @@ For one request (model geometry, prompt length) on one link, the handoff costs
 
 and the alternatives are recomputing the prefill on the decode worker
 (``prompt_len / decode_prefill_tps``) or waiting in the prefill queue and then moving.
-Link figures come from measurement (``kvbridge bench link`` writes a JSON file this
-module reads) or from presets, which are labelled as presets. Plan segments and
-staging come from ``kvbridge.layout.plan_transfer`` over the two engines' layouts.
+One ``LinkProfile`` describes the link: a preset per Mooncake protocol (``tcp``,
+``rdma``, ``nvlink``; see ``LINK_PRESETS`` for where each figure comes from), a file
+written by ``kvbridge bench link --out``, or the preset of the protocol the transport
+runs (``resolve_link``). It yields both this model's figures and the plan chooser's
+(``LinkProfile.plan_costs`` -> ``kvbridge.layout.PlanCosts``, what
+``HandoffConfig.costs`` holds). Segments and staging come from the plan the handoff
+would run: ``plan_transfer`` over the two sides' layouts (``request_plan``; by default
+SGLang-style pools of the model's geometry, blocks as a fresh pool hands them out).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from kvbridge.layout import KVLayout, PlanCosts, PlanKind, TransferPlan, plan_transfer, sglang_layout_from_buffers
 
 __all__ = [
     "LINK_PRESETS",
     "MODEL_PRESETS",
+    "PROTOCOL_LINKS",
     "LinkProfile",
     "ModelGeometry",
     "Decision",
@@ -30,6 +40,10 @@ __all__ = [
     "predict_handoff_s",
     "break_even_prompt_len",
     "load_link",
+    "link_for_protocol",
+    "resolve_link",
+    "model_layout",
+    "request_plan",
 ]
 
 
@@ -44,6 +58,11 @@ class LinkProfile:
     repack_bytes_per_s: float  # sender gather into staging (GPU: HBM copy; CPU here)
     source: str = "preset"  # "preset" or "measured: <file>"
 
+    def plan_costs(self, overlap_repack: bool = True) -> PlanCosts:
+        """The plan chooser's figures for this link (``HandoffConfig.costs``)."""
+        return PlanCosts(segment_s=self.per_segment_s, wire_bytes_per_s=self.bandwidth_bytes_per_s,
+                         repack_bytes_per_s=self.repack_bytes_per_s, overlap_repack=overlap_repack)
+
     def describe(self) -> str:
         """One line: the figures and where they come from."""
         return (
@@ -52,16 +71,31 @@ class LinkProfile:
         )
 
 
-# Presets are public figures, not measurements of this deployment (see the README):
-# NVLink 4 ~450 GB/s per direction (~380 measured with large copies); PCIe Gen5 x16
-# ~64 GB/s per direction (~50 effective); 400G NDR InfiniBand 50 GB/s per port (~45
-# effective); TCP: what Mooncake TCP reached on loopback on a small CPU machine here.
+# Presets. ``tcp`` is MEASURED: Mooncake TCP between two processes on 127.0.0.1 on a
+# 2-core CPU machine (../shared/reference/mooncake.md: 1 GiB as 16 x 64 MiB at 1.6-2.5
+# GB/s; 1000 scattered 16 KiB pieces in one batch at 0.4-0.6 GB/s, i.e. ~25-35 us per
+# piece beyond the bytes; first write to a peer 1-7 ms, later small writes 73-163 us). Its
+# repack, 5 GB/s, is the CPU gather figure the plan chooser has always used; ``kvbridge
+# bench layout`` measured 0.5-2.2 GB/s (4096 tokens) on that machine while shared, so
+# it is optimistic there. These are also ``kvbridge.layout.PlanCosts``' defaults (a test
+# keeps them equal).
+# The others are NOMINAL, from public figures, not measured here: ``nvlink`` NVLink 4
+# ~450 GB/s per direction (~380 measured with large copies); ``pcie5`` PCIe Gen5 x16 ~64
+# GB/s per direction (~50 effective); ``rdma`` / ``ib400`` one 400G NDR InfiniBand port
+# 50 GB/s (~45 effective; Mooncake's README reports 87 GB/s over 4 x 200 Gb/s RoCE). Their
+# per-segment costs (a few us: one work request or copy per piece) and setup are
+# estimates, and their repack is a GPU gather at HBM speed (~2 TB/s). Measure a real link
+# with ``kvbridge bench link --out FILE`` and use the file instead.
 LINK_PRESETS: dict[str, LinkProfile] = {
-    "nvlink": LinkProfile("nvlink", 380e9, 2e-6, 0.3e-3, 2000e9),
-    "pcie5": LinkProfile("pcie5", 50e9, 4e-6, 0.3e-3, 2000e9),
-    "ib400": LinkProfile("ib400", 45e9, 5e-6, 0.5e-3, 2000e9),
-    "tcp": LinkProfile("tcp", 1.5e9, 30e-6, 1.0e-3, 8e9),
+    "nvlink": LinkProfile("nvlink", 380e9, 2e-6, 0.3e-3, 2000e9, source="preset (nominal)"),
+    "pcie5": LinkProfile("pcie5", 50e9, 4e-6, 0.3e-3, 2000e9, source="preset (nominal)"),
+    "rdma": LinkProfile("rdma", 45e9, 5e-6, 0.5e-3, 2000e9, source="preset (nominal)"),
+    "ib400": LinkProfile("ib400", 45e9, 5e-6, 0.5e-3, 2000e9, source="preset (nominal)"),
+    "tcp": LinkProfile("tcp", 2e9, 30e-6, 1.0e-3, 5e9, source="preset (measured: Mooncake TCP on loopback, 2 cores)"),
 }
+
+# Mooncake's ``protocol`` argument -> the preset of that link
+PROTOCOL_LINKS = {"tcp": "tcp", "rdma": "rdma", "nvlink": "nvlink", "nvlink_intra": "nvlink"}
 
 
 @dataclass(frozen=True)
@@ -132,8 +166,8 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
 
 
 def load_link(spec: str) -> LinkProfile:
-    """A preset name (``nvlink``, ``pcie5``, ``ib400``, ``tcp``) or the path of a file
-    written by ``kvbridge bench link --out``."""
+    """A preset name (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or the path of a
+    file written by ``kvbridge bench link --out``."""
     if spec in LINK_PRESETS:
         return LINK_PRESETS[spec]
     p = Path(spec)
@@ -145,6 +179,58 @@ def load_link(spec: str) -> LinkProfile:
                            float(d["setup_s"]), float(d["repack_bytes_per_s"]), source=f"measured: {p}")
     except KeyError as e:
         raise ValueError(f"{p} lacks {e}; write it with `kvbridge bench link --out {p}`") from None
+
+
+def link_for_protocol(protocol: str) -> LinkProfile:
+    """The preset of a Mooncake transport protocol (``tcp``, ``rdma``, ``nvlink``)."""
+    name = PROTOCOL_LINKS.get(str(protocol).lower())
+    if name is None:
+        raise ValueError(f"no link preset for Mooncake protocol {protocol!r}; known: {sorted(PROTOCOL_LINKS)}")
+    return LINK_PRESETS[name]
+
+
+def resolve_link(spec: str = "", protocol: str = "tcp") -> LinkProfile:
+    """The link a deployment runs on: ``spec`` (a preset or a ``kvbridge bench link --out``
+    file), or when empty the preset of the Mooncake ``protocol`` in use."""
+    return load_link(spec) if spec else link_for_protocol(protocol)
+
+
+_DTYPE_OF_BYTES = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}
+
+
+def model_layout(model: "ModelGeometry", tokens: int, *, page: int = 16, base_addr: int = 1 << 40) -> KVLayout:
+    """An SGLang-style pool of ``model``'s whole KV (all heads, one rank) with room for
+    ``tokens`` tokens in pages of ``page`` (page 0 padding), at made-up addresses: for
+    planning only (no memory behind it)."""
+    if model.dtype_bytes not in _DTYPE_OF_BYTES:
+        raise ValueError(f"{model.name}: no KV dtype of {model.dtype_bytes} bytes")
+    pages = -(-tokens // page) + 1
+    mla = model.kv_factor == 1
+    item = page * model.kv_heads * model.head_dim * model.dtype_bytes
+    n = model.layers * model.kv_factor
+    ptrs = [base_addr + i * (pages * item + 4096) for i in range(n)]
+    return sglang_layout_from_buffers(ptrs, [pages * item] * n, [item] * n, page, model.kv_heads, model.kv_heads,
+                                      _DTYPE_OF_BYTES[model.dtype_bytes], is_mla=mla)
+
+
+def request_plan(src: KVLayout, dst: KVLayout, tokens: int | tuple[int, int], link: LinkProfile, *,
+                 kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND)) -> TransferPlan:
+    """The plan a handoff of ``tokens`` (``stop`` or ``(start, stop)``) from ``src`` to
+    ``dst`` would run on ``link``, with blocks as a fresh pool hands them out (consecutive
+    from each layout's first block)."""
+    start, stop = (0, tokens) if isinstance(tokens, int) else tokens
+    sb = np.arange(src.first_block, src.first_block + -(-stop // src.tokens_per_block))
+    db = np.arange(dst.first_block, dst.first_block + -(-stop // dst.tokens_per_block))
+    if sb[-1] >= src.num_blocks or db[-1] >= dst.num_blocks:
+        raise ValueError(f"{stop} tokens do not fit the layouts ({src.num_blocks} / {dst.num_blocks} blocks)")
+    return plan_transfer(src, sb, dst, db, (start, stop), kinds=kinds, costs=link.plan_costs())
+
+
+@lru_cache(maxsize=256)
+def _model_plan_shape(model: "ModelGeometry", link: LinkProfile, start: int, stop: int) -> tuple[int, bool]:
+    lay = model_layout(model, stop)
+    plan = request_plan(lay, lay, (start, stop), link)
+    return plan.num_segments, plan.kind is not PlanKind.DIRECT
 
 
 @dataclass(frozen=True)
@@ -216,13 +302,17 @@ def decide(
     mfu: float = 0.45,
     tp: int = 1,
     held_tokens: int = 0,
+    plan: TransferPlan | None = None,
 ) -> Decision:
     """Move the KV (prefill worker computes, then hands off) or compute the prefill on the
     decode worker? ``prefill_tps`` / ``decode_prefill_tps``: prefill tokens/s on each
     worker (default: from FLOPs at ``gpu_tflops`` x ``mfu`` x ``tp``; the decode worker
     shares its GPU with running decodes, so by default it prefills at half that rate).
-    ``queue_s``: time the request waits for the prefill worker. ``segments`` defaults to
-    one per 16 MiB (a staged plan into contiguous blocks). ``held_tokens``: prompt tokens
+    ``queue_s``: time the request waits for the prefill worker. Segments and staging come
+    from ``plan`` (the request's ``TransferPlan``), else from ``segments`` (counted
+    elsewhere, e.g. a measured handoff; staging from ``staged``), else from the plan
+    ``request_plan`` makes over SGLang-style pools of the model (``model_layout``).
+    ``held_tokens``: prompt tokens
     whose KV the decode worker already holds (prefix cache): only the rest is moved, or
     recomputed (attending to the held ones); the prefill worker computes the whole prompt."""
     if prompt_len <= 0:
@@ -230,7 +320,12 @@ def decide(
     if not 0 <= held_tokens < prompt_len:
         raise ValueError(f"held_tokens must be in [0, prompt_len={prompt_len}), got {held_tokens}")
     nbytes = model.kv_bytes(prompt_len - held_tokens)
-    segs = segments if segments is not None else max(1, math.ceil(nbytes / (16 << 20)))
+    if plan is not None:
+        segs, staged = plan.num_segments, plan.kind is not PlanKind.DIRECT
+    elif segments is not None:
+        segs = segments
+    else:
+        segs, staged = _model_plan_shape(model, link, held_tokens, prompt_len)
     flops_s = gpu_tflops * 1e12 * mfu * tp
     prefill_s = prompt_len / prefill_tps if prefill_tps else model.prefill_flops(prompt_len) / flops_s
     new_flops = model.prefill_flops(prompt_len) - model.prefill_flops(held_tokens)
@@ -248,11 +343,11 @@ def decide(
     )
     verdict = ("MOVE the KV: " if move else "RECOMPUTE locally: ") + why
     return Decision(move, verdict, h, recompute_s, queue_s, prefill_s, disagg, local, model.name, link.describe(),
-                    prompt_len, output_len, {"bytes_per_token": model.kv_bytes(1), "segments": segs,
+                    prompt_len, output_len, {"bytes_per_token": model.kv_bytes(1), "segments": segs, "staged": staged,
                                                  "held_tokens": held_tokens})
 
 
-def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 16, hi: int = 1 << 20, **kw) -> int | None:
+def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 16, hi: int = 1 << 18, **kw) -> int | None:
     """Smallest prompt length from which moving wins (bisection; None if it never does
     in ``[lo, hi]``, ``lo`` if it always does)."""
     if decide(model, link, lo, **kw).move:

@@ -1,16 +1,9 @@
 """Per-request cost-model gate: move this request's KV, or compute its prompt on the decode side?
 
-Both engine plugins consult a ``CostGate`` on the decode side when one is configured
-(off by default). Settings, the same names in both plugins (environment
-``KVBRIDGE_<NAME>``; in TensorRT-LLM also the plugin's config file):
-
-| setting | meaning |
-|---|---|
-| ``cost_link`` | link preset (``nvlink``, ``pcie5``, ``ib400``, ``tcp``) or a ``kvbridge bench link --out`` file; empty: gate off |
-| ``cost_model`` | model geometry: a preset (``llama3-8b``...), a Hugging Face ``config.json`` or its directory; default: the served model's config |
-| ``cost_prefill_tps`` | prefill tokens/s of the prefill worker (0: from FLOPs) |
-| ``cost_decode_prefill_tps`` | prefill tokens/s of the decode worker, which shares its GPU with running decodes (0: from FLOPs, half rate) |
-| ``cost_queue_s`` | expected wait for the prefill worker (seconds) |
+Every engine plugin that supports it consults a ``CostGate`` on the decode side when
+one is configured (off by default; settings ``cost_gate_enabled`` / ``cost_link``, ``link``,
+``cost_model``, ``cost_prefill_tps``, ``cost_decode_prefill_tps``, ``cost_queue_s`` of
+``kvbridge.common.settings.BridgeSettings``, documented in the README's "Settings").
 
 The verdict for a request comes from its prompt length and the prompt tokens the decode
 worker already holds (``kvbridge.common.costmodel.decide``): "move" when the prefill
@@ -80,10 +73,11 @@ class CostGate:
         self.break_even = break_even_prompt_len(model, link, lo=2, **self._kw)
 
     @classmethod
-    def from_settings(cls, link: str = "", model: str | Mapping[str, Any] | ModelGeometry = "", *,
+    def from_settings(cls, link: "str | LinkProfile" = "", model: str | Mapping[str, Any] | ModelGeometry = "", *,
                       prefill_tps: float = 0.0, decode_prefill_tps: float = 0.0, queue_s: float = 0.0,
                       default_model: str | Mapping[str, Any] | None = None) -> "CostGate | None":
-        """The gate for these settings, or None when ``link`` is empty (gate off).
+        """The gate for these settings, or None when ``link`` is empty (gate off). ``link``:
+        a ``LinkProfile``, a preset name or a ``kvbridge bench link --out`` file.
         ``default_model`` is used when ``model`` is empty (the served model's config)."""
         if not link:
             return None
@@ -91,7 +85,7 @@ class CostGate:
         if not spec:
             raise ValueError("cost gate: cost_link is set but no model geometry: set cost_model to a preset or a "
                              "config.json (the served model's config could not be found)")
-        gate = cls(model_geometry(spec), load_link(link), prefill_tps=float(prefill_tps),
+        gate = cls(model_geometry(spec), link if isinstance(link, LinkProfile) else load_link(link), prefill_tps=float(prefill_tps),
                    decode_prefill_tps=float(decode_prefill_tps), queue_s=float(queue_s))
         log.info("kvbridge cost gate on: %s, %s; moves prompts from %s tokens", gate.model.name, gate.link.describe(),
                  gate.break_even if gate.break_even is not None else "never")

@@ -68,7 +68,7 @@ class HandoffConfig:
     secret: str = ""  # shared secret for auth tags; empty: auth off
     model: str = ""  # model name both sides must agree on (empty: not checked)
     kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
-    costs: PlanCosts = field(default_factory=PlanCosts)
+    costs: PlanCosts = field(default_factory=PlanCosts)  # from the link: BridgeSettings.handoff() / LinkProfile.plan_costs()
     recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
 
 

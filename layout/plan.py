@@ -35,7 +35,7 @@ from .heads import HeadMap
 from .repack import Gather, Scatter
 from .segments import Segments, compile_segments, count_or_compile, side_runs
 
-__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "refused_kinds", "plan_transfer", "plan_kind_estimates"]
+__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "refused_kinds", "plan_transfer"]
 
 
 class PlanKind(str, Enum):
@@ -50,10 +50,11 @@ class PlanKind(str, Enum):
 class PlanCosts:
     """What moving bytes costs, for choosing a plan kind.
 
-    Defaults are Mooncake TCP on loopback as measured on the 2-core CI machine
-    (../shared/reference/mooncake.md): ~30 us per segment inside a batch, ~2 GB/s, and
-    a CPU repack at ~5 GB/s. The cost model (``kvbridge.common.costmodel``) supplies
-    measured figures for real links.
+    Defaults are Mooncake TCP on loopback as measured on a 2-core CPU machine: ~30 us
+    per segment inside a batch, ~2 GB/s, and a CPU repack at ~5 GB/s (the ``tcp`` link
+    preset). A deployment's figures come from its link description:
+    ``kvbridge.common.costmodel.LinkProfile.plan_costs`` (a preset per Mooncake
+    protocol, or a ``kvbridge bench link --out`` file), set as ``HandoffConfig.costs``.
     """
 
     segment_s: float = 30e-6
@@ -209,7 +210,9 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _estimates(spec: CopySpec, costs: PlanCosts, kinds) -> tuple[dict[PlanKind, KindEstimate], dict[PlanKind, Segments]]:
-    """The estimates of ``plan_kind_estimates``, and the wire segments built on the way."""
+    """Wire segments and estimated seconds of each allowed kind (direct's segment count is
+    exact for small plans, an upper bound for large ones; see ``count_segments``), and
+    the wire segments built on the way."""
     out: dict[PlanKind, KindEstimate] = {}
     wires: dict[PlanKind, Segments] = {}
     n = spec.nbytes
@@ -224,12 +227,6 @@ def _estimates(spec: CopySpec, costs: PlanCosts, kinds) -> tuple[dict[PlanKind, 
             segs = wires[kind].count
             out[kind] = KindEstimate(kind, segs, costs.staged_s(n, segs), n)
     return out, wires
-
-
-def plan_kind_estimates(spec: CopySpec, costs: PlanCosts, kinds) -> dict[PlanKind, KindEstimate]:
-    """Wire segments and estimated seconds of each allowed kind (direct's segment count is
-    exact for small plans, an upper bound for large ones; see ``count_segments``)."""
-    return _estimates(spec, costs, kinds)[0]
 
 
 def refused_kinds(src: KVLayout, dst: KVLayout) -> dict[PlanKind, str]:

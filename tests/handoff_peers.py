@@ -81,14 +81,25 @@ class BlockAllocator:
         self._free.extend(ids)
 
 
-def _config(cfg: dict):
+def _config(cfg: dict, receiver: bool = False):
+    """The peer's HandoffConfig. With ``link`` (a link preset or file), built the way the
+    engine plugins build it: the shared settings from ``KVBRIDGE_*`` through their reader
+    (``kvbridge.common.settings``), then ``handoff()``, whose plan costs follow the link."""
+    from dataclasses import fields
+
     from kvbridge.common.handoff import HandoffConfig
+    from kvbridge.common.settings import BridgeSettings, read_settings
     from kvbridge.layout import PlanKind
 
     cfg = dict(cfg)
     if "kinds" in cfg:
         cfg["kinds"] = tuple(PlanKind(k) for k in cfg["kinds"])
-    return HandoffConfig(**cfg)
+    if "link" not in cfg:
+        return HandoffConfig(**cfg)
+    shared = {f.name for f in fields(BridgeSettings)}
+    env = {"KVBRIDGE_" + k.upper(): str(v) for k, v in cfg.items() if k in shared}
+    settings = read_settings(BridgeSettings, environ=env)
+    return settings.handoff(receiver=receiver, **{k: v for k, v in cfg.items() if k not in shared})
 
 
 def until(cond, deadline: float, what: str) -> None:
@@ -201,7 +212,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     lay, tensors = build_pool(spec)
     alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 11)
     transport = MooncakeTransport("127.0.0.1")
-    recv = KVReceiver(lay, transport, config=_config(cfg))
+    recv = KVReceiver(lay, transport, config=_config(cfg, receiver=True))
     conn.send(("ready", transport.session_id, alloc.free_count))
 
     def handle(op, *args):

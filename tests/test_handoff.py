@@ -296,3 +296,24 @@ def test_receiver_staging_cuts_segments_for_split_rows(peers):
     assert res["record"]["plan"] == "staged_recv"
     direct_segments = 2 * 2 * 512  # per token, layer and K/V, from each of the two ranks
     assert res["record"]["segments"] * 10 <= 2 * direct_segments
+
+
+@pytest.mark.parametrize("link, kind", [("tcp", "direct"), ("nvlink", "staged_send")])
+def test_the_plan_kind_follows_the_link_setting(peers, link, kind):
+    """The same request (same pools, same blocks: the peers' allocators are seeded) between
+    TensorRT-LLM pools of 1 MiB blocks, scattered on both sides: direct takes 16 writes,
+    staging 8. On TCP (30 us a write, repack at 5 GB/s) 8 writes cost less than the
+    gather that would save them; on NVLink or RDMA (a few us a write on a link 20-200x
+    faster, a GPU gather) they cost more. The link comes only from the ``link`` setting,
+    read by the shared settings reader into HandoffConfig.costs, as in the plugins."""
+    ps = spec("trtllm", layers=4, total_heads=8, head_dim=128, tpb=64, blocks=24, seed=3)
+    ds = spec("trtllm", layers=4, total_heads=8, head_dim=128, tpb=64, blocks=32, seed=3)
+    cfg = {"link": link, "chunk_bytes": 32 << 20}
+    pre, dec = peers("prefill", ps, cfg), peers("decode", ds, cfg)
+    blocks = pre.call_raw("serve", 7, 1024, 1024)[1]
+    res = pull(dec, 7, [pre], 0, 1024, [(ps, blocks)])
+    w = pre.call_raw("wait", 7, 30)
+    check_ok(res, [w])
+    assert res["written_bytes"] == 16 << 20
+    assert res["record"]["plan"] == kind, res["record"]
+    assert res["record"]["segments"] == (16 if kind == "direct" else 8)

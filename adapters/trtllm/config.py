@@ -4,29 +4,25 @@ Read, later entries winning, from: defaults; the JSON or YAML file named by
 ``KVBRIDGE_TRTLLM_CONFIG``; environment variables ``KVBRIDGE_<FIELD>`` (e.g.
 ``KVBRIDGE_BUS_PORT=18500``, ``KVBRIDGE_ON_FAILURE=fail``); explicit overrides. Every
 rank of a server reads the same sources (TensorRT-LLM's MPI workers inherit the
-environment of ``trtllm-serve``).
+environment of ``trtllm-serve``). The settings every plugin shares (handoff timing,
+link, cost gate) are ``kvbridge.common.settings.BridgeSettings``'s, read by its reader.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvbridge.common.handoff import HandoffConfig
+from kvbridge.common.settings import BridgeSettings, ConfigError, read_mapping_file, read_settings
 
 __all__ = ["BridgeConfig", "ConfigError", "CONFIG_ENV"]
 
 CONFIG_ENV = "KVBRIDGE_TRTLLM_CONFIG"
 
 
-class ConfigError(ValueError):
-    """A setting that is missing, malformed or inconsistent."""
-
-
 @dataclass(frozen=True)
-class BridgeConfig:
+class BridgeConfig(BridgeSettings):
     """Settings of one TensorRT-LLM server's kvbridge plugin.
 
     Networking: ``host`` is the address this server's ranks bind and advertise (control
@@ -50,18 +46,11 @@ class BridgeConfig:
     for the ``ttl_s`` the router gave.
 
     Behaviour: ``on_failure`` is what a decode server does when a handoff fails:
-    ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing and
-    auth: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
-    ``chunk_bytes``, ``secret``, ``model``.
-
-    Cost gate (decode servers; off unless ``cost_link`` is set): per request, the cost
-    model (``kvbridge.common.gate``) decides whether moving the KV beats computing the
-    prompt on this server; below break-even the request is computed here and the prefill's
-    room released. ``cost_link``: a link preset (``nvlink``, ``pcie5``, ``ib400``,
-    ``tcp``) or a ``kvbridge bench link --out`` file; ``cost_model``: a model preset or a
-    Hugging Face ``config.json`` (default: the served model's, from the LLM args);
-    ``cost_prefill_tps`` / ``cost_decode_prefill_tps``: prefill tokens/s of the prefill
-    and of this server (0: from FLOPs); ``cost_queue_s``: expected prefill queue wait.
+    ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing, auth,
+    ``protocol``, ``link`` and the cost gate are the shared settings
+    (``BridgeSettings``; README "Settings"). With the gate on, below break-even a request
+    is computed on this decode server and the prefill's room released; its model
+    geometry defaults to the served model's config (from the LLM args).
 
     Geometry overrides (normally read from the pool, the executor's KV cache manager and
     the model's config; see ``geometry.rank_geometry``): ``tokens_per_block``,
@@ -75,16 +64,10 @@ class BridgeConfig:
     bus_port: int = 0
     scheduler_endpoint: str = ""
     metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
     device_name: str = ""
     on_failure: str = "recompute"
-    deadline_s: float = 60.0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 3.0
-    quiesce_s: float = 1.0
-    chunk_bytes: int = 16 << 20
-    secret: str = ""
-    model: str = ""
     tokens_per_block: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -96,13 +79,9 @@ class BridgeConfig:
     sglang_bootstrap_port: int = -1
     sglang_page_size: int = 1
     discovery_timeout_s: float = 30.0
-    cost_link: str = ""
-    cost_model: str = ""
-    cost_prefill_tps: float = 0.0
-    cost_decode_prefill_tps: float = 0.0
-    cost_queue_s: float = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.on_failure not in ("recompute", "fail"):
             raise ConfigError(f"on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
         if not 0 <= self.bus_port < 65536:
@@ -115,78 +94,22 @@ class BridgeConfig:
         if self.sglang_page_size <= 0:
             raise ConfigError(f"sglang_page_size must be positive (the SGLang decode's --page-size), "
                               f"got {self.sglang_page_size}")
-        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "discovery_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.discovery_timeout_s <= 0:
+            raise ConfigError(f"discovery_timeout_s must be positive, got {self.discovery_timeout_s}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "BridgeConfig":
         """Settings from the config file, the environment and ``overrides``."""
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
         path = env.get(CONFIG_ENV, "")
-        if path:
-            values.update(_read_file(path))
-        known = {f.name: f for f in fields(cls)}
-        for name in known:
-            raw = env.get("KVBRIDGE_" + name.upper())
-            if raw is not None:
-                values[name] = raw
-        values.update(overrides or {})
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown kvbridge TensorRT-LLM settings {unknown}; known: {sorted(known)}")
-        typed = {}
-        for name, v in values.items():
-            kind = type(known[name].default)
-            try:
-                typed[name] = kind(v) if not isinstance(v, kind) else v
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
-        return cls(**typed)
+        base = read_mapping_file(path, CONFIG_ENV) if path else {}
+        return read_settings(cls, base, environ=env, overrides=overrides, what="kvbridge TensorRT-LLM")
 
     def cost_gate(self, served_model: Any = None):
-        """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when
-        ``cost_link`` is empty. ``served_model``: the LLM args' model (a directory with a
+        """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when the
+        gate is off. ``served_model``: the LLM args' model (a directory with a
         ``config.json``), used when ``cost_model`` is empty."""
-        from kvbridge.common.gate import CostGate
-
         default = None
         if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
             default = os.fspath(served_model)
-        try:
-            return CostGate.from_settings(self.cost_link, self.cost_model, prefill_tps=self.cost_prefill_tps,
-                                          decode_prefill_tps=self.cost_decode_prefill_tps, queue_s=self.cost_queue_s,
-                                          default_model=default)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def handoff(self) -> HandoffConfig:
-        """The handoff state machines' settings."""
-        return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
-                             quiesce_s=self.quiesce_s, chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model)
-
-
-def _read_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read {CONFIG_ENV}={path!r}: {e}") from None
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError(f"{path} is YAML but PyYAML is not installed; use JSON") from None
-        data = yaml.safe_load(text) or {}
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of settings")
-    return data
+        return self.make_cost_gate(default)

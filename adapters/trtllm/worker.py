@@ -136,6 +136,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self.layout = pool_layout(kv_cache_tensor, geo)
         cfg = self.cfg
         self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())
         hc = cfg.handoff()
         self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=hc)
         self.receiver = KVReceiver(self.layout, self.transport, config=hc)

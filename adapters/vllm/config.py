@@ -4,25 +4,22 @@ vLLM gives a connector its ``--kv-transfer-config`` (``KVTransferConfig``); the
 ``kv_connector_extra_config`` object in it is the connector's own, and every process of
 a server (scheduler and workers) sees the same one. Environment variables
 ``KVBRIDGE_VLLM_<FIELD>`` (e.g. ``KVBRIDGE_VLLM_BOOTSTRAP_PORT=8998``) override it.
+The settings every plugin shares (handoff timing, ``protocol``, ``link``) are
+``kvbridge.common.settings.BridgeSettings``'s (README "Settings"), read by its reader.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvbridge.common.handoff import HandoffConfig
+from kvbridge.common.settings import BridgeSettings, ConfigError, read_settings
 
 __all__ = ["VllmBridgeConfig", "ConfigError"]
 
 
-class ConfigError(ValueError):
-    """A setting that is missing, malformed or inconsistent."""
-
-
 @dataclass(frozen=True)
-class VllmBridgeConfig:
+class VllmBridgeConfig(BridgeSettings):
     """Settings of one vLLM server's kvbridge connector.
 
     ``host``: the address its workers bind and advertise (control sockets, Mooncake).
@@ -37,7 +34,9 @@ class VllmBridgeConfig:
     ``protocol``, ``device_name`` go to Mooncake. ``recv_staging_bytes``: staging a decode
     worker offers its senders: vLLM's CPU cache stores K transposed, so a sender of
     another engine writes into staging that this worker scatters (``staged_recv``).
-    Handoff timing and auth as in ``HandoffConfig``. ``discovery_timeout_s``: how long a
+    Handoff timing, auth, ``protocol`` and ``link`` are the shared settings
+    (``BridgeSettings``); the cost gate is not wired into the vLLM connector yet, so
+    turning it on is refused. ``discovery_timeout_s``: how long a
     decode waits for a prefill's bootstrap server to list its ranks. ``records_path``: a
     file every worker appends one JSON line to per finished handoff (request, room, side,
     outcome and kvbridge's record: bytes, segments, plan, seconds); "" (default): none.
@@ -50,59 +49,29 @@ class VllmBridgeConfig:
     bootstrap_port: int = -1
     sglang_page_size: int = 1
     metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
     device_name: str = ""
     recv_staging_bytes: int = 16 << 20
-    deadline_s: float = 60.0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 5.0
-    quiesce_s: float = 1.0
-    chunk_bytes: int = 16 << 20
-    secret: str = ""
-    model: str = ""
     discovery_timeout_s: float = 30.0
     records_path: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.gate_on:
+            raise ConfigError("the cost gate (cost_gate_enabled / cost_link) is not supported by the vLLM connector")
         if not -1 <= self.bootstrap_port < 65536:
             raise ConfigError(f"bootstrap_port {self.bootstrap_port} is not a TCP port (or -1: none)")
         if self.sglang_page_size <= 0:
             raise ConfigError(f"sglang_page_size must be positive, got {self.sglang_page_size}")
-        if self.recv_staging_bytes < 0:
-            raise ConfigError(f"recv_staging_bytes must be >= 0, got {self.recv_staging_bytes}")
-        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "discovery_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.discovery_timeout_s <= 0:
+            raise ConfigError(f"discovery_timeout_s must be positive, got {self.discovery_timeout_s}")
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "VllmBridgeConfig":
         """Settings from ``kv_connector_extra_config`` (its ``kvbridge`` object, or the
         whole mapping) and the environment."""
-        env = os.environ if environ is None else environ
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
         extra = dict(extra or {})
         extra = dict(extra.get("kvbridge", extra)) if isinstance(extra.get("kvbridge", extra), Mapping) else {}
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown kvbridge vLLM settings {unknown}; known: {sorted(known)}")
-        values.update(extra)
-        for name in known:
-            raw = env.get("KVBRIDGE_VLLM_" + name.upper())
-            if raw is not None:
-                values[name] = raw
-        typed = {}
-        for name, v in values.items():
-            kind = type(known[name].default)
-            try:
-                typed[name] = kind(v) if not isinstance(v, kind) else v
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
-        return cls(**typed)
+        return read_settings(cls, extra, environ=environ, prefix="KVBRIDGE_VLLM_", what="kvbridge vLLM")
 
-    def handoff(self, *, receiver: bool) -> HandoffConfig:
-        """The handoff state machines' settings (staging offered on the decode side)."""
-        return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s,
-                             peer_timeout_s=self.peer_timeout_s, quiesce_s=self.quiesce_s,
-                             chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model,
-                             recv_staging_bytes=self.recv_staging_bytes if receiver else 0)

@@ -164,6 +164,7 @@ class KVBridgeWorker:
         self.layout = layout_from_vllm(kv_caches, self.vllm_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         cfg = self.cfg
         self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())
         if self.producer:
             self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=cfg.handoff(receiver=False))
         if self.consumer:

@@ -1,0 +1,182 @@
+"""The settings every engine plugin shares, and the one reader of them.
+
+``BridgeSettings`` holds what all three adapters (SGLang, TensorRT-LLM, vLLM) configure
+alike: handoff timing and auth, the Mooncake protocol, the link description the plans
+and the cost model use, and the per-request cost gate. Each adapter's config subclasses
+it with its own engine-specific fields (and its own defaults where they differ).
+``read_settings`` builds any of them from a mapping (a JSON/YAML file or an engine's
+config object), environment variables ``<prefix><FIELD>`` and explicit overrides, later
+sources winning, with typed values and unknown names refused. The table of settings is
+in the README ("Settings"); the names are the same in every plugin.
+
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, TypeVar
+
+from .costmodel import LinkProfile, resolve_link
+from .rooms import HandoffConfig
+
+__all__ = ["BridgeSettings", "ConfigError", "read_settings", "read_mapping_file"]
+
+T = TypeVar("T", bound="BridgeSettings")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A setting that is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    """Settings shared by every kvbridge engine plugin (seconds unless named otherwise).
+
+    Handoff: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
+    ``chunk_bytes`` (see ``HandoffConfig``), ``secret`` (shared auth secret, empty: off),
+    ``model`` (a name both sides must agree on, empty: not checked),
+    ``recv_staging_bytes`` (staging a decode rank offers senders for ``staged_recv``).
+    Transport: ``protocol`` (Mooncake's: ``tcp``, ``rdma``, ``nvlink``).
+    Link: ``link``, a preset (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or a
+    ``kvbridge bench link --out`` file; empty: the preset of ``protocol``. It sets both
+    the plan chooser's costs (``HandoffConfig.costs``) and the cost gate's figures.
+    Cost gate (decode side, off by default): ``cost_gate_enabled`` turns it on;
+    ``cost_link`` (the older way) turns it on too and names the link when ``link`` is
+    empty; ``cost_model`` (a model preset or a Hugging Face ``config.json``; default: the
+    served model's), ``cost_prefill_tps`` / ``cost_decode_prefill_tps`` (prefill tokens/s
+    of each worker, 0: from FLOPs), ``cost_queue_s`` (expected prefill queue wait).
+    """
+
+    deadline_s: float = 60.0
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 10.0
+    quiesce_s: float = 1.0
+    chunk_bytes: int = 16 << 20
+    secret: str = ""
+    model: str = ""
+    recv_staging_bytes: int = 0
+    protocol: str = "tcp"
+    link: str = ""
+    cost_gate_enabled: bool = False
+    cost_link: str = ""
+    cost_model: str = ""
+    cost_prefill_tps: float = 0.0
+    cost_decode_prefill_tps: float = 0.0
+    cost_queue_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s", "recv_staging_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.link and self.cost_link and self.link != self.cost_link:
+            raise ConfigError(f"link={self.link!r} and cost_link={self.cost_link!r} name different links; "
+                              "set link only (cost_gate_enabled=true turns the gate on)")
+        try:
+            self.link_profile()
+        except ValueError as e:
+            raise ConfigError(f"link: {e}") from None
+
+    def link_profile(self) -> LinkProfile:
+        """The link: ``link`` (or ``cost_link``), else the preset of ``protocol``."""
+        return resolve_link(self.link or self.cost_link, self.protocol)
+
+    def handoff(self, *, receiver: bool = False, **extra: Any) -> HandoffConfig:
+        """The handoff state machines' settings, with the plan costs of this link
+        (receiver staging only on the decode side); ``extra``: other ``HandoffConfig``
+        fields."""
+        return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s,
+                             peer_timeout_s=self.peer_timeout_s, quiesce_s=self.quiesce_s,
+                             chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model,
+                             recv_staging_bytes=self.recv_staging_bytes if receiver else 0,
+                             costs=self.link_profile().plan_costs(), **extra)
+
+    @property
+    def gate_on(self) -> bool:
+        """Whether the decode side consults the cost gate."""
+        return bool(self.cost_gate_enabled or self.cost_link)
+
+    def make_cost_gate(self, default_model: str | Mapping[str, Any] | None = None):
+        """The per-request ``CostGate`` on this link, or None when the gate is off.
+        ``default_model``: the served model's config (a path or a dict), used when
+        ``cost_model`` is empty."""
+        if not self.gate_on:
+            return None
+        from .gate import CostGate
+
+        try:
+            return CostGate.from_settings(self.link_profile(), self.cost_model, prefill_tps=self.cost_prefill_tps,
+                                          decode_prefill_tps=self.cost_decode_prefill_tps, queue_s=self.cost_queue_s,
+                                          default_model=default_model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _typed(name: str, v: Any, default: Any) -> Any:
+    kind = type(default)
+    if isinstance(v, kind):
+        return v
+    if kind is bool:
+        s = str(v).strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+        raise ConfigError(f"setting {name}={v!r} is not a boolean (true/false)")
+    try:
+        return kind(v)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
+
+
+def read_settings(cls: type[T], base: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,
+                  prefix: str = "KVBRIDGE_", overrides: Mapping[str, Any] | None = None, what: str = "kvbridge") -> T:
+    """``cls`` from ``base`` (a file's or an engine config's mapping), then environment
+    variables ``prefix + FIELD`` (upper case), then ``overrides``; values are converted
+    to each field's type; unknown names in ``base`` or ``overrides`` raise ConfigError."""
+    env = os.environ if environ is None else environ
+    known = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for source in (base or {}), (overrides or {}):
+        unknown = sorted(set(source) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown {what} settings {unknown}; known: {sorted(known)}")
+    values.update(base or {})
+    for name in known:
+        raw = env.get(prefix + name.upper())
+        if raw is not None:
+            values[name] = raw
+    values.update(overrides or {})
+    return cls(**{name: _typed(name, v, known[name].default) for name, v in values.items()})
+
+
+def read_mapping_file(path: str, what: str = "config file") -> dict[str, Any]:
+    """A mapping of settings from a JSON or YAML (``.yaml`` / ``.yml``) file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path!r}: {e}") from None
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings")
+    return data
+
