@@ -381,3 +381,49 @@ def test_route_check_probes_vllm_servers(model_dir, vllm_servers, sglang_pair):
     by = {r["name"]: {c["check"]: c for c in r["checks"]} for r in rep["servers"]}
     assert not rep["ok"] and not by["v0"]["model"]["ok"] and "set this server's `model:`" in by["v0"]["model"]["detail"]
     assert not by["v1"]["kvbridge connector"]["ok"], format_report(rep)
+
+
+def test_route_vllm_decode_failure_aborts_the_vllm_prefill_room(model_dir, vllm_servers):
+    """A decode half that fails (vLLM answers 404: the router sends a model name it does not
+    serve) ends the request with 502 naming the decode; the router aborts the room on the
+    vLLM prefill, which ends it at once (its own deadline is 30 s) and frees the prompt's
+    blocks."""
+    import json
+    import re
+    import time
+    import urllib.error
+    import urllib.request
+
+    from kvbridge.demo.vllm_flows import _wait_record
+    from kvbridge.route.app import BackgroundRouter
+
+    v0, v1 = vllm_servers
+    cfg = _route_cfg(model_dir, [{"name": "v0", "engine": "vllm", "role": "prefill", "url": v0.url,
+                                  "bootstrap": v0.bootstrap_address, "model": str(model_dir)},
+                                 {"name": "v1", "engine": "vllm", "role": "decode", "url": v1.url,
+                                  "model": "not-served"}], cost={"enabled": False})
+    prompt, _ = reference(model_dir, LENS[0])
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with BackgroundRouter(cfg) as router:
+        t0 = time.monotonic()
+        try:
+            opener.open(urllib.request.Request(router.url + "/v1/completions", body,
+                                               {"Content-Type": "application/json"}), timeout=60)
+            raise AssertionError("the request succeeded")
+        except urllib.error.HTTPError as e:
+            status, err = e.code, json.loads(e.read())["error"]
+        assert status == 502 and err["reason"] == "decode_failed", (status, err)
+        assert "decode v1 failed" in err["message"] and "404" in err["message"], err
+        room = int(re.search(r"room (\d+) aborted on prefill v0", err["message"]).group(1))
+        rec = _wait_record(v0, room, "send", timeout=20)
+        took = time.monotonic() - t0
+        router.call(router.router.dispatcher.drain)
+        assert router.router.metrics.value("kvbridge_route_room_aborts_total", {"engine": "vllm"}) == 1
+        assert router.router.metrics.value("kvbridge_route_failures_total",
+                                           {"route": "vllm->vllm", "reason": "decode_failed"}) == 1
+    assert not rec["ok"] and took < 15, (took, rec)
+    end = time.monotonic() + 20
+    while v0.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert v0.metric("vllm:kv_cache_usage_perc") == 0, "the aborted room's blocks were not freed"
