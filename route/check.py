@@ -5,7 +5,7 @@ Per server, what can be told from outside, and how:
 | check | SGLang | TensorRT-LLM (trtllm-serve + kvbridge connector) | vLLM (OpenAI server + kvbridge connector) |
 |---|---|---|---|
 | reachable | ``GET /health`` 200 | ``GET /health`` 200 | ``GET /health`` 200 |
-| engine, version | ``GET /server_info`` (``version``, server args) | ``GET /version`` | ``GET /version``; ``GET /v1/models`` lists the model name the router sends (``owned_by: vllm``) |
+| engine, version | ``GET /server_info`` (``version``, server args) | ``GET /version``, and ``/v1/models`` not ``owned_by: vllm`` (vLLM answers ``/version`` too) | ``GET /version``; ``GET /v1/models`` lists the model name the router sends (``owned_by: vllm``) |
 | role | ``disaggregation_mode`` (prefill / decode / null = aggregated) | not published: the role is what each request's announcement makes it | a decode: vLLM's ``/metrics`` has ``vllm:num_requests_kv_fetch_by_stage`` only with a KV connector whose ``kv_role`` consumes (``kv_consumer``/``kv_both``); a prefill: its bootstrap server |
 | kvbridge backend on | ``disaggregation_transfer_backend == "kvbridge"``; a prefill's bootstrap serves ``/kvbridge/ranks`` | the bus answers ``Who`` with its ranks' endpoints (the connector is loaded); ``bootstrap``: ``/kvbridge/ranks`` | a prefill's bootstrap serves ``/kvbridge/ranks`` (only the kvbridge connector runs one); a decode's connector name is not published (vLLM shows its config only in dev mode's ``/server_info``) |
 | layout | a prefill's ranks publish their KV layout: layers, KV heads, head_dim, kv_factor against the model's ``config.json``, and dtype against every other prefill; SGLang pairs: equal ``page_size`` (SGLang refuses others) | a prefill with ``bootstrap`` publishes it likewise | a prefill publishes it likewise |
@@ -125,7 +125,12 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, mod
             note("kvbridge backend", backend == "kvbridge", f"disaggregation_transfer_backend {backend!r}")
     elif s.engine == "trtllm":
         st, ver = await _get(http, url + "/version", timeout)
-        note("engine", st == 200, f"GET /version -> {st}: {str(ver)[:200]}")
+        _, models = await _get(http, url + "/v1/models", timeout)  # vLLM answers /version too: tell it apart
+        owners = {str(m.get("owned_by")) for m in (models.get("data") if isinstance(models, dict) else None) or []
+                  if isinstance(m, dict)}
+        vllm = "vllm" in owners
+        note("engine", st == 200 and not vllm, f"GET /version -> {st}: {str(ver)[:200]}"
+             + (" (a vLLM server: /v1/models is owned_by vllm)" if vllm else ""))
         if s.bus:
             try:
                 eps = await asyncio.to_thread(bus_endpoints, s.bus, timeout)

@@ -381,6 +381,7 @@ def test_route_check_probes_vllm_servers(model_dir, vllm_servers, sglang_pair):
     by = {r["name"]: {c["check"]: c for c in r["checks"]} for r in rep["servers"]}
     assert not rep["ok"] and not by["v0"]["model"]["ok"] and "set this server's `model:`" in by["v0"]["model"]["detail"]
     assert not by["v1"]["kvbridge connector"]["ok"], format_report(rep)
+    assert not by["v1"]["engine"]["ok"] and "a vLLM server" in by["v1"]["engine"]["detail"], format_report(rep)
 
 
 def test_route_vllm_decode_failure_aborts_the_vllm_prefill_room(model_dir, vllm_servers):
