@@ -1,7 +1,7 @@
 """``kvbridge route``: one OpenAI-compatible front for a mixed disaggregated deployment.
 
 It sends each request to a prefill and a decode server of any supported engine (SGLang
-on the kvbridge backend, TensorRT-LLM with the kvbridge connector), each in its own
+on the kvbridge backend, TensorRT-LLM and vLLM with their kvbridge connectors), each in its own
 request shape with the kvbridge handle where that engine carries it, or straight to a
 server that computes it alone when the cost model says moving the KV is not worth it.
 
@@ -10,8 +10,8 @@ server that computes it alone when the cost model says moving the KV is not wort
 | ``config`` | ``route.yaml``: servers by engine and role, links per pair, deadlines, retries, limits |
 | ``pool`` | servers' health and load; least-outstanding choice of pairs and compute targets |
 | ``gates`` | the cost gate of each pair's link |
-| ``engines`` | each engine's request shapes and calls (SGLang ``/generate``, trtllm-serve ``/v1/completions`` + announce) |
-| ``ranks`` | a prefill's kvbridge ranks: their endpoints (announced to TensorRT-LLM decodes) and room aborts |
+| ``engines`` | each engine's request shapes and calls (SGLang ``/generate``, trtllm-serve ``/v1/completions`` + announce, vLLM ``/v1/completions`` + ``kv_transfer_params``) |
+| ``ranks`` | a prefill's kvbridge ranks: their endpoints (announced to TensorRT-LLM decodes, given to vLLM decodes of a bus-only prefill) and room aborts |
 | ``dispatch`` | one request: choose, hand off or compute, retry, stream |
 | ``admission`` | bounded queue (429 / 503 with Retry-After) |
 | ``text``, ``protocol`` | tokenizer and detokenizer; OpenAI and SGLang request/response shapes |

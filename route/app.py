@@ -131,7 +131,7 @@ class Router:
     @staticmethod
     def _info(trace: Trace) -> dict:
         return {"route": trace.route, "mode": trace.mode, "why": trace.why, "servers": trace.servers,
-                "verdict": trace.verdict, "retries": trace.attempts}
+                "verdict": trace.verdict, "retries": trace.attempts, "rooms": trace.rooms}
 
     async def _answer(self, request: web.Request, kind: str, job: Job, parsed: Parsed, trace: Trace,
                       arrived: float) -> web.StreamResponse:

@@ -2,18 +2,20 @@
 
 Per server, what can be told from outside, and how:
 
-| check | SGLang | TensorRT-LLM (trtllm-serve + kvbridge connector) |
-|---|---|---|
-| reachable | ``GET /health`` 200 | ``GET /health`` 200 |
-| engine, version | ``GET /server_info`` (``version``, server args) | ``GET /version`` |
-| role | ``disaggregation_mode`` (prefill / decode / null = aggregated) | not published: the role is what each request's announcement makes it |
-| kvbridge backend on | ``disaggregation_transfer_backend == "kvbridge"``; a prefill's bootstrap serves ``/kvbridge/ranks`` | the bus answers ``Who`` with its ranks' endpoints (the connector is loaded); ``bootstrap``: ``/kvbridge/ranks`` |
-| layout | a prefill's ranks publish their KV layout: layers, KV heads, head_dim, kv_factor against the model's ``config.json``, and dtype against every other prefill; SGLang pairs: equal ``page_size`` (SGLang refuses others) | a prefill with ``bootstrap`` publishes it likewise |
+| check | SGLang | TensorRT-LLM (trtllm-serve + kvbridge connector) | vLLM (OpenAI server + kvbridge connector) |
+|---|---|---|---|
+| reachable | ``GET /health`` 200 | ``GET /health`` 200 | ``GET /health`` 200 |
+| engine, version | ``GET /server_info`` (``version``, server args) | ``GET /version``, and ``/v1/models`` not ``owned_by: vllm`` (vLLM answers ``/version`` too) | ``GET /version``; ``GET /v1/models`` lists the model name the router sends (``owned_by: vllm``) |
+| role | ``disaggregation_mode`` (prefill / decode / null = aggregated) | not published: the role is what each request's announcement makes it | a decode: vLLM's ``/metrics`` has ``vllm:num_requests_kv_fetch_by_stage`` only with a KV connector whose ``kv_role`` consumes (``kv_consumer``/``kv_both``); a prefill: its bootstrap server |
+| kvbridge backend on | ``disaggregation_transfer_backend == "kvbridge"``; a prefill's bootstrap serves ``/kvbridge/ranks`` | the bus answers ``Who`` with its ranks' endpoints (the connector is loaded); ``bootstrap``: ``/kvbridge/ranks`` | a prefill's bootstrap serves ``/kvbridge/ranks`` (only the kvbridge connector runs one); a decode's connector name is not published (vLLM shows its config only in dev mode's ``/server_info``) |
+| layout | a prefill's ranks publish their KV layout: layers, KV heads, head_dim, kv_factor against the model's ``config.json``, and dtype against every other prefill; SGLang pairs: equal ``page_size`` (SGLang refuses others) | a prefill with ``bootstrap`` publishes it likewise | a prefill publishes it likewise |
 
-Not checkable from outside: a decode's KV layout (no engine publishes it; the prefill
-side checks it at every handshake and refuses a mismatch with each difference named),
-tensor-parallel head splits beyond what the ranks list shows, and whether both sides
-were started with the same weights (only the model path is shown).
+An SGLang decode and a vLLM or TensorRT-LLM prefill: the page size the prefill's
+bootstrap server reports (``sglang_page_size``) must be the decode's (SGLang refuses
+others). Not checkable from outside: a decode's KV layout (no engine publishes it; the
+prefill side checks it at every handshake and refuses a mismatch with each difference
+named), tensor-parallel head splits beyond what the ranks list shows, and whether both
+sides were started with the same weights (only the model path is shown).
 """
 
 from __future__ import annotations
@@ -58,7 +60,42 @@ async def _get(http: aiohttp.ClientSession, url: str, timeout: float) -> tuple[i
         return 0, f"{type(e).__name__}: {e}"
 
 
-async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float) -> dict:
+async def _text(http: aiohttp.ClientSession, url: str, timeout: float) -> tuple[int, str]:
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status, await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return 0, f"{type(e).__name__}: {e}"
+
+
+KV_CONSUMER_METRIC = "vllm:num_requests_kv_fetch_by_stage"  # vllm/v1/metrics/loggers.py: only when kv_role consumes
+
+
+async def _probe_vllm(http: aiohttp.ClientSession, s: ServerSpec, url: str, model: str, timeout: float,
+                      note) -> str | None:
+    """A vLLM server's checks (``note``-d); what could not be checked, or None."""
+    st, ver = await _get(http, url + "/version", timeout)
+    st_m, models = await _get(http, url + "/v1/models", timeout)
+    data = models.get("data") if isinstance(models, dict) else None
+    if st != 200 or not isinstance(ver, dict) or not isinstance(data, list):
+        note("engine", False, f"GET /version -> {st}, /v1/models -> {st_m}: not a vLLM server? ({str(ver)[:200]})")
+        return None
+    owners = {str(m.get("owned_by")) for m in data if isinstance(m, dict)}
+    note("engine", owners == {"vllm"}, f"vLLM {ver.get('version', '?')} (/v1/models owned_by {sorted(owners)})")
+    served = [str(m.get("id")) for m in data if isinstance(m, dict)]
+    note("model", model in served, f"requests name {model!r}; the server serves {served}"
+         + ("" if model in served else " (set this server's `model:`)"))
+    if s.role == "decode":
+        st, text = await _text(http, url + "/metrics", timeout)
+        on = st == 200 and any(line.startswith(KV_CONSUMER_METRIC) for line in text.splitlines())
+        note("KV connector (consumer)", on,
+             f"/metrics {'has' if on else 'lacks'} {KV_CONSUMER_METRIC} (a KV connector with kv_role "
+             f"kv_consumer or kv_both{'' if on else ' is needed'})")
+        return "which KV connector: vLLM publishes its kv_transfer_config only in dev mode's /server_info"
+    return None
+
+
+async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, model: str = "") -> dict:
     url = s.url.rstrip("/")
     out: dict = {"name": s.name, "engine": s.engine, "role": s.role, "url": url, "ok": True, "checks": [],
                  "not_checked": []}
@@ -86,9 +123,14 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float) -> 
         if s.role != "aggregated":
             backend = info.get("disaggregation_transfer_backend")
             note("kvbridge backend", backend == "kvbridge", f"disaggregation_transfer_backend {backend!r}")
-    else:
+    elif s.engine == "trtllm":
         st, ver = await _get(http, url + "/version", timeout)
-        note("engine", st == 200, f"GET /version -> {st}: {str(ver)[:200]}")
+        _, models = await _get(http, url + "/v1/models", timeout)  # vLLM answers /version too: tell it apart
+        owners = {str(m.get("owned_by")) for m in (models.get("data") if isinstance(models, dict) else None) or []
+                  if isinstance(m, dict)}
+        vllm = "vllm" in owners
+        note("engine", st == 200 and not vllm, f"GET /version -> {st}: {str(ver)[:200]}"
+             + (" (a vLLM server: /v1/models is owned_by vllm)" if vllm else ""))
         if s.bus:
             try:
                 eps = await asyncio.to_thread(bus_endpoints, s.bus, timeout)
@@ -97,6 +139,10 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float) -> 
             except Exception as e:
                 note("kvbridge connector", False, f"bus {s.bus}: {e}")
         out["not_checked"].append("role: trtllm-serve does not publish one (each request's announcement decides)")
+    elif s.engine == "vllm":
+        left = await _probe_vllm(http, s, url, s.model or model, timeout, note)
+        if left:
+            out["not_checked"].append(left)
     if s.role == "prefill" and s.bootstrap:
         try:
             from kvbridge.common.bootstrap import fetch_ranks
@@ -115,8 +161,8 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float) -> 
 
 
 def _cross_checks(cfg: RouteConfig, results: dict[str, dict]) -> list[dict]:
-    """Checks between servers: prefill layouts against the model and each other, SGLang
-    page sizes per pair."""
+    """Checks between servers: prefill layouts against the model and each other, page
+    sizes of every pair with an SGLang decode."""
     out = []
     expect = _model_expectation(cfg)
     layouts = {n: r["layout"] for n, r in results.items() if r.get("layout")}
@@ -136,11 +182,14 @@ def _cross_checks(cfg: RouteConfig, results: dict[str, dict]) -> list[dict]:
             if not pairable(p, d):
                 continue
             rp, rd = results[p.name], results[d.name]
-            if p.engine == "sglang" and d.engine == "sglang" and rp.get("page_size") and rd.get("page_size"):
-                ok = rp["page_size"] == rd["page_size"]
+            if d.engine != "sglang" or not rd.get("page_size"):
+                continue
+            mine = rp.get("page_size") if p.engine == "sglang" else rp.get("bootstrap_page_size")
+            if mine:
+                ok = mine == rd["page_size"]
                 out.append({"check": f"page size {p.name} -> {d.name}", "ok": ok,
-                            "detail": f"{rp['page_size']} vs {rd['page_size']}" + ("" if ok else
-                                                                                   ": SGLang refuses different page sizes")})
+                            "detail": f"{mine} vs {rd['page_size']}" + ("" if ok else
+                                                                       ": SGLang refuses different page sizes")})
     return out
 
 
@@ -149,7 +198,7 @@ async def check(cfg: RouteConfig, timeout_s: float = 5.0) -> dict:
     from .gates import PairGates
 
     async with aiohttp.ClientSession(trust_env=False) as http:
-        results = await asyncio.gather(*(_probe(http, s, timeout_s) for s in cfg.servers))
+        results = await asyncio.gather(*(_probe(http, s, timeout_s, cfg.model.name) for s in cfg.servers))
     by_name = {r["name"]: r for r in results}
     cross = _cross_checks(cfg, by_name)
     gates = PairGates(cfg)

@@ -11,6 +11,8 @@ the retry policy, admission limits and health checking::
     servers:
       - {name: p0, engine: sglang, role: prefill, url: "http://10.0.0.1:30000", bootstrap: "10.0.0.1:8998"}
       - {name: d0, engine: trtllm, role: decode, url: "http://10.0.0.2:8200", bus: "tcp://10.0.0.2:18500"}
+      - {name: v0, engine: vllm, role: prefill, url: "http://10.0.0.4:8000", bootstrap: "10.0.0.4:8998",
+         model: /models/llama-3.1-8b}     # the name vLLM serves it under (default: model.name)
       - {name: a0, engine: sglang, role: aggregated, url: "http://10.0.0.3:30000"}
     links: {default: tcp, "sglang->trtllm": /etc/kvbridge/link.json}
     cost: {prefill_tps: 20000, decode_prefill_tps: 10000}
@@ -32,7 +34,7 @@ import msgspec
 __all__ = ["ConfigError", "ModelSpec", "ServerSpec", "CostSpec", "Deadlines", "RetryPolicy", "Limits", "HealthSpec",
            "ListenSpec", "RouteConfig", "load_config", "parse_config", "ENGINES", "ROLES"]
 
-ENGINES = ("sglang", "trtllm")
+ENGINES = ("sglang", "trtllm", "vllm")
 ROLES = ("prefill", "decode", "aggregated")
 
 
@@ -55,24 +57,28 @@ class ModelSpec(_S):
 
 
 class ServerSpec(_S):
-    """One server. ``bootstrap``: an SGLang prefill's bootstrap server ``host:port``, or a
-    TensorRT-LLM prefill's SGLang-compatible one (its ``sglang_bootstrap_port``), which an
-    SGLang decode needs to pull from it. ``bus``: a TensorRT-LLM server's kvbridge bus
-    ``tcp://host:port`` (where the router announces handles)."""
+    """One server. ``bootstrap``: an SGLang prefill's bootstrap server ``host:port``, a
+    vLLM prefill's (its connector's ``bootstrap_port``), or a TensorRT-LLM prefill's
+    SGLang-compatible one (its ``sglang_bootstrap_port``), which SGLang and vLLM decodes
+    pull through. ``bus``: a TensorRT-LLM server's kvbridge bus ``tcp://host:port`` (where
+    the router announces handles). ``model``: the model name sent in this server's OpenAI
+    requests (vLLM answers 404 for a name it does not serve, e.g. its ``--model`` path
+    without ``--served-model-name``); default ``model.name``."""
 
     name: str
-    engine: Literal["sglang", "trtllm"]
+    engine: Literal["sglang", "trtllm", "vllm"]
     role: Literal["prefill", "decode", "aggregated"]
     url: str
     bootstrap: str = ""
     bus: str = ""
+    model: str = ""
 
     @property
     def can_compute(self) -> bool:
         """Whether a request can be sent to this server alone (no handoff): an aggregated
-        server, or a TensorRT-LLM decode (its connector computes unannounced prompts). An
-        SGLang disaggregated decode cannot: it only runs requests whose KV arrives."""
-        return self.role == "aggregated" or (self.engine == "trtllm" and self.role == "decode")
+        server, or a TensorRT-LLM or vLLM decode (given no handle, they compute the prompt).
+        An SGLang disaggregated decode cannot: it only runs requests whose KV arrives."""
+        return self.role == "aggregated" or (self.engine in ("trtllm", "vllm") and self.role == "decode")
 
 
 class CostSpec(_S):
@@ -171,12 +177,15 @@ class RouteConfig(_S):
 def pairable(prefill: ServerSpec, decode: ServerSpec) -> bool:
     """Whether ``decode`` can pull from ``prefill``: an SGLang decode finds its prefill
     through an SGLang(-compatible) bootstrap server; a TensorRT-LLM decode through the
-    prefill's bootstrap (SGLang) or bus (TensorRT-LLM)."""
+    prefill's bootstrap (SGLang, vLLM) or bus (TensorRT-LLM); a vLLM decode through the
+    prefill's bootstrap, or the rank endpoints a TensorRT-LLM prefill's bus lists."""
     if prefill.role != "prefill" or decode.role != "decode":
         return False
     if decode.engine == "sglang":
         return bool(prefill.bootstrap)
-    return bool(prefill.bootstrap) if prefill.engine == "sglang" else bool(prefill.bus)
+    if decode.engine == "vllm":
+        return bool(prefill.bootstrap or prefill.bus)
+    return bool(prefill.bus) if prefill.engine == "trtllm" else bool(prefill.bootstrap)
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -208,8 +217,13 @@ def _validate(cfg: RouteConfig) -> RouteConfig:
             raise bad(f"{where}.bus", f"{s.bus!r} is not tcp://host:port")
         if s.engine == "sglang" and s.role == "prefill" and not s.bootstrap:
             raise bad(f"{where}.bootstrap", "an SGLang prefill needs its bootstrap server's host:port")
-        if s.engine == "sglang" and s.bus:
+        if s.engine == "vllm" and s.role == "prefill" and not s.bootstrap:
+            raise bad(f"{where}.bootstrap", "a vLLM prefill needs its kvbridge bootstrap server's host:port "
+                                            "(the connector's bootstrap_port): decodes find its ranks there")
+        if s.engine != "trtllm" and s.bus:
             raise bad(f"{where}.bus", "only TensorRT-LLM servers have a kvbridge bus")
+        if s.model and s.engine == "sglang":
+            raise bad(f"{where}.model", "SGLang's /generate takes no model name (only vLLM and trtllm-serve servers)")
         if s.engine == "trtllm" and s.role in ("prefill", "decode") and not s.bus:
             raise bad(f"{where}.bus", "a TensorRT-LLM prefill or decode needs its kvbridge bus (tcp://host:bus_port)")
         if s.role != "prefill" and s.bootstrap:
@@ -217,8 +231,9 @@ def _validate(cfg: RouteConfig) -> RouteConfig:
     prefills, decodes = cfg.by_role("prefill"), cfg.by_role("decode")
     for d in decodes:
         if not any(pairable(p, d) for p in prefills):
-            need = ("a prefill with a bootstrap address (SGLang, or TensorRT-LLM with sglang_bootstrap_port)"
-                    if d.engine == "sglang" else "a prefill")
+            need = {"sglang": "a prefill with a bootstrap address (SGLang, vLLM, or TensorRT-LLM with "
+                              "sglang_bootstrap_port)",
+                    "vllm": "a prefill with a bootstrap address or a TensorRT-LLM bus"}.get(d.engine, "a prefill")
             raise bad(f"servers ({d.name})", f"decode {d.name} has no prefill it can pull from: it needs {need}")
     if not any(s.can_compute for s in cfg.servers) and not decodes:
         raise bad("servers", "no decode and no server that computes requests alone (aggregated)")

@@ -5,7 +5,7 @@ Per request (``Dispatcher.run``, an async iterator of ``Piece``):
 1. pick a pair (``ServerPool.pick_pair``: least outstanding) and ask the pair's cost gate
    (``PairGates``) whether moving the KV gives the first token sooner than computing the
    prompt where it lands. Below break-even the request goes to a server that computes it
-   alone (the pair's decode when it is a TensorRT-LLM one, else an aggregated server);
+   alone (the pair's decode when it is a TensorRT-LLM or vLLM one, else an aggregated server);
 2. disaggregated: a new room; each TensorRT-LLM half is announced, then both halves are
    sent at once (``engines``); the decode's tokens are relayed as they come;
 3. faults, before the first token reached the client: a prefill half that fails, or has
@@ -136,6 +136,10 @@ class Dispatcher:
         # for a try that failed: its next request with that prompt would take it (announcements are
         # keyed by the prompt and cannot be withdrawn), so it gets no request with that prompt until then
         self._stale: dict[tuple[str, str], float] = {}
+
+    def _model(self, s: Server) -> str:
+        """The model name in this server's OpenAI requests."""
+        return s.spec.model or self.model
 
     # -- housekeeping -------------------------------------------------------------------
     def _later(self, coro) -> None:
@@ -305,7 +309,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         room = new_room()
         h = E.Handoff(room, p.spec)
-        if d.engine == "trtllm":
+        if d.engine == "trtllm" or (d.engine == "vllm" and not p.spec.bootstrap):
             h = await self._with_endpoints(job, h, p)
         rid_p, rid_d = f"{job.rid}-p{n}", f"{job.rid}-d{n}"
         trace.route, trace.mode, trace.servers, trace.why = f"{p.engine}->{d.engine}", "disaggregated", [p.name, d.name], ""
@@ -329,9 +333,9 @@ class Dispatcher:
                     if e.server is p:
                         raise _HalfFailed("prefill_failed", e) from None
                     raise
-                prefill = asyncio.create_task(E.run_prefill(self.http, p, self.model, job.ids, job.sampling, h, rid_p))
+                prefill = asyncio.create_task(E.run_prefill(self.http, p, self._model(p), job.ids, job.sampling, h, rid_p))
                 prefill.server = p  # type: ignore[attr-defined]
-                relay = _Relay(E.stream_decode(self.http, d, self.model, job.ids, job.sampling, h, rid_d))
+                relay = _Relay(E.stream_decode(self.http, d, self._model(d), job.ids, job.sampling, h, rid_d))
                 relay.server = d  # type: ignore[attr-defined]
                 first = await self._first(job, relay, prefill, loop.time() + self.cfg.deadlines.prefill_s)
                 first_out = True
@@ -367,8 +371,9 @@ class Dispatcher:
                     self._later(_settle(prefill, 10.0))
 
     async def _with_endpoints(self, job: Job, h: E.Handoff, p: Server) -> E.Handoff:
-        """The handoff with the prefill's rank endpoints (for a TensorRT-LLM decode's handle);
-        a prefill whose ranks cannot be found has failed."""
+        """The handoff with the prefill's rank endpoints (for a TensorRT-LLM decode's handle,
+        or a vLLM decode's when the prefill has no bootstrap server); a prefill whose ranks
+        cannot be found has failed."""
         try:
             eps = await asyncio.wait_for(self.ranks.endpoints(p.spec, min(2.0, max(0.1, self._left(job)))),
                                          max(0.0, self._left(job)))
@@ -386,7 +391,7 @@ class Dispatcher:
         ok = False
         with self.pool.lease(s):
             try:
-                relay = _Relay(E.stream_compute(self.http, s, self.model, job.ids, job.sampling, rid))
+                relay = _Relay(E.stream_compute(self.http, s, self._model(s), job.ids, job.sampling, rid))
                 relay.server = s  # type: ignore[attr-defined]
                 try:
                     first = await self._first(job, relay, None, 0.0)

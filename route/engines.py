@@ -17,6 +17,19 @@ request to a decode. ``detokenize: false`` makes trtllm-serve answer ``token_ids
 or ``stop`` (``cancelled``: the connector's ``fail`` policy) is a failure. A TensorRT-LLM
 decode given an unannounced prompt computes it itself.
 
+vLLM (its OpenAI server's ``/v1/completions`` with the kvbridge connector, see
+adapters/vllm/handle.py): each half carries its handle in ``kv_transfer_params``: a
+prefill ``{"kvbridge": {"op": "send", "room": R}}`` with ``max_tokens: 1`` (its answer's
+``kv_transfer_params`` is the decode half's handle, naming its bootstrap server), a
+decode ``{"kvbridge": {"op": "recv", "room": R, "bootstrap": "host:port"}}`` naming the
+prefill's SGLang(-compatible) bootstrap server (a vLLM or SGLang prefill, or TensorRT-LLM's
+``sglang_bootstrap_port``), or ``"endpoints"`` (a TensorRT-LLM prefill known only by its
+bus). ``return_token_ids: true`` makes vLLM answer ``token_ids`` per choice (deltas when
+streamed: ``CompletionResponseStreamChoice.token_ids`` in
+``vllm/entrypoints/openai/completion/protocol.py``). vLLM checks the ``model`` field
+against its served names (``ServerSpec.model``). A vLLM decode given no handle computes
+the prompt itself; a closed connection aborts its request.
+
 Every call raises ``EngineError`` (the server, a short ``code`` and what happened).
 """
 
@@ -34,8 +47,8 @@ from .config import ServerSpec
 from .pool import Server
 
 __all__ = ["EngineError", "Handoff", "Piece", "Sampling", "sglang_generate_body", "trtllm_completion_body",
-           "decode_handle", "announce_halves", "run_prefill", "stream_decode", "stream_compute", "abort_request",
-           "sse_json", "sglang_delta", "trtllm_delta"]
+           "vllm_completion_body", "vllm_handle_params", "check_vllm_prefill_answer", "decode_handle", "announce_halves", "run_prefill", "stream_decode", "stream_compute", "abort_request",
+           "sse_json", "sglang_delta", "completion_delta", "trtllm_delta"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +81,8 @@ class Sampling:
 @dataclass(frozen=True)
 class Handoff:
     """One try at moving a request's KV: its room, the prefill it comes from, and that
-    prefill's kvbridge rank endpoints (TP order) when a TensorRT-LLM decode pulls it."""
+    prefill's kvbridge rank endpoints (TP order) when a TensorRT-LLM decode pulls it, or
+    a vLLM decode a prefill that has no bootstrap server."""
 
     room: int
     prefill: ServerSpec
@@ -120,6 +134,55 @@ def trtllm_completion_body(model: str, ids: list[int], s: Sampling, *, stream: b
     if s.seed is not None:
         body["seed"] = int(s.seed)
     return body
+
+
+def vllm_completion_body(model: str, ids: list[int], s: Sampling, *, stream: bool, max_tokens: int | None = None,
+                         params: dict | None = None) -> dict:
+    """vLLM ``/v1/completions`` with token ids as the prompt, answering token ids;
+    ``params``: the half's ``kv_transfer_params`` (none: vLLM computes the request itself)."""
+    body: dict[str, Any] = {"model": model, "prompt": list(ids),
+                            "max_tokens": int(max_tokens if max_tokens is not None else s.max_tokens),
+                            "temperature": float(s.temperature), "top_p": float(s.top_p),
+                            "top_k": max(0, int(s.top_k)), "ignore_eos": bool(s.ignore_eos), "stream": bool(stream),
+                            "return_token_ids": True}
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.seed is not None:
+        body["seed"] = int(s.seed)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
+
+
+def vllm_handle_params(handoff: Handoff, op: str) -> dict:
+    """The ``kv_transfer_params`` of a vLLM half: ``send`` (prefill), or ``recv`` naming the
+    prefill's bootstrap server (else its rank endpoints, which the router looked up)."""
+    from kvbridge.adapters.vllm.handle import Handle
+
+    if op == "send":
+        return Handle("send", handoff.room).to_params()
+    if handoff.prefill.bootstrap:
+        return Handle("recv", handoff.room, bootstrap=handoff.prefill.bootstrap).to_params()
+    return Handle("recv", handoff.room, endpoints=tuple(handoff.endpoints)).to_params()
+
+
+def check_vllm_prefill_answer(ev: dict, room: int) -> str | None:
+    """Why a vLLM prefill's answer shows that it did not take the handoff, or None: its
+    ``kv_transfer_params`` must carry the decode half's handle for ``room`` (a server
+    without the kvbridge connector ignores the request's and answers none)."""
+    from kvbridge.adapters.vllm.handle import HandleError, handle_of
+
+    params = ev.get("kv_transfer_params")
+    try:
+        h = handle_of(params)
+    except HandleError as e:
+        return f"its kv_transfer_params are not a kvbridge handle: {e}"
+    if h is None:
+        return (f"its answer carries no kvbridge handle (kv_transfer_params {json.dumps(params)[:200]}): "
+                "is the kvbridge connector on, with a kv_role that produces?")
+    if h.op != "recv" or h.room != room:
+        return f"its answer's handle is for {h.op} room {h.room}, not recv room {room}"
+    return None
 
 
 def decode_handle(handoff: Handoff, on_failure: str):
@@ -178,8 +241,10 @@ def sglang_delta(ev: dict, emitted: int) -> tuple[list[int], str | None, str | N
     return new, None, None
 
 
-def trtllm_delta(ev: dict) -> tuple[list[int], str | None, str | None]:
-    """(new ids, finish reason, failure) of one trtllm-serve completion (chunk)."""
+def completion_delta(ev: dict) -> tuple[list[int], str | None, str | None]:
+    """(new ids, finish reason, failure) of one OpenAI completion (chunk) with
+    ``token_ids`` per choice: trtllm-serve (``detokenize: false``) or vLLM
+    (``return_token_ids``)."""
     choices = ev.get("choices")
     if not isinstance(choices, list):
         return [], None, f"answer without choices: {json.dumps(ev)[:300]}"
@@ -188,11 +253,14 @@ def trtllm_delta(ev: dict) -> tuple[list[int], str | None, str | None]:
     c = choices[0]
     ids = c.get("token_ids")
     if ids is None:
-        return [], None, "answer without token_ids (is detokenize honoured?)"
+        return [], None, "answer without token_ids (is detokenize: false / return_token_ids honoured?)"
     fr = c.get("finish_reason")
     if fr is not None and fr not in ("length", "stop"):
         return [int(t) for t in ids], None, f"finished with {fr!r}"
     return [int(t) for t in ids], fr, None
+
+
+trtllm_delta = completion_delta
 
 
 # -- calls ------------------------------------------------------------------------------
@@ -242,9 +310,12 @@ async def announce_halves(prefill: Server, decode: Server, ids: list[int], hando
 async def run_prefill(http: aiohttp.ClientSession, server: Server, model: str, ids: list[int], s: Sampling,
                       handoff: Handoff, rid: str) -> None:
     """The prefill half: returns when the server answered (SGLang: after the KV left;
-    TensorRT-LLM: after the prompt was computed, the KV then waits for the decode)."""
+    TensorRT-LLM, vLLM: after the prompt was computed, the KV then waits for the decode)."""
     if server.engine == "sglang":
         url, body = server.url + "/generate", sglang_generate_body(ids, s, rid=rid, stream=False, handoff=handoff)
+    elif server.engine == "vllm":
+        url, body = server.url + "/v1/completions", vllm_completion_body(
+            model, ids, s, stream=False, max_tokens=1, params=vllm_handle_params(handoff, "send"))
     else:
         url, body = server.url + "/v1/completions", trtllm_completion_body(model, ids, s, stream=False, max_tokens=1)
     try:
@@ -263,9 +334,13 @@ async def run_prefill(http: aiohttp.ClientSession, server: Server, model: str, i
     if server.engine == "sglang":
         _, _, aborted = sglang_delta(ev, 0)
     else:
-        _, _, aborted = trtllm_delta(ev)
+        _, _, aborted = completion_delta(ev)
     if aborted:
         raise EngineError(server, "abort", aborted)
+    if server.engine == "vllm":
+        refused = check_vllm_prefill_answer(ev, handoff.room)
+        if refused:
+            raise EngineError(server, "bad_answer", refused)
 
 
 async def _stream(http: aiohttp.ClientSession, server: Server, url: str, body: dict) -> AsyncIterator[Piece]:
@@ -283,7 +358,7 @@ async def _stream(http: aiohttp.ClientSession, server: Server, url: str, body: d
                     break
                 if "error" in ev:
                     raise EngineError(server, "abort", _error_text(ev))
-                new, finish, aborted = sglang_delta(ev, emitted) if sglang else trtllm_delta(ev)
+                new, finish, aborted = sglang_delta(ev, emitted) if sglang else completion_delta(ev)
                 if aborted:
                     raise EngineError(server, "abort", aborted)
                 emitted += len(new)
@@ -291,7 +366,7 @@ async def _stream(http: aiohttp.ClientSession, server: Server, url: str, body: d
                     yield Piece(new, finish)
                 if finish:
                     finished = True
-                    if not sglang:  # trtllm-serve may still send a usage chunk; SGLang ends with [DONE]
+                    if not sglang:  # trtllm-serve, vLLM may still send a usage chunk; SGLang ends with [DONE]
                         break
     except EngineError:
         raise
@@ -307,20 +382,26 @@ def stream_decode(http: aiohttp.ClientSession, server: Server, model: str, ids: 
     if server.engine == "sglang":
         return _stream(http, server, server.url + "/generate",
                        sglang_generate_body(ids, s, rid=rid, stream=True, handoff=handoff))
+    if server.engine == "vllm":
+        return _stream(http, server, server.url + "/v1/completions",
+                       vllm_completion_body(model, ids, s, stream=True, params=vllm_handle_params(handoff, "recv")))
     return _stream(http, server, server.url + "/v1/completions", trtllm_completion_body(model, ids, s, stream=True))
 
 
 def stream_compute(http: aiohttp.ClientSession, server: Server, model: str, ids: list[int], s: Sampling,
                    rid: str) -> AsyncIterator[Piece]:
-    """The whole request on one server (aggregated, or a TensorRT-LLM decode, unannounced)."""
+    """The whole request on one server (aggregated, or a TensorRT-LLM or vLLM decode
+    given no handle)."""
     if server.engine == "sglang":
         return _stream(http, server, server.url + "/generate", sglang_generate_body(ids, s, rid=rid, stream=True))
+    if server.engine == "vllm":
+        return _stream(http, server, server.url + "/v1/completions", vllm_completion_body(model, ids, s, stream=True))
     return _stream(http, server, server.url + "/v1/completions", trtllm_completion_body(model, ids, s, stream=True))
 
 
 async def abort_request(http: aiohttp.ClientSession, server: Server, rid: str) -> None:
     """Ask SGLang to abort ``rid`` (a closed connection does too; this also reaches a
-    request still queued). trtllm-serve cancels a request whose connection closes."""
+    request still queued). trtllm-serve and vLLM cancel a request whose connection closes."""
     if server.engine != "sglang":
         return
     try:

@@ -13,7 +13,8 @@ from kvbridge.common.costmodel import LINK_PRESETS, decide
 from kvbridge.common.gate import model_geometry
 from kvbridge.route.admission import Admission
 from kvbridge.route.config import ConfigError, parse_config, pairable
-from kvbridge.route.engines import Sampling, sglang_delta, sglang_generate_body, sse_json, trtllm_completion_body, trtllm_delta
+from kvbridge.route.engines import (Sampling, completion_delta, sglang_delta, sglang_generate_body, sse_json,
+                                    trtllm_completion_body, trtllm_delta)
 from kvbridge.route.errors import RouteError
 from kvbridge.route.gates import PairGates
 from kvbridge.route.pool import ServerPool
@@ -45,7 +46,13 @@ def test_config_defaults_pairs_and_links(tiny_model):
 
 @pytest.mark.parametrize("servers,extra,needle", [
     ("  - {name: p0, engine: sglang, role: prefill, url: 'http://h:1'}", "", "bootstrap"),
-    ("  - {name: p0, engine: vllm, role: prefill, url: 'http://h:1'}", "", "engine"),
+    ("  - {name: p0, engine: mxnet, role: prefill, url: 'http://h:1'}", "", "engine"),
+    ("  - {name: v0, engine: vllm, role: prefill, url: 'http://h:1'}", "", "vLLM prefill needs its kvbridge bootstrap"),
+    ("  - {name: v0, engine: vllm, role: decode, url: 'http://h:1', bus: 'tcp://h:2'}", "", "only TensorRT-LLM"),
+    ("  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:1', model: x}", "", "model"),
+    ("  - {name: p0, engine: sglang, role: prefill, url: 'http://h:1', bootstrap: 'h:2'}\n"
+     "  - {name: v1, engine: vllm, role: decode, url: 'http://h:3', bootstrap: 'h:4'}", "",
+     "only prefill servers have a bootstrap"),
     ("  - {name: a0, engine: sglang, role: aggregated, url: 'ftp://h:1'}", "", "url"),
     ("  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:1'}\n"
      "  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:2'}", "", "used twice"),
@@ -97,6 +104,36 @@ def test_gate_per_pair_is_the_cost_model(tiny_model):
     assert not gates.verdict(s["p0"], s["d0"], be["tcp"] - 1).move and gates.verdict(s["p0"], s["d0"], be["tcp"]).move
     off = PairGates(parse_config(_yaml(MIXED, "cost: {enabled: false}", tiny_model)))
     assert off.verdict(s["p0"], s["d0"], 4) is None
+
+
+VLLM_MIXED = """  - {name: v0, engine: vllm, role: prefill, url: "http://h:1", bootstrap: "h:2", model: /models/m}
+  - {name: p0, engine: sglang, role: prefill, url: "http://h:3", bootstrap: "h:4"}
+  - {name: p1, engine: trtllm, role: prefill, url: "http://h:5", bus: "tcp://h:6"}
+  - {name: v1, engine: vllm, role: decode, url: "http://h:7"}
+  - {name: d0, engine: sglang, role: decode, url: "http://h:8"}
+  - {name: t0, engine: trtllm, role: decode, url: "http://h:9", bus: "tcp://h:10"}"""
+
+
+def test_vllm_config_pairs_links_and_compute(tiny_model):
+    """vLLM on either side: its prefill feeds every decode through its bootstrap server;
+    its decode pulls from every prefill (a TensorRT-LLM one known only by its bus through
+    the rank endpoints), and computes a request alone when given no handle."""
+    cfg = parse_config(_yaml(VLLM_MIXED, 'links: {default: tcp, "vllm->sglang": ib400, "p1->v1": nvlink}', tiny_model))
+    s = {x.name: x for x in cfg.servers}
+    assert s["v0"].engine == "vllm" and s["v0"].model == "/models/m" and s["v1"].model == ""
+    for p in ("v0", "p0", "p1"):
+        assert pairable(s[p], s["v1"]) and pairable(s[p], s["t0"]), p
+    assert pairable(s["v0"], s["d0"]) and not pairable(s["p1"], s["d0"]) and not pairable(s["v1"], s["v0"])
+    assert cfg.link_spec(s["v0"], s["d0"]) == "ib400" and cfg.link_spec(s["p1"], s["v1"]) == "nvlink"
+    assert cfg.link_spec(s["v0"], s["v1"]) == "tcp"
+    assert [x.name for x in cfg.servers if x.can_compute] == ["v1", "t0"]
+    pool = ServerPool(cfg)
+    assert pool.pick_compute(prefer=pool.by_name["v1"]).name == "v1"  # a vLLM decode computes alone
+    # a vLLM decode alone is a deployment: it computes everything; with a vLLM prefill it pulls
+    assert parse_config(_yaml("  - {name: v1, engine: vllm, role: aggregated, url: 'http://h:1'}")).servers[0].can_compute
+    with pytest.raises(ConfigError, match="no prefill it can pull from"):
+        parse_config(_yaml("  - {name: v1, engine: vllm, role: decode, url: 'http://h:1'}\n"
+                           "  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:2'}"))
 
 
 def test_pool_least_outstanding_exclusion_and_compute_targets(tiny_model):
@@ -221,6 +258,43 @@ def test_engine_request_shapes():
     assert decode_handle(Handoff(7, p_trt), "recompute").to_dict() == {"op": "recv", "room": 7,
                                                                        "prefill": "tcp://10.0.0.2:18500",
                                                                        "on_failure": "recompute"}
+
+
+def test_vllm_request_shapes_and_prefill_answers():
+    """Each vLLM half's body: token ids, ``return_token_ids``, its handle in
+    ``kv_transfer_params`` (adapters/vllm/handle.py's shapes); a prefill's answer must hand
+    back the decode half's handle for the same room."""
+    from kvbridge.adapters.vllm.handle import handle_of
+    from kvbridge.route.config import ServerSpec
+    from kvbridge.route.engines import Handoff, check_vllm_prefill_answer, vllm_completion_body, vllm_handle_params
+
+    s = Sampling(8, 0.0, top_k=-1, ignore_eos=True, stop=("x",), seed=3)
+    p_v = ServerSpec(name="v", engine="vllm", role="prefill", url="http://h:1", bootstrap="10.0.0.1:8998")
+    p_trt = ServerSpec(name="q", engine="trtllm", role="prefill", url="http://h:1", bus="tcp://10.0.0.2:18500")
+    send = vllm_handle_params(Handoff(42, p_v), "send")
+    assert send == {"kvbridge": {"op": "send", "room": 42}} and handle_of(send).op == "send"
+    b = vllm_completion_body("/models/m", [1, 2], s, stream=False, max_tokens=1, params=send)
+    assert b == {"model": "/models/m", "prompt": [1, 2], "max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                 "ignore_eos": True, "stream": False, "return_token_ids": True, "stop": ["x"], "seed": 3,
+                 "kv_transfer_params": {"kvbridge": {"op": "send", "room": 42}}}
+    recv = vllm_handle_params(Handoff(42, p_v), "recv")
+    assert recv == {"kvbridge": {"op": "recv", "room": 42, "bootstrap": "10.0.0.1:8998"}}
+    # a TensorRT-LLM prefill known only by its bus: the rank endpoints the router looked up
+    recv_eps = vllm_handle_params(Handoff(7, p_trt, ("tcp://10.0.0.2:5000", "tcp://10.0.0.2:5001")), "recv")
+    assert recv_eps == {"kvbridge": {"op": "recv", "room": 7, "endpoints": ["tcp://10.0.0.2:5000", "tcp://10.0.0.2:5001"]}}
+    assert handle_of(recv_eps).endpoints == ("tcp://10.0.0.2:5000", "tcp://10.0.0.2:5001")
+    alone = vllm_completion_body("m", [1], Sampling(4), stream=True)
+    assert "kv_transfer_params" not in alone and alone["stream"] is True and alone["max_tokens"] == 4
+    # what the prefill answers: the decode half's handle for the same room, or it did not take the handoff
+    assert check_vllm_prefill_answer({"kv_transfer_params": recv}, 42) is None
+    assert "no kvbridge handle" in check_vllm_prefill_answer({"kv_transfer_params": None}, 42)
+    assert "for recv room 42, not recv room 43" in check_vllm_prefill_answer({"kv_transfer_params": recv}, 43)
+    assert "not a kvbridge handle" in check_vllm_prefill_answer({"kv_transfer_params": {"kvbridge": {"op": "x"}}}, 42)
+    # vLLM's answers (return_token_ids): token_ids per choice, deltas when streamed; "abort" is a failure
+    assert completion_delta({"choices": [{"index": 0, "text": "w3", "token_ids": [3], "finish_reason": None}]}) == \
+        ([3], None, None)
+    assert completion_delta({"choices": [{"text": "", "token_ids": [], "finish_reason": "length"}]}) == ([], "length", None)
+    assert "abort" in completion_delta({"choices": [{"text": "", "token_ids": [], "finish_reason": "abort"}]})[2]
 
 
 def test_stream_parsing_cumulative_incremental_and_failures():

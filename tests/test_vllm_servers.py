@@ -198,3 +198,233 @@ def test_decode_abort_while_loading_releases_blocks(model_dir, vllm_servers):
         time.sleep(0.2)
     assert decode.metric("vllm:kv_cache_usage_perc") == 0, "the aborted request's blocks were not freed"
     assert complete(decode, prompt, MAX_NEW)["token_ids"] == ref
+
+
+# -- kvbridge route in front of the same servers -----------------------------------------------
+
+ROUTE_PLUGIN = {"host": "127.0.0.1", "on_failure": "fail", "peer_timeout_s": 3.0, "deadline_s": 30.0,
+                "sglang_bootstrap_port": 0, "sglang_page_size": 1}
+
+
+@pytest.fixture(scope="module")
+def trt_http(model_dir):
+    """A TensorRT-LLM 1.2 stand-in behind trtllm-serve's HTTP shape (in this process, its
+    rank in its own), with an SGLang-compatible bootstrap server: prefill or decode, as each
+    request's announcement makes it."""
+    from kvbridge.demo.trtllm.http import StandInHTTP
+
+    srv = StandInHTTP("1.2", model_dir, tokens_per_block=32, num_blocks=32, plugin=ROUTE_PLUGIN)
+    yield srv
+    srv.stop()
+
+
+def _trt_state(srv) -> dict:
+    return srv.stepper.call(lambda s: s.state())
+
+
+def _route_cfg(model_dir, servers: list[dict], **sections):
+    from kvbridge.route.config import parse_config
+    from kvbridge.route.local import route_yaml
+
+    cfg = {"model": {"name": "tiny-llama", "tokenizer": str(model_dir)}, "servers": servers,
+           "health": {"interval_s": 0.5, "fail_after": 1}, "deadlines": {"request_s": 120, "prefill_s": 60}, **sections}
+    return parse_config(route_yaml(cfg))
+
+
+def _server_entry(kind: str, role: str, model_dir, vllm_servers, sglang_pair, trt) -> dict:
+    """One route.yaml server entry for the module's servers: ``kind`` is vllm0/vllm1,
+    sglang, trtllm (with its bootstrap address) or trtllm-bus (only its bus)."""
+    if kind.startswith("vllm"):
+        v = vllm_servers[int(kind[-1])]
+        e = {"name": kind, "engine": "vllm", "role": role, "url": v.url, "model": str(model_dir)}
+        return {**e, "bootstrap": v.bootstrap_address} if role == "prefill" else e
+    if kind == "sglang":
+        s = sglang_pair.prefill if role == "prefill" else sglang_pair.decode
+        e = {"name": f"sglang-{role}", "engine": "sglang", "role": role, "url": s.url}
+        return {**e, "bootstrap": f"127.0.0.1:{sglang_pair.bootstrap_port}"} if role == "prefill" else e
+    e = {"name": kind, "engine": "trtllm", "role": role, "url": trt.url, "bus": trt.bus}
+    return {**e, "bootstrap": trt.bootstrap_address} if role == "prefill" and kind == "trtllm" else e
+
+
+ROUTE_PAIRS = [("vllm0", "vllm1"), ("vllm1", "vllm0"), ("vllm0", "sglang"), ("sglang", "vllm1"), ("vllm0", "trtllm"),
+               ("trtllm", "vllm1"), ("trtllm-bus", "vllm1")]
+
+
+@pytest.mark.parametrize("pk,dk", ROUTE_PAIRS, ids=[f"{p}->{d}" for p, d in ROUTE_PAIRS])
+def test_route_pairs_with_vllm(model_dir, vllm_servers, sglang_pair, trt_http, pk, dk):
+    """``kvbridge route`` in front of a prefill and a decode, vLLM on one side or both: the
+    ``openai`` client's completions (one streamed, one not, at once) equal transformers'
+    ``generate()``; the route's metrics count the engine pair; each vLLM side's own records
+    say the KV moved (the prompt's bytes, the room the router chose), and a vLLM decode
+    computed none of the prompt itself (``external_kv_transfer``). A TensorRT-LLM prefill
+    known only by its bus is reached through the rank endpoints the router looked up."""
+    from openai import OpenAI
+
+    from kvbridge.demo.vllm_flows import _external_tokens, _wait_record
+    from kvbridge.route.app import BackgroundRouter
+
+    p_e = _server_entry(pk, "prefill", model_dir, vllm_servers, sglang_pair, trt_http)
+    d_e = _server_entry(dk, "decode", model_dir, vllm_servers, sglang_pair, trt_http)
+    cfg = _route_cfg(model_dir, [p_e, d_e], cost={"enabled": False})
+    route = f"{p_e['engine']}->{d_e['engine']}"
+    cases = [reference(model_dir, n) for n in LENS]
+    vdec = vllm_servers[int(dk[-1])] if dk.startswith("vllm") else None
+    ext0 = _external_tokens(vdec) if vdec is not None else 0.0
+    trt0 = _trt_state(trt_http)
+    with BackgroundRouter(cfg) as router:
+        c = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def ask(i):
+            args = dict(model="tiny-llama", prompt=cases[i][0], max_tokens=MAX_NEW, temperature=0,
+                        extra_body={"ignore_eos": True})
+            if i % 2:
+                chunks = list(c.completions.create(stream=True, **args))
+                return ([t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]],
+                        chunks[0].model_extra["kvbridge"])
+            r = c.completions.create(**args)
+            return r.choices[0].model_extra["token_ids"], r.model_extra["kvbridge"]
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as ex:
+            out = list(ex.map(ask, range(len(cases))))
+        m = router.router.metrics
+        assert m.value("kvbridge_route_requests_total", {"route": route, "mode": "disaggregated"}) == len(cases)
+        router.call(router.router.dispatcher.drain)
+        assert m.value("kvbridge_route_room_aborts_total", {"engine": p_e["engine"]}) == 0
+    for (ids, info), (prompt, ref) in zip(out, cases):
+        assert ids == ref, (ids, ref)
+        assert info["route"] == route and info["mode"] == "disaggregated" and info["servers"] == [p_e["name"], d_e["name"]]
+        assert len(info["rooms"]) == 1 and not info["retries"], info
+    rooms = [(info["rooms"][0], len(prompt)) for (_, info), (prompt, _) in zip(out, cases)]
+    if pk.startswith("vllm"):
+        for room, n in rooms:
+            rec = _wait_record(vllm_servers[int(pk[-1])], room, "send")
+            assert rec["ok"] and rec["record"]["bytes"] == n * KV_PER_TOKEN, rec
+    if vdec is not None:
+        for room, n in rooms:
+            rec = _wait_record(vdec, room, "load")
+            assert rec["ok"] and rec["record"]["bytes"] == n * KV_PER_TOKEN, rec
+        assert _external_tokens(vdec) - ext0 == sum(LENS), "the vLLM decode loaded every prompt token"
+    if "trtllm" in (pk, dk):
+        trt1 = _trt_state(trt_http)
+        side = "finished_loads" if dk == "trtllm" else "finished_saves"
+        new = {k: v for k, v in (trt1.get(side) or {}).items() if k not in (trt0.get(side) or {})}
+        assert len(new) == len(cases), new
+        if side == "finished_loads":
+            assert all(v.get("verdict") == "ok" for v in new.values()), new
+        else:
+            assert all(v.get("ok") for v in new.values()), new
+
+
+def test_route_short_prompt_is_computed_by_the_vllm_decode_alone(model_dir, vllm_servers):
+    """Below the pair's break-even the router sends the request to the vLLM decode with no
+    handle: vLLM computes the prompt itself (nothing loaded, no room), the tokens are
+    transformers'; a long prompt is still moved vLLM -> vLLM."""
+    from openai import OpenAI
+
+    from kvbridge.demo.vllm_flows import _external_tokens
+    from kvbridge.route.app import BackgroundRouter
+
+    v0, v1 = vllm_servers
+    cfg = _route_cfg(model_dir, [{"name": "v0", "engine": "vllm", "role": "prefill", "url": v0.url,
+                                  "bootstrap": v0.bootstrap_address, "model": str(model_dir)},
+                                 {"name": "v1", "engine": "vllm", "role": "decode", "url": v1.url,
+                                  "model": str(model_dir)}],
+                     cost={"prefill_tps": 20000.0, "decode_prefill_tps": 10000.0})
+    short, long_ = reference(model_dir, 8), reference(model_dir, LENS[0])
+    ext0 = _external_tokens(v1)
+    with BackgroundRouter(cfg) as router:
+        be = router.router.gates.break_even()["tcp"]
+        assert 8 < be < LENS[0], be
+        c = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        args = dict(model="tiny-llama", max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True})
+        rs = c.completions.create(prompt=short[0], **args)
+        rl = c.completions.create(prompt=long_[0], **args)
+        m = router.router.metrics
+        assert m.value("kvbridge_route_recomputed_total", {"route": "vllm", "why": "below_break_even"}) == 1
+        assert m.value("kvbridge_route_requests_total", {"route": "vllm->vllm", "mode": "disaggregated"}) == 1
+    assert rs.choices[0].model_extra["token_ids"] == short[1]
+    assert rl.choices[0].model_extra["token_ids"] == long_[1]
+    info = rs.model_extra["kvbridge"]
+    assert info["mode"] == "recomputed" and info["servers"] == ["v1"] and info["rooms"] == [], info
+    assert _external_tokens(v1) - ext0 == LENS[0], "only the long prompt's KV was loaded"
+
+
+def test_route_check_probes_vllm_servers(model_dir, vllm_servers, sglang_pair):
+    """``kvbridge route --check`` on vLLM servers: engine and version (``/version``,
+    ``/v1/models``), the model name the router sends served, a decode's KV connector in a
+    consuming role (vLLM's metrics), a prefill's kvbridge bootstrap server and published
+    layout against the model, the page size an SGLang decode needs; each wrong setting
+    fails the check naming it."""
+    import asyncio
+
+    from kvbridge.route.check import check, format_report
+
+    v0, v1 = vllm_servers
+    servers = [{"name": "v0", "engine": "vllm", "role": "prefill", "url": v0.url, "bootstrap": v0.bootstrap_address,
+                "model": str(model_dir)},
+               {"name": "v1", "engine": "vllm", "role": "decode", "url": v1.url, "model": str(model_dir)},
+               {"name": "d0", "engine": "sglang", "role": "decode", "url": sglang_pair.decode.url}]
+    rep = asyncio.run(check(_route_cfg(model_dir, servers)))
+    text = format_report(rep)
+    assert rep["ok"], text
+    by = {r["name"]: {c["check"]: c for c in r["checks"]} for r in rep["servers"]}
+    assert by["v0"]["engine"]["detail"].startswith("vLLM 0.") and "owned_by ['vllm']" in by["v0"]["engine"]["detail"]
+    assert by["v1"]["KV connector (consumer)"]["ok"] and "bootstrap" in by["v0"]
+    assert {r["name"]: r.get("layout", {}).get("head_dim") for r in rep["servers"]}["v0"] == 32
+    assert any(c["check"] == "page size v0 -> d0" and c["ok"] for c in rep["cross"]), text
+    # the wrong model name (vLLM serves its --model path), and the wrong engine
+    bad = [dict(servers[0], model="tiny-llama"), dict(servers[1], engine="trtllm", bus="tcp://127.0.0.1:1"),
+           servers[2]]
+    rep = asyncio.run(check(_route_cfg(model_dir, bad), timeout_s=2.0))
+    by = {r["name"]: {c["check"]: c for c in r["checks"]} for r in rep["servers"]}
+    assert not rep["ok"] and not by["v0"]["model"]["ok"] and "set this server's `model:`" in by["v0"]["model"]["detail"]
+    assert not by["v1"]["kvbridge connector"]["ok"], format_report(rep)
+    assert not by["v1"]["engine"]["ok"] and "a vLLM server" in by["v1"]["engine"]["detail"], format_report(rep)
+
+
+def test_route_vllm_decode_failure_aborts_the_vllm_prefill_room(model_dir, vllm_servers):
+    """A decode half that fails (vLLM answers 404: the router sends a model name it does not
+    serve) ends the request with 502 naming the decode; the router aborts the room on the
+    vLLM prefill, which ends it at once (its own deadline is 30 s) and frees the prompt's
+    blocks."""
+    import json
+    import re
+    import time
+    import urllib.error
+    import urllib.request
+
+    from kvbridge.demo.vllm_flows import _wait_record
+    from kvbridge.route.app import BackgroundRouter
+
+    v0, v1 = vllm_servers
+    cfg = _route_cfg(model_dir, [{"name": "v0", "engine": "vllm", "role": "prefill", "url": v0.url,
+                                  "bootstrap": v0.bootstrap_address, "model": str(model_dir)},
+                                 {"name": "v1", "engine": "vllm", "role": "decode", "url": v1.url,
+                                  "model": "not-served"}], cost={"enabled": False})
+    prompt, _ = reference(model_dir, LENS[0])
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with BackgroundRouter(cfg) as router:
+        t0 = time.monotonic()
+        try:
+            opener.open(urllib.request.Request(router.url + "/v1/completions", body,
+                                               {"Content-Type": "application/json"}), timeout=60)
+            raise AssertionError("the request succeeded")
+        except urllib.error.HTTPError as e:
+            status, err = e.code, json.loads(e.read())["error"]
+        assert status == 502 and err["reason"] == "decode_failed", (status, err)
+        assert "decode v1 failed" in err["message"] and "404" in err["message"], err
+        room = int(re.search(r"room (\d+) aborted on prefill v0", err["message"]).group(1))
+        rec = _wait_record(v0, room, "send", timeout=20)
+        took = time.monotonic() - t0
+        router.call(router.router.dispatcher.drain)
+        assert router.router.metrics.value("kvbridge_route_room_aborts_total", {"engine": "vllm"}) == 1
+        assert router.router.metrics.value("kvbridge_route_failures_total",
+                                           {"route": "vllm->vllm", "reason": "decode_failed"}) == 1
+    assert not rec["ok"] and took < 15, (took, rec)
+    end = time.monotonic() + 20
+    while v0.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert v0.metric("vllm:kv_cache_usage_perc") == 0, "the aborted room's blocks were not freed"
