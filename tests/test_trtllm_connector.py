@@ -162,8 +162,6 @@ def test_cost_gate_computes_short_prompts_on_decode_and_moves_long_ones(trt_serv
     assert d["declined"][ids[301]]["result"] == "declined" and d["declined"][ids[303]]["room"] == 303
     assert d["metrics"]["fallbacks_below_break_even"] == 2.0
     assert d["finished_loads"][ids[302]]["record"]["bytes"] == 150 * TOKEN_BYTES
-    # a declined room leaves the prefill's sender at a get_finished after its blocks came back
-    run_until([pre, dec], lambda: all(pre.state(r)["sender_rooms"] == 0 for r in range(len(pre.ranks))), 30)
     p = check_clean(pre)[0]  # the declined rooms' blocks came back
     assert p["metrics"]["sender_declined"] == 2.0
 
