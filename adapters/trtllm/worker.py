@@ -292,8 +292,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         _bounded(self.declined, o.req, rec.as_dict())
 
     def _open(self, o: B.Open | B.Send) -> None:
-        if o.req in self._sends:
-            return
+        if o.req in self._sends or o.req in self.finished_saves:
+            return  # open already, or over: a Send after the room was reported saved (e.g. declined) reopens nothing
         s = self._sends[o.req] = _Saving(o.req, o.room)
 
         def release(_blocks, ok, s=s):
@@ -309,7 +309,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
 
     def _send(self, o: B.Send) -> None:
         self._open(o)  # no-op when the room was opened at admission
-        if not self._sends[o.req].opened:
+        s = self._sends.get(o.req)
+        if s is None or not s.opened:
             return
         aux = {"output_ids": [o.first_token]} if o.first_token >= 0 else None
         self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), 0, o.stop, last=True, aux=aux)
