@@ -40,16 +40,10 @@ import os
 import time
 import traceback
 
+from kvbridge.bench.sglang import ENV as BENCH_ENV
 from kvbridge.bench.sglang_worker import SinglePPGroup, failure_reason, poll_until
 
-ENV = {
-    "SGLANG_HOST_IP": "127.0.0.1",
-    "MC_FORCE_TCP": "1",
-    "MOONCAKE_PROTOCOL": "tcp",
-    "MC_LOG_LEVEL": "WARNING",
-    "NO_PROXY": "127.0.0.1,localhost",
-    "SGLANG_PLUGINS": "kvbridge",
-}
+ENV = {**BENCH_ENV, "SGLANG_PLUGINS": "kvbridge"}  # the bench's worker environment, kvbridge's plugin loaded
 
 
 def _checks() -> dict:
