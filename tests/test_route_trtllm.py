@@ -114,8 +114,10 @@ def test_route_trtllm_prefill_to_trtllm_decode(trt, tiny_llama_dir):
     """Through ``kvbridge route``: the router announces each half to its server's bus and
     sends ordinary completions; the decode pulls the KV (its connector's records say so)
     and its tokens equal transformers'."""
-    from kvbridge.route.app import BackgroundRouter
     from openai import OpenAI
+
+    from kvbridge.route.app import BackgroundRouter
+    from route_client import complete
 
     p, d = trt["prefill"], trt["decode"]
     cfg = _cfg(tiny_llama_dir, [{"name": "tp", "engine": "trtllm", "role": "prefill", "url": p.url, "bus": p.bus},
@@ -128,13 +130,7 @@ def test_route_trtllm_prefill_to_trtllm_decode(trt, tiny_llama_dir):
         c = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
 
         def ask(i):
-            args = dict(model="tiny-llama", prompt=prompts[i], max_tokens=MAX_NEW, temperature=0)
-            if i % 2:
-                chunks = list(c.completions.create(stream=True, **args))
-                return ([t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]],
-                        chunks[0].model_extra["kvbridge"])
-            r = c.completions.create(**args)
-            return r.choices[0].model_extra["token_ids"], r.model_extra["kvbridge"]
+            return complete(c, prompts[i], stream=bool(i % 2), max_tokens=MAX_NEW)
 
         with ThreadPoolExecutor(4) as ex:
             out = list(ex.map(ask, range(4)))

@@ -262,6 +262,7 @@ def test_route_pairs_with_vllm(model_dir, vllm_servers, sglang_pair, trt_http, p
 
     from kvbridge.demo.vllm_flows import _external_tokens, _wait_record
     from kvbridge.route.app import BackgroundRouter
+    from route_client import complete
 
     p_e = _server_entry(pk, "prefill", model_dir, vllm_servers, sglang_pair, trt_http)
     d_e = _server_entry(dk, "decode", model_dir, vllm_servers, sglang_pair, trt_http)
@@ -275,14 +276,7 @@ def test_route_pairs_with_vllm(model_dir, vllm_servers, sglang_pair, trt_http, p
         c = OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
         def ask(i):
-            args = dict(model="tiny-llama", prompt=cases[i][0], max_tokens=MAX_NEW, temperature=0,
-                        extra_body={"ignore_eos": True})
-            if i % 2:
-                chunks = list(c.completions.create(stream=True, **args))
-                return ([t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]],
-                        chunks[0].model_extra["kvbridge"])
-            r = c.completions.create(**args)
-            return r.choices[0].model_extra["token_ids"], r.model_extra["kvbridge"]
+            return complete(c, cases[i][0], stream=bool(i % 2), max_tokens=MAX_NEW, extra_body={"ignore_eos": True})
 
         from concurrent.futures import ThreadPoolExecutor
 
