@@ -358,10 +358,12 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         on 1.2 TensorRT-LLM frees such a request's blocks at once (the connector API has no
         hook for it), so the prefill must stop writing into them as soon as we can tell.
         Pieces already in flight can still land: see README's Limits."""
-        if self._executor is None:
+        loading = [ld for ld in self._loads.values() if ld.started and not ld.gone and not ld.released.is_set()]
+        if self._executor is None or not loading:
             return
-        for ld in self._loads.values():
-            if ld.started and not ld.gone and not ld.released.is_set() and self._request(ld.req) is None:
+        active = {getattr(r, "request_id", None) for r in getattr(self._executor, "active_requests", None) or ()}
+        for ld in loading:
+            if ld.req not in active:
                 ld.gone = True
                 log.warning("kvbridge worker rank %d: request %s was dropped by the engine while its KV loaded; "
                             "aborting room %s", self.rank, ld.req, ld.room)
