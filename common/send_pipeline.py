@@ -167,7 +167,8 @@ class SendPipeline:
                     done = P.TransferDone(
                         room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
-                        src_layout=self.layout.describe() if target.staged else {}) if chunk.last else None
+                        src_layout=self.layout.describe() if target.staged else {},
+                        layer_bytes=target.layer_bytes.tolist()) if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if done is not None:  # the decode side waits on it: out before our own bookkeeping
@@ -199,13 +200,14 @@ class SendPipeline:
         if stop <= start:
             return
         cfg = self.config
+        lo, hi = c.layers or (0, self.layout.num_layers)
+        lay, remote = self._layer_views(t, lo, hi)
         # receiver staging is an option only while this chunk's payload still fits in it
-        lay = self.layout
-        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, t.remote).count * lay.head_bytes
+        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, remote).count * lay.head_bytes
         fits = payload <= req.staging_bytes - t.staged_bytes
         kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
         t_plan = time.perf_counter()
-        plan = plan_transfer(lay, c.blocks, t.remote, req.block_ids, (start, stop),
+        plan = plan_transfer(lay, c.blocks, remote, t.blocks, (start, stop),
                              src_first_token=c.first_token, dst_first_token=req.first_token,
                              kinds=kinds, costs=cfg.costs)
         rec = r.record
@@ -243,12 +245,27 @@ class SendPipeline:
             rec.chunks += 1
         if plan.kind is PlanKind.STAGED_RECV:
             t.staged.append(P.StagedChunk(first_token=c.first_token, start=start, stop=stop, offset=t.staged_bytes,
-                                          blocks=c.blocks.tolist()))
+                                          blocks=c.blocks.tolist(), layer_start=lo if c.layers else 0,
+                                          layer_stop=hi if c.layers else 0))
             t.staged_bytes += plan.nbytes
+        t.layer_bytes[lo:hi] += plan.nbytes // (hi - lo)  # every layer of a range moves the same bytes
         rec.bytes += plan.nbytes
         rec.segments += plan.num_segments
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
+
+    def _layer_views(self, t: "_Target", lo: int, hi: int) -> tuple[KVLayout, KVLayout]:
+        """This rank's and target ``t``'s layouts seen as layers ``[lo, hi)`` only, built once
+        per sender (ours) and per target (its) and reused for every piece of that range."""
+        if (lo, hi) == (0, self.layout.num_layers):
+            return self.layout, t.remote
+        own = self._own_views.get((lo, hi))
+        if own is None:
+            own = self._own_views[(lo, hi)] = self.layout.layer_range(lo, hi)
+        theirs = t.views.get((lo, hi))
+        if theirs is None:
+            theirs = t.views[(lo, hi)] = t.remote.layer_range(lo, hi)
+        return own, theirs
 
     def _pipeline(self, r: "_SendRoom", peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float,
                   pre: _Prestaged | None = None) -> None:

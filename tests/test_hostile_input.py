@@ -111,7 +111,8 @@ def test_one_changed_field_decodes_or_is_named(case):
         elif field not in (None, "type", "version"):
             # msgspec names the path (`$.field`) or the missing field; a cross-field check names
             # the fields it compares
-            assert f"$.{field}`" in text or f"field `{field}`" in text or (field in _CROSS_FIELD and field in text), \
+            assert (f"$.{field}`" in text or f"$.{field}[" in text or f"field `{field}`" in text
+                    or (field in _CROSS_FIELD and field in text)), \
                 (field, text)
         return
     assert isinstance(msg, tuple(P._TYPES.values()))
