@@ -162,3 +162,37 @@ def test_done_layer_bytes_must_sum_to_its_bytes():
     with pytest.raises(P.ProtocolError, match="layer_bytes sum to 3"):
         P.decode(msgspec.msgpack.encode({"type": "transfer_done", "version": P.PROTOCOL_VERSION, "room": 1, "bytes": 4,
                                          "segments": 1, "plan": "direct", "seconds": 0.0, "layer_bytes": [1, 2]}))
+
+
+def test_layer_pieces_out_of_order_are_refused():
+    """A layer-wise room's pieces come per token range from layer 0 up, ranges one after
+    the other; anything else is refused by name before it could reach a decode peer."""
+    from handoff_peers import _config, build_pool
+
+    from kvbridge.common.handoff import KVSender
+    from kvbridge.common.transport import MooncakeTransport
+
+    lay, _ = build_pool(spec("sglang", layers=4, seed=80))
+    transport = MooncakeTransport("127.0.0.1")
+    sender = KVSender(lay, transport, config=_config(CFG))
+    released = []
+    try:
+        sender.add_room(1, [3, 4, 5, 6], release=lambda b, ok: released.append(ok))
+        blocks = [3, 4, 5, 6]
+        with pytest.raises(ValueError, match="start at layer 1, not 0"):
+            sender.send_chunk(1, blocks, 0, 32, last=False, layers=(1, 2))
+        with pytest.raises(ValueError, match=r"layer range \[0, 5\) outside this pool's 4 layers"):
+            sender.send_chunk(1, blocks, 0, 32, last=False, layers=(0, 5))
+        sender.send_chunk(1, blocks, 0, 32, last=False, layers=(0, 2))
+        with pytest.raises(ValueError, match=r"tokens \[32, 64\) layers \[0, 4\) while tokens \[0, 32\) wait for layer 2"):
+            sender.send_chunk(1, blocks, 32, 64, last=False)
+        with pytest.raises(ValueError, match=r"layers 2\.\. to come"):
+            sender.finish(1)
+        sender.send_chunk(1, blocks, 0, 32, last=False, layers=(2, 4))
+        sender.send_chunk(1, blocks, 32, 64, last=True, layers=(0, 4))  # the whole range at once ends the room
+        with pytest.raises(ValueError, match="after the last"):
+            sender.finish(1)
+    finally:
+        sender.close()
+        transport.close()
+    assert released == [False]  # closed before any decode asked: given up, once
