@@ -63,6 +63,10 @@ class BridgeConfig:
     ``cost_prefill_tps`` / ``cost_decode_prefill_tps``: prefill tokens/s of the prefill
     and of this server (0: from FLOPs); ``cost_queue_s``: expected prefill queue wait.
 
+    Layer-wise sends (prefill servers; off by default): ``layerwise`` sends each layer of
+    the tokens a forward computes from ``save_kv_layer``, while the next layers compute,
+    for requests whose room is open; the first token follows once sampled.
+
     Geometry overrides (normally read from the pool, the executor's KV cache manager and
     the model's config; see ``geometry.rank_geometry``): ``tokens_per_block``,
     ``num_kv_heads`` (the model's KV heads), ``head_dim``, ``dtype`` (logical KV dtype
@@ -101,6 +105,7 @@ class BridgeConfig:
     cost_prefill_tps: float = 0.0
     cost_decode_prefill_tps: float = 0.0
     cost_queue_s: float = 0.0
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("recompute", "fail"):
@@ -142,6 +147,12 @@ class BridgeConfig:
         typed = {}
         for name, v in values.items():
             kind = type(known[name].default)
+            if kind is bool and isinstance(v, str):  # bool("false") is True: words are read as words
+                word = v.strip().lower()
+                if word not in _BOOL_WORDS:
+                    raise ConfigError(f"setting {name}={v!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
+                typed[name] = _BOOL_WORDS[word]
+                continue
             try:
                 typed[name] = kind(v) if not isinstance(v, kind) else v
             except (TypeError, ValueError) as e:
@@ -168,6 +179,9 @@ class BridgeConfig:
         """The handoff state machines' settings."""
         return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
                              quiesce_s=self.quiesce_s, chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model)
+
+
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def _read_file(path: str) -> dict[str, Any]:
