@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +34,13 @@ if TYPE_CHECKING:  # the sender's room records (kvbridge.common.sender imports t
 __all__ = ["SendPipeline"]
 
 log = logging.getLogger(__name__)
+
+
+def _continues(a: "_Chunk", b: "_Chunk") -> bool:
+    """Whether piece ``b`` is the next layers of piece ``a``'s tokens, in the same blocks."""
+    return (a.layers is not None and b.layers is not None and a.layers[1] == b.layers[0] and not a.last
+            and (a.start, a.stop, a.first_token) == (b.start, b.stop, b.first_token)
+            and (a.blocks is b.blocks or np.array_equal(a.blocks, b.blocks)))
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,22 @@ class SendPipeline:
     transport, rings and prestage slots). Runs on the sender's worker threads, one room per
     worker at a time; the state it changes is taken under the sender's ``_lock``."""
 
-    def _next_work(self, r: "_SendRoom") -> tuple["_Target", "_Chunk"] | None:
+    def _next_work(self, r: "_SendRoom") -> tuple["_Target", "_Chunk", int] | None:
+        """The next chunk some target of ``r`` has not been served, and how many of the
+        room's chunks it stands for: layer pieces of one token range that queued up (the
+        decode asked late, or the wire is slower than the forward) go as one layer range,
+        one plan and one pipeline instead of one per piece. Call under the lock."""
         for t in r.targets.values():
             if t.sent < len(r.chunks):
-                return t, r.chunks[t.sent]
+                c, n = r.chunks[t.sent], 1
+                while t.sent + n < len(r.chunks) and _continues(r.chunks[t.sent + n - 1], r.chunks[t.sent + n]):
+                    n += 1
+                if n > 1:
+                    tail = r.chunks[t.sent + n - 1]
+                    lo, hi = c.layers[0], tail.layers[1] if tail.layers else self.layout.num_layers
+                    whole = (lo, hi) == (0, self.layout.num_layers)
+                    c = replace(c, last=tail.last, aux=tail.aux, layers=None if whole else (lo, hi))
+                return t, c, n
         return None
 
     def _prestage_due(self, r: "_SendRoom") -> bool:
@@ -158,12 +177,12 @@ class SendPipeline:
                     if work is None:
                         break
                     r.state = RoomState.TRANSFERRING
-                target, chunk = work
+                target, chunk, pieces = work
                 self._send_one(r, target, chunk, ring)
                 with self._lock:
                     if r.state in TERMINAL:  # aborted or failed while writing: no TransferDone for it
                         break
-                    target.sent += 1
+                    target.sent += pieces
                     done = P.TransferDone(
                         room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,

@@ -103,14 +103,18 @@ def test_layerwise_tp2_to_1_through_receiver_staging_and_direct(peers):
 
 def test_layerwise_mla_fp8(peers):
     """An MLA latent (kv_factor 1, fp8), one SGLang page per token -> TensorRT-LLM blocks of 32,
-    chunked, layer by layer; checked through the decode's byte verification."""
+    chunked, layer by layer, every piece handed over before the decode asks: the pieces of
+    one token range that queued up go as one layer range (one plan, one write here);
+    checked through the decode's byte verification."""
     ps = spec("sglang", layers=3, total_heads=1, head_dim=96, dtype="fp8", tpb=1, blocks=130, seed=8, mla=True)
     ds = spec("trtllm", layers=3, total_heads=1, head_dim=96, dtype="fp8", tpb=32, blocks=8, seed=9, mla=True)
     pre, dec = peers("prefill", ps), peers("decode", ds)
     _, blocks, pieces, _ = pre.call_raw("serve_layers", 1, 100, 50, {})
     res = dec.call_raw("pull", 1, [pre.endpoint_or_session], 0, 100, 1, [(ps, blocks)], {}, timeout=90)[1]
-    check_ok(res, [pre.call_raw("wait", 1, 30)])
+    w = pre.call_raw("wait", 1, 30)
+    check_ok(res, [w])
     assert pieces == 2 * 3 and res["written_bytes"] == 3 * 100 * 96
+    assert w[3]["chunks"] == 2, w[3]  # one write per token range, not one per piece
 
 
 def test_layerwise_prefill_killed_after_some_layers(peers):
