@@ -209,6 +209,8 @@ class SendPipeline:
                 self._drop_prestage(r, used=False)
             with self._lock:
                 r.busy = False
+                if r.forgotten and r.state in TERMINAL and self._rooms.get(r.room) is r:
+                    del self._rooms[r.room]
         self._kick(r)
 
     def _send_one(self, r: "_SendRoom", t: "_Target", c: "_Chunk", ring: torch.Tensor) -> None:

@@ -87,6 +87,7 @@ class _SendRoom:
     prestaged: "_Prestaged | None" = None  # its first part, gathered before any request came
     prestage_tried: bool = False
     layer_cursor: tuple[int, int, int] | None = None  # layer-wise: (start, stop, next layer) of the open token range
+    forgotten: bool = False  # forget() came while a send worker held the room: dropped when it lets go
 
     def note_plan_reason(self) -> None:
         """Put the latest plan's explanation into the record (built off the send's critical path)."""
@@ -258,11 +259,15 @@ class KVSender(ControlSide, SendPipeline):
         self._fail(room, reason, code="aborted", notify=True)
 
     def forget(self, room: int) -> None:
-        """Drop a finished room's bookkeeping."""
+        """Drop a finished room's bookkeeping (once its send worker let go of it, if one
+        still holds it: its blocks may be released just before the worker returns)."""
         with self._lock:
             r = self._rooms.get(room)
-            if r is not None and r.state in TERMINAL and not r.busy:
-                del self._rooms[room]
+            if r is not None and r.state in TERMINAL:
+                if r.busy:
+                    r.forgotten = True
+                else:
+                    del self._rooms[room]
 
     def close(self) -> None:
         """Fail open rooms, stop workers and the control channel."""

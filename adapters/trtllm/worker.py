@@ -372,8 +372,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         _bounded(self.declined, o.req, rec.as_dict())
 
     def _open(self, o: B.Open | B.Send) -> None:
-        if o.req in self._sends:
-            return
+        if o.req in self._sends or o.req in self.finished_saves:
+            return  # open already, or over: a Send that comes after the room was reported saved (e.g. declined) reopens nothing
         s = self._sends[o.req] = _Saving(o.req, o.room)
 
         def release(_blocks, ok, s=s):
@@ -392,8 +392,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         a layer-wise prefill only what no forward streamed is left (usually nothing: the
         first token then rides with the sender's ``finish``)."""
         self._open(o)  # no-op when the room was opened at admission
-        s = self._sends[o.req]
-        if not s.opened or s.ended_by:
+        s = self._sends.get(o.req)
+        if s is None or not s.opened or s.ended_by:
             return
         with self._lock:
             if any(ls.saving is s for ls in self._forward):  # its layers are still being streamed (the bus was quick)
