@@ -43,9 +43,10 @@ __all__ = [
     "verify",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TransferDone.layer_bytes, StagedChunk.layer_start/layer_stop (layer-wise sends)
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_BLOCK_IDS = 1 << 24
+MAX_LAYERS = 1 << 12
 
 
 class ProtocolError(ValueError):
@@ -101,8 +102,8 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
         tpb = self.layout.get("tokens_per_block")
         if type(tpb) is int and tpb > 0 and self.token_stop - self.first_token > len(self.block_ids) * tpb:
             raise ProtocolError(
-                f"{len(self.block_ids)} blocks of {tpb} tokens from token {self.first_token} cannot hold "
-                f"tokens up to {self.token_stop}"
+                f"{len(self.block_ids)} blocks (block_ids) of {tpb} tokens from token {self.first_token} cannot hold "
+                f"tokens up to token_stop {self.token_stop}"
             )
         if (self.staging_addr == 0) != (self.staging_bytes == 0):
             raise ProtocolError(f"staging_addr {self.staging_addr} and staging_bytes {self.staging_bytes} must both be 0 or both be set")
@@ -113,7 +114,8 @@ AuxValue = Union[int, float, str, bool, None, list[Union[int, float]]]
 
 class StagedChunk(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One chunk the sender wrote into the receiver's staging (``staged_recv`` plans):
-    tokens ``[start, stop)`` from the sender's blocks ``blocks`` (entry 0 holds token
+    tokens ``[start, stop)`` of layers ``[layer_start, layer_stop)`` (``layer_stop`` 0:
+    every layer) from the sender's blocks ``blocks`` (entry 0 holds token
     ``first_token``), rows in the sender's address order at staging ``offset``."""
 
     first_token: Token
@@ -121,13 +123,23 @@ class StagedChunk(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     stop: Token
     offset: Count
     blocks: Annotated[list[BlockId], Meta(max_length=MAX_BLOCK_IDS)]
+    layer_start: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
+    layer_stop: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
+
+    def __post_init__(self) -> None:
+        if self.layer_stop and self.layer_start >= self.layer_stop:
+            raise ProtocolError(f"empty layer range [{self.layer_start}, {self.layer_stop})")
+        if not self.layer_stop and self.layer_start:
+            raise ProtocolError(f"layer_start {self.layer_start} without a layer_stop")
 
 
 class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     """Prefill -> decode: room ``room``'s KV has landed (``bytes`` in ``segments``
-    segments, by plan ``plan``, in ``seconds``). ``aux`` carries what the prefill
-    produced beside the KV, engine-neutral: ``output_ids`` (the first generated
-    token(s)), optionally ``output_logprobs``, ``cached_tokens``..."""
+    segments, by plan ``plan``, in ``seconds``); ``layer_bytes[l]`` of them into layer
+    ``l`` (the receiver admits the room only when every layer is accounted for, which
+    matters once layers travel separately). ``aux`` carries what the prefill produced
+    beside the KV, engine-neutral: ``output_ids`` (the first generated token(s)),
+    optionally ``output_logprobs``, ``cached_tokens``..."""
 
     bytes: Count
     segments: Count
@@ -137,6 +149,11 @@ class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     # staged_recv only: the sender's layout and what it wrote where, for the receiver's scatter
     src_layout: Annotated[dict[str, Any], Meta(max_length=256)] = {}
     staged: Annotated[list[StagedChunk], Meta(max_length=1 << 16)] = []
+    layer_bytes: Annotated[list[Count], Meta(max_length=MAX_LAYERS)] = []
+
+    def __post_init__(self) -> None:
+        if self.layer_bytes and sum(self.layer_bytes) != self.bytes:
+            raise ProtocolError(f"layer_bytes sum to {sum(self.layer_bytes)}, not the {self.bytes} bytes reported")
 
 
 class TransferFailed(_Msg, tag="transfer_failed", kw_only=True):

@@ -46,6 +46,7 @@ class _RecvRoom:
     peers: dict[str, PeerState]  # endpoint -> its state
     first_token: int = 0
     need_bytes: int = 0  # what this room's tokens and heads take: the senders' Done must account for it
+    layer_bytes: np.ndarray | None = None  # int64 [num_layers]: what the senders' Done report per layer, summed
     staging: dict[str, tuple[int, int]] = field(default_factory=dict)  # endpoint -> (offset, bytes)
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
@@ -121,6 +122,7 @@ class KVReceiver(ControlSide):
             self.metrics.child(self.metrics.inflight, self.role).inc()
         r.first_token = first_token
         r.need_bytes = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
+        r.layer_bytes = np.zeros(self.layout.num_layers, dtype=np.int64)
         # staging for staged_recv plans: one slice per sender, or none at all
         if self._staging is not None:
             need = r.need_bytes
@@ -254,24 +256,46 @@ class KVReceiver(ControlSide):
                 self._finish_fail(r)
 
     def _peer_done(self, r: _RecvRoom, peer: str, msg) -> None:
+        nl = self.layout.num_layers
         with self._lock:
             r.peers[peer] = PeerState.DONE
             r.record.bytes += msg.bytes
             r.record.segments += msg.segments
             r.record.plan = msg.plan
             r.aux.update(msg.aux)
+            if len(msg.layer_bytes) == nl:
+                r.layer_bytes += np.asarray(msg.layer_bytes, dtype=np.int64)
             all_done = all(v is PeerState.DONE for v in r.peers.values())
-        if all_done and r.state not in TERMINAL and r.closing_since is None and r.record.bytes < r.need_bytes:
-            # a sender counts what it wrote to every target of the room, so the sum is at least
-            # this room's share; less is a peer claiming bytes it never wrote
-            self._begin_fail(r.room, f"prefill peers reported {r.record.bytes} B written, but the room's tokens "
-                             f"need {r.need_bytes} B", code="short_write", notify=True)
+        short = self._short_write(r, peer, msg, all_done)
+        if short and r.state not in TERMINAL and r.closing_since is None:
+            self._begin_fail(r.room, short, code="short_write", notify=True)
             if self._quiet(r):
                 self._finish_fail(r)
         elif all_done and r.state not in TERMINAL and r.closing_since is None:
             self._succeed(r)
         elif r.closing_since is not None and self._quiet(r):
             self._finish_fail(r)
+
+    def _short_write(self, r: _RecvRoom, peer: str, msg, all_done: bool) -> str:
+        """Why the senders' Done (``msg`` from ``peer`` the latest; ``all_done``: every
+        sender's is in) do not account for every byte of every layer of the room ('' when
+        they do, or may still). A sender counts what it wrote to every target of the room,
+        so the sums are at least this room's share; less is a peer claiming bytes it never
+        wrote (or layers it never sent)."""
+        nl = self.layout.num_layers
+        if all_done and r.record.bytes < r.need_bytes:
+            return (f"prefill peers reported {r.record.bytes} B written, but the room's tokens need {r.need_bytes} B")
+        if len(msg.layer_bytes) != nl:
+            return (f"prefill {peer} reported bytes for {len(msg.layer_bytes)} layer(s), this pool has {nl}: "
+                    "the room's layers cannot be accounted for")
+        if not all_done:
+            return ""
+        per_layer = r.need_bytes // nl
+        short = np.flatnonzero(r.layer_bytes < per_layer)
+        if short.size:
+            return (f"prefill peers reported {r.layer_bytes[short[0]]} B written into layer {int(short[0])} "
+                    f"({short.size} layer(s) short), but each layer needs {per_layer} B")
+        return ""
 
     def _scatter(self, r: _RecvRoom, peer: str, msg) -> None:
         """Move what a sender wrote into our staging to our blocks (staged_recv plans)."""
@@ -282,7 +306,10 @@ class KVReceiver(ControlSide):
             src = KVLayout.from_description(msg.src_layout)
             t0 = time.perf_counter()
             for ch in msg.staged:
-                spec = CopySpec.build(src, ch.blocks, self.layout, r.lease.blocks, (ch.start, ch.stop),
+                s_lay, d_lay = src, self.layout
+                if ch.layer_stop:  # one layer range of a layer-wise send
+                    s_lay, d_lay = src.layer_range(ch.layer_start, ch.layer_stop), d_lay.layer_range(ch.layer_start, ch.layer_stop)
+                spec = CopySpec.build(s_lay, ch.blocks, d_lay, r.lease.blocks, (ch.start, ch.stop),
                                       src_first_token=ch.first_token, dst_first_token=r.first_token)
                 if ch.offset + spec.nbytes > size:
                     raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")

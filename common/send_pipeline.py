@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +34,13 @@ if TYPE_CHECKING:  # the sender's room records (kvbridge.common.sender imports t
 __all__ = ["SendPipeline"]
 
 log = logging.getLogger(__name__)
+
+
+def _continues(a: "_Chunk", b: "_Chunk") -> bool:
+    """Whether piece ``b`` is the next layers of piece ``a``'s tokens, in the same blocks."""
+    return (a.layers is not None and b.layers is not None and a.layers[1] == b.layers[0] and not a.last
+            and (a.start, a.stop, a.first_token) == (b.start, b.stop, b.first_token)
+            and (a.blocks is b.blocks or np.array_equal(a.blocks, b.blocks)))
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,22 @@ class SendPipeline:
     transport, rings and prestage slots). Runs on the sender's worker threads, one room per
     worker at a time; the state it changes is taken under the sender's ``_lock``."""
 
-    def _next_work(self, r: "_SendRoom") -> tuple["_Target", "_Chunk"] | None:
+    def _next_work(self, r: "_SendRoom") -> tuple["_Target", "_Chunk", int] | None:
+        """The next chunk some target of ``r`` has not been served, and how many of the
+        room's chunks it stands for: layer pieces of one token range that queued up (the
+        decode asked late, or the wire is slower than the forward) go as one layer range,
+        one plan and one pipeline instead of one per piece. Call under the lock."""
         for t in r.targets.values():
             if t.sent < len(r.chunks):
-                return t, r.chunks[t.sent]
+                c, n = r.chunks[t.sent], 1
+                while t.sent + n < len(r.chunks) and _continues(r.chunks[t.sent + n - 1], r.chunks[t.sent + n]):
+                    n += 1
+                if n > 1:
+                    tail = r.chunks[t.sent + n - 1]
+                    lo, hi = c.layers[0], tail.layers[1] if tail.layers else self.layout.num_layers
+                    whole = (lo, hi) == (0, self.layout.num_layers)
+                    c = replace(c, last=tail.last, aux=tail.aux, layers=None if whole else (lo, hi))
+                return t, c, n
         return None
 
     def _prestage_due(self, r: "_SendRoom") -> bool:
@@ -158,16 +177,17 @@ class SendPipeline:
                     if work is None:
                         break
                     r.state = RoomState.TRANSFERRING
-                target, chunk = work
+                target, chunk, pieces = work
                 self._send_one(r, target, chunk, ring)
                 with self._lock:
                     if r.state in TERMINAL:  # aborted or failed while writing: no TransferDone for it
                         break
-                    target.sent += 1
+                    target.sent += pieces
                     done = P.TransferDone(
                         room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
-                        src_layout=self.layout.describe() if target.staged else {}) if chunk.last else None
+                        src_layout=self.layout.describe() if target.staged else {},
+                        layer_bytes=target.layer_bytes.tolist()) if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if done is not None:  # the decode side waits on it: out before our own bookkeeping
@@ -201,13 +221,14 @@ class SendPipeline:
         if stop <= start:
             return
         cfg = self.config
+        lo, hi = c.layers or (0, self.layout.num_layers)
+        lay, remote = self._layer_views(t, lo, hi)
         # receiver staging is an option only while this chunk's payload still fits in it
-        lay = self.layout
-        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, t.remote).count * lay.head_bytes
+        payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, remote).count * lay.head_bytes
         fits = payload <= req.staging_bytes - t.staged_bytes
         kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
         t_plan = time.perf_counter()
-        plan = plan_transfer(lay, c.blocks, t.remote, req.block_ids, (start, stop),
+        plan = plan_transfer(lay, c.blocks, remote, t.blocks, (start, stop),
                              src_first_token=c.first_token, dst_first_token=req.first_token,
                              kinds=kinds, costs=cfg.costs)
         rec = r.record
@@ -245,12 +266,27 @@ class SendPipeline:
             rec.chunks += 1
         if plan.kind is PlanKind.STAGED_RECV:
             t.staged.append(P.StagedChunk(first_token=c.first_token, start=start, stop=stop, offset=t.staged_bytes,
-                                          blocks=c.blocks.tolist()))
+                                          blocks=c.blocks.tolist(), layer_start=lo if c.layers else 0,
+                                          layer_stop=hi if c.layers else 0))
             t.staged_bytes += plan.nbytes
+        t.layer_bytes[lo:hi] += plan.nbytes // (hi - lo)  # every layer of a range moves the same bytes
         rec.bytes += plan.nbytes
         rec.segments += plan.num_segments
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
+
+    def _layer_views(self, t: "_Target", lo: int, hi: int) -> tuple[KVLayout, KVLayout]:
+        """This rank's and target ``t``'s layouts seen as layers ``[lo, hi)`` only, built once
+        per sender (ours) and per target (its) and reused for every piece of that range."""
+        if (lo, hi) == (0, self.layout.num_layers):
+            return self.layout, t.remote
+        own = self._own_views.get((lo, hi))
+        if own is None:
+            own = self._own_views[(lo, hi)] = self.layout.layer_range(lo, hi)
+        theirs = t.views.get((lo, hi))
+        if theirs is None:
+            theirs = t.views[(lo, hi)] = t.remote.layer_range(lo, hi)
+        return own, theirs
 
     def _pipeline(self, r: "_SendRoom", peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float,
                   pre: _Prestaged | None = None) -> None:

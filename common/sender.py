@@ -41,12 +41,16 @@ MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
 
 @dataclass
 class _Chunk:
+    """Tokens ``[start, stop)`` in ``blocks`` (entry 0 holds ``first_token``), of layers
+    ``layers`` (None: every layer); ``last`` ends the room."""
+
     blocks: np.ndarray
     first_token: int
     start: int
     stop: int
     last: bool
     aux: dict | None = None
+    layers: tuple[int, int] | None = None
 
 
 @dataclass
@@ -63,6 +67,8 @@ class _Target:
     bytes: int = 0  # payload written to this target
     segments: int = 0
     staged: list = field(default_factory=list)  # P.StagedChunk per staged_recv chunk
+    layer_bytes: np.ndarray | None = None  # int64 [num_layers]: payload written into each layer
+    views: dict = field(default_factory=dict)  # (first, stop) layer range -> ``remote.layer_range``
 
 
 @dataclass
@@ -80,6 +86,7 @@ class _SendRoom:
     plan: TransferPlan | None = None  # the latest chunk's plan; the record takes its reason when the room ends
     prestaged: "_Prestaged | None" = None  # its first part, gathered before any request came
     prestage_tried: bool = False
+    layer_cursor: tuple[int, int, int] | None = None  # layer-wise: (start, stop, next layer) of the open token range
     forgotten: bool = False  # forget() came while a send worker held the room: dropped when it lets go
 
     def note_plan_reason(self) -> None:
@@ -113,6 +120,7 @@ class KVSender(ControlSide, SendPipeline):
         self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
         self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
         self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
+        self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers
         super().__init__(layout, transport, config, metrics, bind_host=host)
         if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
@@ -165,11 +173,25 @@ class KVSender(ControlSide, SendPipeline):
             self._accept(peer, req)
 
     def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0,
-                   aux: dict | None = None) -> None:
+                   aux: dict | None = None, layers: tuple[int, int] | None = None) -> None:
         """Prefill engine, after a chunk: tokens ``[start, stop)`` of ``room`` are in ``blocks``
         (a block list in token order whose entry 0 holds token ``first_token``). With the
         last chunk, ``aux`` (e.g. ``{"output_ids": [first_token_id]}``) reaches the decode
-        side in the same message that reports the KV landed."""
+        side in the same message that reports the KV landed.
+
+        Layer-wise (``layers=(a, b)``, called by the forward after layer ``b - 1`` wrote its
+        KV): only layers ``[a, b)`` of those tokens are ready; they go on the wire while
+        later layers compute. One token range's layers come in order from 0 to the last
+        before the next range starts; ``last`` may be given with every piece of the final
+        range, and the piece that reaches the last layer ends the room (with ``aux``), or
+        ``finish`` does. Raises ValueError for a piece out of order."""
+        nl = self.layout.num_layers
+        if layers is not None:
+            a, b = int(layers[0]), int(layers[1])
+            if not 0 <= a < b <= nl:
+                raise ValueError(f"room {room}: layer range [{a}, {b}) outside this pool's {nl} layers")
+            layers = None if (a, b) == (0, nl) else (a, b)
+        a, b = layers or (0, nl)
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
@@ -178,7 +200,36 @@ class KVSender(ControlSide, SendPipeline):
                 return
             if r.chunks and r.chunks[-1].last:
                 raise ValueError(f"room {room}: chunk after the last one")
-            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, last, aux))
+            cur = r.layer_cursor
+            if cur is not None and ((start, stop) != cur[:2] or a != cur[2]):
+                raise ValueError(f"room {room}: tokens [{start}, {stop}) layers [{a}, {b}) while tokens "
+                                 f"[{cur[0]}, {cur[1]}) wait for layer {cur[2]} next")
+            if cur is None and a != 0:
+                raise ValueError(f"room {room}: tokens [{start}, {stop}) start at layer {a}, not 0")
+            r.layer_cursor = (start, stop, b) if b < nl else None
+            done = last and b == nl
+            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, done,
+                                   aux if done else None, layers))
+        self._kick(r)
+
+    def finish(self, room: int, aux: dict | None = None) -> None:
+        """Prefill engine, after a layer-wise prefill whose pieces were all given without
+        ``last`` (e.g. the first token is sampled after the forward): the token range given
+        last is the room's last; ``aux`` rides with the final TransferDone, which goes out
+        once every piece has landed. Raises ValueError while a range misses layers."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise KeyError(f"room {room} is not on this sender")
+            if r.state in TERMINAL:
+                return
+            if not r.chunks or r.chunks[-1].last:
+                raise ValueError(f"room {room}: finish {'before any chunk' if not r.chunks else 'after the last chunk'}")
+            if r.layer_cursor is not None:
+                s0, s1, nxt = r.layer_cursor
+                raise ValueError(f"room {room}: finish while tokens [{s0}, {s1}) have layers {nxt}.. to come")
+            stop = r.chunks[-1].stop
+            r.chunks.append(_Chunk(np.zeros(0, dtype=np.int64), stop, stop, stop, True, aux))
         self._kick(r)
 
     def poll(self, room: int) -> RoomState:
@@ -305,7 +356,8 @@ class KVSender(ControlSide, SendPipeline):
             self._fail(req.room, reason, code="incompatible", notify=True)
             return
         with self._lock:
-            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks), blocks)
+            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks), blocks,
+                                      layer_bytes=np.zeros(self.layout.num_layers, dtype=np.int64))
             r.expected = max(r.expected, req.receivers)
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING

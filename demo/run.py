@@ -194,7 +194,7 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
              extra_prompt_lens: Sequence[int] = (), link: str = "tcp", model_dir: str | os.PathLike | None = None,
              model: str | None = None, log_dir: str | os.PathLike | None = None, progress: Any = None,
              start_timeout: float | None = None, trtllm_version: str = "1.2", prefill: str | None = None,
-             decode: str | None = None) -> dict:
+             decode: str | None = None, trtllm_settings: dict | None = None) -> dict:
     """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
     generated token equals transformers' reference; ``real_servers`` names the engines
     that ran as their REAL servers, the TensorRT-LLM stand-in not being one).
@@ -202,7 +202,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     ``prefill`` / ``decode``: the engines ("sglang", "trtllm", "vllm"; ``PAIRS``);
     default SGLang -> TensorRT-LLM, ``reverse``: TensorRT-LLM -> SGLang. With vLLM on a
     side the model defaults to "llama-hd32" (vLLM's CPU backend serves no head_dim 16).
-    ``trtllm_version``: which TensorRT-LLM the stand-in models ("1.2" or "main").
+    ``trtllm_version``: which TensorRT-LLM the stand-in models ("1.2" or "main");
+    ``trtllm_settings``: more kvbridge settings for its plugin (e.g. ``{"layerwise": True}``).
     ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
     ``extra_prompt_lens``: more requests through the same servers, checked likewise
     (``report["checks"]``). ``link``: the cost model's link (a preset or a ``kvbridge
@@ -257,7 +258,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         raise DemoError(f"unknown TensorRT-LLM version {trtllm_version!r}; the stand-in models {sorted(VERSIONS)}")
     runner = Runner(model_dir)
     kw = dict(model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog, log_dir=log_dir,
-              start_timeout=start_timeout or DEFAULT_START_TIMEOUT, trtllm_version=trtllm_version)
+              start_timeout=start_timeout or DEFAULT_START_TIMEOUT, trtllm_version=trtllm_version,
+              trtllm_settings=dict(trtllm_settings or {}))
     if with_vllm:
         results, extra = _with_vllm(p_eng, d_eng, **kw)
     else:
@@ -298,6 +300,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         "wire_gbps": (float(rec["bytes"]) / float(rec["transfer_s"]) / 1e9) if float(rec.get("transfer_s") or 0) > 0
         else None,  # the sender's own time on the wire: known when the sender is this process
         "record": rec,
+        "sender_layer_pieces": main.get("layer_pieces"),  # layer-wise pieces a TensorRT-LLM prefill streamed
+        "sender_ended_by": main.get("ended_by"),
         "cost_model": _cost_verdict(model_dir, link, len(prompts[0]), max_new, rec, recompute_s, handoff_s),
         "context_tokens_computed": main["context_tokens_computed"],
         "checks": [{"prompt_len": len(p), "match": r["match"], "generated_ids": r["generated"],
@@ -323,7 +327,8 @@ def _first_logits_diff(resp: dict, ref: Any) -> float:
     return float((torch.tensor(resp["first_logits"]) - ref.first_logits).abs().max())
 
 
-def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version):
+def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version,
+                   trtllm_settings):
     from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import fetch_ranks
 
@@ -333,7 +338,7 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
     prog.start("start server", "SGLang prefill server (kvbridge backend), TensorRT-LLM decode stand-in")
     with sglang_server(model_dir, "prefill", log_dir=log_dir, timeout=start_timeout) as (srv, boot), \
             StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
-                          plugin={"host": HOST, "on_failure": "fail", "peer_timeout_s": 3.0}) as trt:
+                          plugin={"host": HOST, "on_failure": "fail", "peer_timeout_s": 3.0, **trtllm_settings}) as trt:
         prog.done("start server", f"SGLang prefill up in {srv.ready_after_s:.1f}s at {srv.url}, bootstrap {HOST}:{boot}; "
                   f"TensorRT-LLM {trtllm_version} decode bus {trt.bus}")
         src_desc = fetch_ranks(f"{HOST}:{boot}", 30.0)["ranks"][0]["layout"]  # for re-planning in the report
@@ -382,7 +387,8 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
                      "decode_detail": detail, "server": server, "real_servers": ["sglang"]}
 
 
-def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version):
+def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version,
+                   trtllm_settings):
     from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import parse_address
 
@@ -393,7 +399,8 @@ def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
     # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
     with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1) as (srv, _), \
             StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
-                          plugin={"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1}) as trt:
+                          plugin={"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1,
+                                  **trtllm_settings}) as trt:
         prog.done("start server", f"SGLang decode up in {srv.ready_after_s:.1f}s at {srv.url}; TensorRT-LLM "
                   f"{trtllm_version} prefill bootstrap {trt.bootstrap_address}")
         _, boot = parse_address(trt.bootstrap_address)
@@ -424,6 +431,7 @@ def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
             prog.done("decode", "match" if got == ref.token_ids else "MISMATCH")
             results.append({
                 "generated": got, "match": got == ref.token_ids, "record": rec,
+                "layer_pieces": int(saved.get("layer_pieces") or 0), "ended_by": saved.get("ended_by", ""),
                 "first_prefill": int(resp["output_token_ids"][0]), "first_aux": int(got[0]) if got else -1,
                 "logits_diff": _first_logits_diff(resp, ref),
                 "logits_of": "the TensorRT-LLM side's prefill (the SGLang decode's logits stay in its process)",
@@ -441,7 +449,7 @@ def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
 
 
 def _with_vllm(p_eng: str, d_eng: str, *, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout,
-               trtllm_version):
+               trtllm_version, trtllm_settings):
     """A pair with vLLM's REAL server on one side (or both), through ``vllm_flows``."""
     from contextlib import ExitStack
 
@@ -473,6 +481,7 @@ def _with_vllm(p_eng: str, d_eng: str, *, model_dir, prompts, refs, max_new, pro
 
             plugin = ({"host": "127.0.0.1", "on_failure": "fail", "peer_timeout_s": 3.0} if d_eng == "trtllm" else
                       {"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1})
+            plugin.update(trtllm_settings)
             other = stack.enter_context(StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK,
                                                       num_blocks=NUM_BLOCKS, plugin=plugin))
         wait_healthy(list(vllm.values()), start_timeout,

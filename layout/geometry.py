@@ -287,6 +287,20 @@ class KVLayout:
         """True when one block holds several layers (TensorRT-LLM), False for per-layer pools."""
         return self.block_stride > self.block_bytes
 
+    def layer_range(self, start: int, stop: int) -> "KVLayout":
+        """The same pool seen as layers ``[start, stop)`` only (indices into this layout's
+        layers; global ids ``layer_offset + start ..``): ``base`` and ``region_of`` rows
+        ``start:stop``, every stride, region and tensor unchanged. A plan between two
+        such views moves those layers only, in as few segments as the whole-layer plan
+        cuts per layer."""
+        if not 0 <= start < stop <= self.num_layers:
+            raise LayoutError(f"{self.engine} layout: layer range [{start}, {stop}) outside its "
+                              f"{self.num_layers} layers")
+        if start == 0 and stop == self.num_layers:
+            return self
+        return replace(self, num_layers=stop - start, layer_offset=self.layer_offset + start,
+                       base=self.base[start:stop], region_of=self.region_of[start:stop])
+
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "KVLayout":
         """The same layout with local tensors attached (their addresses must match)."""
         got = [t.data_ptr() for t in tensors]

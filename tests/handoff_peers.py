@@ -159,6 +159,34 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
                 sender.send_chunk(room, blocks[first // tpb : -(-b // tpb)], a, b, last=last, first_token=first,
                                   aux={"output_ids": [room % 50000], "cached_tokens": 0} if last else None)
             return ("serving", blocks.tolist())
+        if op == "serve_layers":  # a layer-wise prefill: each chunk's layers handed over one step at a time
+            room, num_tokens, chunk_tokens, opts = args
+            step, finish = opts.get("layer_step", 1), opts.get("finish", False)
+            nblk = -(-num_tokens // lay.tokens_per_block)
+            blocks = alloc.alloc(nblk)
+            sender.add_room(room, blocks, release=release_for(room))
+            tpb, nl = lay.tokens_per_block, lay.num_layers
+            bounds = list(range(0, num_tokens, chunk_tokens)) + [num_tokens]
+            pieces, landed = 0, []
+            aux = {"output_ids": [room % 50000], "cached_tokens": 0}
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                first = (a // tpb) * tpb
+                last = b == num_tokens and not finish
+                for lo in range(0, nl, step):
+                    hi = min(nl, lo + step)
+                    before = sender.record(room).bytes
+                    sender.send_chunk(room, blocks[first // tpb : -(-b // tpb)], a, b, last=last, first_token=first,
+                                      aux=aux if last else None, layers=(lo, hi))
+                    pieces += 1
+                    if opts.get("await_each"):  # the decode asked already: this layer lands before the next is given
+                        until(lambda: sender.record(room).bytes > before, time.monotonic() + 20,
+                              f"room {room} tokens [{a}, {b}) layers [{lo}, {hi}) on the wire")
+                        landed.append(sender.record(room).bytes)
+                    if pieces == opts.get("die_after"):  # the prefill process dies mid-forward
+                        os._exit(0)
+            if finish:
+                sender.finish(room, aux)
+            return ("serving", blocks.tolist(), pieces, landed)
         if op == "register":  # a room whose KV is not ready yet
             room, num_tokens = args
             blocks = alloc.alloc(-(-num_tokens // lay.tokens_per_block))

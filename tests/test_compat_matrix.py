@@ -2,7 +2,8 @@
 
 {SGLang->SGLang, SGLang->TRT-LLM, TRT-LLM->SGLang, TRT-LLM->TRT-LLM} x {GQA, MLA} x
 {SGLang page 1/16/64 against tokens_per_block 32/64} x {TP 1->1, 2->1, 1->2} x
-{bf16, fp8}, and vLLM (CPU backends) to and from each of them and itself in bf16: GQA
+{bf16, fp8}, each moved whole and layer by layer (a plan per layer between
+``KVLayout.layer_range`` views, as a layer-wise send makes them), and vLLM (CPU backends) to and from each of them and itself in bf16: GQA
 with blocks of 32/64 (CPU_ATTN: multiples of 32), MLA with blocks of 16 (CPU_MLA's only
 size); vLLM's CPU fp8 cache is not modelled, and vLLM -> vLLM needs equal block sizes. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
 MLATokenToKVPool); TensorRT-LLM and vLLM sides are pools of their exact geometry (the
@@ -86,6 +87,15 @@ def make(engine, pools, *, attn, dtype, page, tp, rank, seed):
     return lay
 
 
+def plan_layers(s, sblocks, d, dblocks, tokens, mode):
+    """The plans that move ``tokens``: one for every layer (``whole``), or one per layer
+    between the two pools' views of that layer (``layerwise``)."""
+    if mode == "whole":
+        return [plan_transfer(s, sblocks, d, dblocks, tokens, kinds=tuple(PlanKind))]
+    return [plan_transfer(s.layer_range(i, i + 1), sblocks, d.layer_range(i, i + 1), dblocks, tokens,
+                          kinds=tuple(PlanKind)) for i in range(s.num_layers)]
+
+
 def run_plan(plan):
     if plan.kind is PlanKind.DIRECT:
         execute_segments(plan.wire)
@@ -99,10 +109,11 @@ def run_plan(plan):
         plan.scatter().run(stage)
 
 
+@pytest.mark.parametrize("mode", ["whole", "layerwise"])
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: "-".join(map(str, c)))
-def test_matrix_cell(sglang_pools, cell):
+def test_matrix_cell(sglang_pools, cell, mode):
     src_eng, dst_eng, attn, sp, dp, (stp, dtp), dtype = cell
-    key = cell
+    key = cell if mode == "whole" else cell + ("layerwise",)
     rng = np.random.default_rng(zlib.crc32(repr(cell).encode()))
     mla = attn == "MLA"
     srcs = [make(src_eng, sglang_pools, attn=attn, dtype=dtype, page=sp, tp=stp, rank=r, seed=10 + r) for r in range(stp)]
@@ -120,9 +131,9 @@ def test_matrix_cell(sglang_pools, cell):
                        if set(s.heads) & set(d.heads)][: 1 if mla else None]
             for i in senders:
                 s = srcs[i]
-                plan = plan_transfer(s, sblocks[i], d, dblocks, (PREFIX, TOKENS), kinds=tuple(PlanKind))
-                kinds_used.add(plan.kind.value)
-                run_plan(plan)
+                for plan in plan_layers(s, sblocks[i], d, dblocks, (PREFIX, TOKENS), mode):
+                    kinds_used.add(plan.kind.value)
+                    run_plan(plan)
                 hm = HeadMap.between(s, d)
                 so = unit_offsets(s, sblocks[i], 0, PREFIX, TOKENS, range(hm.src_start, hm.src_start + hm.count))
                 do = unit_offsets(d, dblocks, 0, PREFIX, TOKENS, range(hm.dst_start, hm.dst_start + hm.count))
@@ -156,9 +167,13 @@ def format_matrix() -> list[str]:
                 key = (s, d, attn, a, b, tp, dt)
                 v = ("n/a (pages)" if (s, d, a, b) in NOT_APPLICABLE else MATRIX.get(key, "not run") if key in cells
                      else "n/a (vLLM)" if not applies(s, d, attn, dt, a, b) else "n/a")
+                lw = MATRIX.get(key + ("layerwise",))
+                if key in cells and lw is not None:
+                    v += " lw" if lw.startswith("ok") else " LW-FAIL"
                 row += f"{v:>16}"
             lines.append(row)
-    lines += ["", "ok <kinds>: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv). "
+    lines += ["", "ok <kinds>: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv); "
+              "lw: also byte-exact moved layer by layer (a plan per layer). "
               "n/a (pages): SGLang requires equal page sizes on both sides (vLLM -> vLLM: equal block sizes). "
               "n/a (vLLM): vLLM's CPU caches: no fp8; GQA blocks are multiples of 32, MLA blocks are 16."]
     return lines
@@ -195,17 +210,23 @@ def mooncake_peers():
             p.stop()
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "->".join(p))
-def test_one_cell_per_engine_pair_through_mooncake(mooncake_peers, pair):
+def test_one_cell_per_engine_pair_through_mooncake(mooncake_peers, pair, layerwise):
     """GQA bf16, TP 1 -> 1, each engine's page size: the prefill process serves a room in two
     chunks, the decode process pulls it over Mooncake TCP (holding the first 20 tokens
     already) into scattered blocks. The destination's K/V, read back by the destination
     engine's own indexing rule, equals the source's, read by the source engine's rule
-    (tests/engine_kv.py, independent of ``KVLayout``); both pools get every block back."""
+    (tests/engine_kv.py, independent of ``KVLayout``); both pools get every block back.
+    ``layerwise``: each chunk's layers are handed to the sender one at a time."""
     src, dst = pair
     pre, dec = mooncake_peers["prefill", src], mooncake_peers["decode", dst]
-    room = 7000 + PAIRS.index(pair)
-    sblocks = pre.call("serve", room, MOONCAKE_TOKENS, 96)[1]
+    room = 7000 + PAIRS.index(pair) + (100 if layerwise else 0)
+    if layerwise:
+        _, sblocks, pieces, _ = pre.call("serve_layers", room, MOONCAKE_TOKENS, 96, {})
+        assert pieces == 2 * LAYERS
+    else:
+        sblocks = pre.call("serve", room, MOONCAKE_TOKENS, 96)[1]
     res = dec.call("pull", room, [pre.ready[1]], MOONCAKE_PREFIX, MOONCAKE_TOKENS, 1, [(pre.spec, sblocks)],
                    {"scattered": True}, timeout=90)[1]
     done = pre.call("wait", room, 30)

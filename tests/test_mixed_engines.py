@@ -85,6 +85,17 @@ def test_trtllm_prefill_to_sglang_decode(tiny_llama_dir, version):
     assert r["record"]["role"] == "sender" and r["record"]["plan_reason"] == r["plan_reason"]
 
 
+def test_trtllm_layerwise_prefill_to_sglang_decode(tiny_llama_dir):
+    """The TensorRT-LLM prefill with layer-wise sends on (issue 20): each layer of the prompt
+    goes from ``save_kv_layer`` while the next computes, the sampled first token follows with
+    the sender's ``finish``; SGLang's real decode continues from it."""
+    r = _run(tiny_llama_dir, reverse=True, trtllm_version="main", trtllm_settings={"layerwise": True})
+    assert (r["prefill_engine"], r["decode_engine"]) == ("trtllm", "sglang")
+    _check(r, tiny_llama_dir)
+    assert r["context_tokens_computed"] == PROMPT
+    assert r["sender_layer_pieces"] == 2 and r["sender_ended_by"] == "finish", r["record"]
+
+
 def test_demo_command_json(tiny_llama_dir):
     """``kvbridge demo --json`` as a user runs it: one JSON object on stdout, exit code 0
     when it matched; its tokens checked here against transformers."""

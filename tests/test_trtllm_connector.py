@@ -62,7 +62,7 @@ def test_gqa_tp2_to_tp1_with_prefix_hit_recompute_and_fail(trt_servers, tiny_lla
     # (2) the decode's device cache holds p1's first two 32-token blocks
     announce(pre.bus, p2, Handle("send", 102))
     announce(dec.bus, p2, Handle("recv", 102, endpoints=tuple(pre.sender_endpoints)))
-    b, d2 = pre.submit(p2, 1), dec.submit(p2, MAX_NEW)
+    _, d2 = pre.submit(p2, 1), dec.submit(p2, MAX_NEW)
     wait_done([pre, dec], dec, [d2])
     assert dec.responses[d2]["output_token_ids"] == refs[2]
     assert dec.responses[d2]["context_tokens_computed"] == 1

@@ -21,7 +21,7 @@ from msgspec import Meta
 
 __all__ = [
     "AbortRoom", "BusError", "Decline", "Endpoints", "Expect", "Expected", "Hello", "LoadResult", "Load", "Open",
-    "Order", "Orders", "Send", "Verdict", "Who", "decode", "encode", "BUS_VERSION",
+    "Order", "Orders", "Send", "SendLayers", "Verdict", "Who", "decode", "encode", "BUS_VERSION",
 ]
 
 BUS_VERSION = 1
@@ -70,6 +70,17 @@ class Send(_Order, tag="send", frozen=True, kw_only=True):
     first_token: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
 
 
+class SendLayers(_Order, tag="send_layers", frozen=True, kw_only=True):
+    """Layer-wise prefill half (``layerwise`` on): this iteration's forward computes
+    tokens ``[start, stop)`` into ``blocks`` (entry 0 holds token 0); each worker sends each
+    layer of them from ``save_kv_layer``. Travels in the connector metadata of that
+    iteration only (it is about that forward), never over the bus, and is not numbered."""
+
+    blocks: BlockIds
+    start: Token
+    stop: Token
+
+
 class Load(_Order, tag="load", frozen=True, kw_only=True):
     """Decode half: pull tokens ``[start, stop)`` of ``room`` from the prefill ranks
     ``endpoints`` (TP order) into ``blocks``; on failure ``on_failure``."""
@@ -101,7 +112,7 @@ class AbortRoom(_Order, tag="abort_room", frozen=True, kw_only=True):
     """Prefill half ended before its prompt was computed: abort ``room``."""
 
 
-Order = Union[Open, Send, Load, Verdict, Decline, AbortRoom]
+Order = Union[Open, Send, SendLayers, Load, Verdict, Decline, AbortRoom]
 
 
 # -- bus messages -----------------------------------------------------------------------

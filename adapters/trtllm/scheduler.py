@@ -54,6 +54,18 @@ class KVBridgeConnectorMetadata:
     call (each also sent over the bus; workers apply each ``seq`` once)."""
 
     orders: list = field(default_factory=list)
+    layers: list = field(default_factory=list)  # B.SendLayers for this iteration's forward (layer-wise prefill)
+
+
+@dataclass
+class _Stream:
+    """A layer-wise prefill half: its room, prompt, the blocks the engine reported so far
+    (token order) and how far its tokens have been handed to a forward."""
+
+    room: int
+    prompt_len: int
+    blocks: list = field(default_factory=list)
+    sent_to: int = -1  # -1: no forward yet (the first one also sends tokens the device cache held)
 
 
 def world_size(llm_args: Any, cfg: BridgeConfig) -> int:
@@ -98,6 +110,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._answers: dict[int, tuple[int, bool]] = {}  # request id -> its matched-token answer
         self._matched: dict[int, tuple[Handle, int, int]] = {}  # request id -> (handle, start, prompt_len)
         self._sending: dict[int, Handle] = {}  # request id -> prefill handle
+        self._streams: dict[int, _Stream] = {}  # request id -> its layer-wise send (layerwise on)
         self._loads: dict[int, _Load] = {}
         self._who_waiting: list[str] = []
         self._discovered: dict[str, list[str]] = {}  # prefill bus / bootstrap -> its ranks' endpoints
@@ -139,7 +152,28 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         the forward (rank 0; the result is broadcast): the orders issued since the last call."""
         with self._lock:
             orders, self._unsent_meta = self._unsent_meta, []
-        return KVBridgeConnectorMetadata(orders)
+            layers = self._layer_orders(scheduler_output) if self._streams else []
+        return KVBridgeConnectorMetadata(orders, layers)
+
+    def _layer_orders(self, out: Any) -> list:
+        """Layer-wise: a ``SendLayers`` for each open prefill half this forward computes
+        tokens of, from the scheduler output's ``RequestData`` (``computed_position``,
+        ``num_scheduled_tokens``, the new block ids). A half's first forward also covers the
+        tokens before it (device cache hits: their KV is in the pool already). Lock held."""
+        orders = []
+        for data in list(getattr(out, "new_requests", None) or ()) + list(getattr(out, "cached_requests", None) or ()):
+            st = self._streams.get(int(data.request_id))
+            if st is None:
+                continue
+            st.blocks.extend(int(b) for b in data.new_block_ids)
+            start = 0 if st.sent_to < 0 else st.sent_to
+            stop = min(st.prompt_len, int(data.computed_position) + int(data.num_scheduled_tokens))
+            if stop <= start:
+                continue
+            st.sent_to = stop
+            orders.append(B.SendLayers(req=int(data.request_id), room=st.room, blocks=list(st.blocks), start=start,
+                                       stop=stop))
+        return orders
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
         """Called by C++ ``addSequence`` (block reuse on) for a request's first context
@@ -187,6 +221,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             if h is not None:
                 with self._lock:
                     self._sending[rid] = h
+                    if self.cfg.layerwise:
+                        self._streams[rid] = _Stream(h.room, int(request.prompt_len))
                     self._issue(B.Open(req=rid, room=h.room, blocks=[int(b) for b in block_ids]))
             return
         h, start, prompt_len = m
@@ -208,6 +244,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self._matched.pop(rid, None)
             self._answers.pop(rid, None)
             h = self._sending.pop(rid, None)
+            self._streams.pop(rid, None)
         if h is None:
             return False
         prompt_len = int(request.prompt_len)

@@ -59,6 +59,21 @@ class _Saving:
     released: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
     opened: bool = False
+    streamed_to: int = 0  # layer-wise: tokens [0, streamed_to) handed to the sender, every layer
+    layer_pieces: int = 0  # layer-wise pieces handed to the sender
+    ended_by: str = ""  # how the room's last chunk was given: "finish" (every layer streamed) or "send"
+    pending_send: Any = None  # a Send order that came while this forward still streams the room's layers
+
+
+@dataclass
+class _LayerSend:
+    """One request's tokens of the current forward, sent layer by layer (``SendLayers``)."""
+
+    saving: _Saving
+    blocks: np.ndarray
+    start: int
+    stop: int
+    next_layer: int = 0
 
 
 def find_executor() -> Any:
@@ -110,6 +125,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._announced_saving: set[int] = set()
         self._forget_sent: set[int] = set()
         self._rewound: set[int] = set()  # requests rewound for recompute whose chunk is still to be widened
+        self._forward: list[_LayerSend] = []  # layer-wise sends of the forward in progress
+        self._missing_hook_logged = False
         self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
         self.finished_saves: OrderedDict[int, dict] = OrderedDict()  # request id -> how its send ended (+ record)
         self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
@@ -175,6 +192,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         meta = self.get_connector_meta()
         if isinstance(meta, KVBridgeConnectorMetadata):
             self._apply(meta.orders)
+            self._arm_layer_sends(getattr(meta, "layers", None) or [])
         if self._rewound:
             self._widen_rewound_chunks()
 
@@ -183,12 +201,74 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         for, a loading request is not scheduled until every layer has landed."""
 
     def save_kv_layer(self, layer_idx: int, stream: Any):
-        """Called by the forward hook after decoder layer ``layer_idx``: nothing per layer,
-        a prompt's KV is sent once its request finished its prefill."""
+        """Called by the forward hook after decoder layer ``layer_idx`` wrote its KV (every
+        rank, on the forward's thread). Layer-wise (``layerwise`` on): hands layer
+        ``layer_idx`` of the tokens this forward computes, for every prefill half in the
+        batch whose room is open, to the sender, which writes it while the next layers
+        compute; returns at once. Otherwise nothing: a prompt's KV is sent once its
+        request finished its prefill. (On CUDA the send must be ordered after an event
+        recorded on ``stream``: not done yet, the pools here are host memory.)"""
+        if self._forward:
+            self._send_layers(int(layer_idx) + 1)
 
     def wait_for_save(self, stream: Any):
-        """Called at the end of the forward: nothing to wait for, sends are asynchronous and
-        their blocks stay held until ``get_finished`` reports them."""
+        """Called at the end of the forward (``_forward_step``, before sampling): nothing
+        to wait for, sends are asynchronous and their blocks stay held until
+        ``get_finished`` reports them. Layer-wise: layers whose hook did not fire are
+        handed over now (said once in the log), and a Send that came during the forward
+        is applied."""
+        if not self._forward:
+            return
+        if any(ls.next_layer < self.layout.num_layers for ls in self._forward) and not self._missing_hook_logged:
+            self._missing_hook_logged = True
+            log.warning("kvbridge worker rank %d: save_kv_layer did not fire for every layer of a forward; the "
+                        "layers it missed are sent after the forward", self.rank)
+        self._send_layers(self.layout.num_layers)
+        with self._lock:
+            done, self._forward = self._forward, []
+            pending = [ls.saving.pending_send for ls in done if ls.saving.pending_send is not None]
+            for ls in done:
+                ls.saving.pending_send = None
+        for o in pending:
+            self._send(o)
+
+    # -- layer-wise sends -------------------------------------------------------------------
+    def _arm_layer_sends(self, orders: list) -> None:
+        """This forward's ``SendLayers`` (from the metadata): the requests whose room is open
+        here and whose tokens it computes."""
+        armed = []
+        with self._lock:
+            for o in orders:
+                s = self._sends.get(o.req)
+                if s is None or not s.opened or s.released.is_set() or s.ended_by:
+                    continue
+                if o.start != s.streamed_to:
+                    log.error("kvbridge worker rank %d: request %s: layer-wise tokens [%d, %d) after %d were streamed; "
+                              "its room is sent whole", self.rank, o.req, o.start, o.stop, s.streamed_to)
+                    continue
+                armed.append(_LayerSend(s, np.asarray(o.blocks, dtype=np.int64), o.start, o.stop))
+            self._forward = armed
+
+    def _send_layers(self, upto: int) -> None:
+        """Hand layers ``[next, upto)`` of every armed request to the sender."""
+        nl = self.layout.num_layers
+        upto = min(upto, nl)
+        for ls in self._forward:
+            if ls.next_layer >= upto:
+                continue
+            s = ls.saving
+            try:
+                self.sender.send_chunk(s.room, ls.blocks, ls.start, ls.stop, last=False, layers=(ls.next_layer, upto))
+            except (KeyError, ValueError) as e:  # the room ended or a bookkeeping bug: the decode side recomputes
+                log.error("kvbridge worker rank %d: request %s: layer-wise send of room %s failed: %s", self.rank,
+                          s.req, s.room, e)
+                self.sender.abort(s.room, f"layer-wise send failed: {e}")
+                ls.next_layer = nl
+                continue
+            s.layer_pieces += 1
+            ls.next_layer = upto
+            if upto == nl:
+                s.streamed_to = ls.stop
 
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
@@ -204,7 +284,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             for r in saved:
                 s = self._sends.pop(r)
                 rec = self.sender.record(s.room) if s.opened else None
-                _bounded(self.finished_saves, r, {"room": s.room, "ok": s.ok, "record": rec.as_dict() if rec else None})
+                _bounded(self.finished_saves, r, {"room": s.room, "ok": s.ok, "record": rec.as_dict() if rec else None,
+                                                  "layer_pieces": s.layer_pieces, "ended_by": s.ended_by})
                 self._forget_sent.add(s.room)
                 self._announced_saving.discard(r)
             for room in list(self._forget_sent):  # a room is forgettable once its last write returned
@@ -308,12 +389,25 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             s.released.set()
 
     def _send(self, o: B.Send) -> None:
+        """The prefill half finished (its first token sampled): its room's last chunk. After
+        a layer-wise prefill only what no forward streamed is left (usually nothing: the
+        first token then rides with the sender's ``finish``)."""
         self._open(o)  # no-op when the room was opened at admission
         s = self._sends.get(o.req)
-        if s is None or not s.opened:
+        if s is None or not s.opened or s.ended_by:
             return
+        with self._lock:
+            if any(ls.saving is s for ls in self._forward):  # its layers are still being streamed (the bus was quick)
+                s.pending_send = o
+                return
         aux = {"output_ids": [o.first_token]} if o.first_token >= 0 else None
-        self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), 0, o.stop, last=True, aux=aux)
+        if s.streamed_to >= o.stop:
+            s.ended_by = "finish"
+            self.sender.finish(o.room, aux)
+            return
+        s.ended_by = "send"
+        self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), s.streamed_to, o.stop, last=True,
+                               first_token=0, aux=aux)
 
     def _abort(self, o: B.AbortRoom) -> None:
         s = self._sends.pop(o.req, None)

@@ -35,7 +35,7 @@ Each iteration (every rank in lockstep; rank 0's request queue is broadcast)
    ``update_state_after_alloc(python request, block ids)``; the scheduler output is built;
 4. if anything is scheduled: loading requests are parked, ``build_connector_meta``
    (rank 0, broadcast), ``start_load_kv``; the forward with the layer hooks;
-   ``wait_for_save``;
+   ``wait_for_save`` (the end of ``_forward_step``, before sampling);
 5. sampling (greedy). With the overlap scheduler a request's sampled token, its
    completion and ``request_finished`` come one iteration later (after that iteration's
    forward); ``request_finished`` True pins the blocks and sets
@@ -324,9 +324,7 @@ class PyExecutor:
                 mgr.handle_metadata()
                 mgr.worker.start_load_kv(None)
             if ctx or gen:
-                self._forward(ctx, gen, batch)
-                if mgr is not None:
-                    mgr.worker.wait_for_save(None)
+                self._forward(ctx, gen, batch)  # wait_for_save inside, after the model and before sampling
         if self.disable_overlap_scheduler:
             self._update_requests(batch)
             self._send_kv_async(batch.requests)
@@ -402,6 +400,9 @@ class PyExecutor:
             seqs.append(SeqStep([tok], pos, kvm.get_cache_indices(req)))
         pre, post = getattr(self, "_layer_hooks", (None, None))
         logits = self.runner.forward_batch(seqs, self.store, pre, post)
+        if self.kv_connector_manager is not None:  # _forward_step ends with _kv_connector_wait_for_save
+            self.kv_connector_manager.worker.wait_for_save(None)
+        # sampling and the requests' state updates follow (_sample_async, _update_request_states)
         for req, lg in zip(ctx + gen, logits):
             if req in ctx:
                 req.move_to_next_context_chunk()
