@@ -1,30 +1,41 @@
+"""Session-wide test setup: the tiny models every area uses and the end-of-run summaries.
+
+Area fixtures live in the area's own conftest.py (tests/layout: SGLang's pool classes;
+tests/sglang: the SGLang server pairs); shared code lives in tests/helpers.
+"""
 import os
 import sys
-import warnings
+from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
 @pytest.fixture(scope="session")
-def sglang_pools():
-    """SGLang 0.5.23's real pool classes (MHATokenToKVPool, MLATokenToKVPool), on CPU."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    return MHATokenToKVPool, MLATokenToKVPool
+def tiny_llama_dir() -> Path:
+    """The tiny GQA Llama (built once per session, no download)."""
+    from tests.helpers.sglang_pairs import tiny_model_dir
+
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_dir() -> Path:
+    """The tiny DeepSeek-V3-style MLA model (built once per session, no download)."""
+    from tests.helpers.sglang_pairs import tiny_model_dir
+
+    return tiny_model_dir("mla")
 
 
 def pytest_terminal_summary(terminalreporter):
     """Print the cross-engine compatibility matrix when its tests ran."""
-    mod = sys.modules.get("test_compat_matrix")
+    mod = sys.modules.get("tests.layout.test_compat_matrix")
     if mod is not None and mod.MATRIX:
         terminalreporter.section("cross-engine compatibility matrix (every cell byte-exact)")
         for line in mod.format_matrix():
             terminalreporter.write_line(line)
-    faults = sys.modules.get("test_faults")
+    faults = sys.modules.get("tests.faults.test_faults")
     if faults is not None and faults.RESULTS:
         terminalreporter.section("fault matrix (each side: the state it reports, seconds from fault to terminal / bound)")
         for line in faults.format_matrix():

@@ -1,0 +1,1 @@
+"""Benchmark smoke runs and the package's rooms."""

@@ -1,0 +1,1 @@
+"""Handoff state machines, transport, protocol, control channel, bootstrap discovery, settings, cost model."""

@@ -1,0 +1,167 @@
+"""Finding the other engine's prefill without test shortcuts (no SGLang server here):
+
+- ``kvbridge.common.bootstrap``: the SGLang bootstrap protocol a non-SGLang prefill serves
+  (topology with the page size it is told to report, each rank's route with its kvbridge
+  record, ``/kvbridge/ranks``) and the client a non-SGLang decode uses, with clear errors;
+- the TensorRT-LLM plugin: a prefill with ``sglang_bootstrap_port`` publishes its rank
+  there; a decode whose handle names only a bootstrap address that answers nothing fails
+  the load within ``discovery_timeout_s`` with a reason naming the address, and the
+  request is cancelled (``on_failure="fail"``) with its blocks back;
+- ``kvbridge demo --json``'s failure shape: one JSON object, ``match`` false, an error.
+
+The positive cross-engine paths (an SGLang server on either side) are
+tests/test_mixed_engines.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from kvbridge.adapters.trtllm import BridgeConfig, ConfigError, Handle, HandleError
+from kvbridge.common.bootstrap import (
+    BootstrapError,
+    BootstrapServer,
+    endpoints_by_tp_rank,
+    fetch_ranks,
+    parse_address,
+    rank_record,
+)
+
+HTTP = requests.Session()
+HTTP.trust_env = False  # never a proxy for 127.0.0.1
+ROUTE = "/route?prefill_dp_rank={}&prefill_cp_rank={}&target_tp_rank={}&target_pp_rank={}"
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+def _record(i: int) -> dict:
+    return rank_record(endpoint=f"tcp://127.0.0.1:{40000 + i}", session=f"127.0.0.1:{41000 + i}", engine="trtllm",
+                       page_size=32, layout={"engine": "trtllm"})
+
+
+def test_handle_names_an_sglang_bootstrap_address():
+    h = Handle("recv", 7, bootstrap="127.0.0.1:8998", on_failure="fail")
+    assert Handle.from_dict(h.to_dict()) == h
+    assert h.to_dict()["bootstrap"] == "127.0.0.1:8998"
+    for bad in ("127.0.0.1", "host:0", "host:99999", ":8998", "a:b:c"):
+        with pytest.raises(HandleError, match="host:port"):
+            Handle("recv", 7, bootstrap=bad)
+    with pytest.raises(HandleError, match="'prefill', 'endpoints' or 'bootstrap'"):
+        Handle("recv", 7)
+    with pytest.raises(HandleError, match="bootstrap"):
+        Handle.from_dict({"op": "recv", "room": 7, "bootstrap": 8998})
+
+
+def test_config_checks_the_bootstrap_settings():
+    assert BridgeConfig().sglang_bootstrap_port == -1  # off unless asked for
+    assert BridgeConfig.load(environ={"KVBRIDGE_SGLANG_BOOTSTRAP_PORT": "0", "KVBRIDGE_SGLANG_PAGE_SIZE": "16"}
+                             ).sglang_page_size == 16
+    with pytest.raises(ConfigError, match="sglang_bootstrap_port"):
+        BridgeConfig(sglang_bootstrap_port=70000)
+    with pytest.raises(ConfigError, match="sglang_page_size"):
+        BridgeConfig(sglang_page_size=0)
+    with pytest.raises(ConfigError, match="discovery_timeout_s"):
+        BridgeConfig(discovery_timeout_s=0)
+
+
+def test_bootstrap_server_speaks_sglangs_protocol():
+    srv = BootstrapServer("127.0.0.1", 0, page_size=4, tp_size=2)
+    try:
+        base = f"http://{srv.address}"
+        assert HTTP.get(base + "/health", timeout=5).status_code == 200
+        assert HTTP.get(base + ROUTE.format(-1, -1, -1, -1), timeout=5).status_code == 503  # ranks missing
+        srv.register(0, _record(0))
+        with pytest.raises(BootstrapError, match="1 rank\\(s\\) registered, not ready"):
+            fetch_ranks(srv.address, timeout_s=0.5)
+        srv.register(1, _record(1))
+        info = HTTP.get(base + ROUTE.format(-1, -1, -1, -1), timeout=5).json()
+        # what SGLang's decode parses strictly (PrefillServerInfo(**data)); page_size is the one told
+        assert info["attn_tp_size"] == 2 and info["page_size"] == 4 and info["kv_cache_dtype"] is None
+        assert {"attn_cp_size", "dp_size", "pp_size", "follow_bootstrap_room"} <= set(info)
+        rank1 = HTTP.get(base + ROUTE.format(0, 0, 1, 0), timeout=5).json()
+        assert rank1["rank_ip"] == "127.0.0.1" and rank1["rank_port"] == srv.rank_port
+        assert rank1["kvbridge"]["endpoint"] == "tcp://127.0.0.1:40001"
+        assert HTTP.get(base + ROUTE.format(0, 0, 2, 0), timeout=5).status_code == 404
+        assert HTTP.get(base + "/route?prefill_dp_rank=0", timeout=5).status_code == 400
+        body = fetch_ranks(srv.address, timeout_s=5)
+        assert endpoints_by_tp_rank(body) == ["tcp://127.0.0.1:40000", "tcp://127.0.0.1:40001"]
+        with pytest.raises(ValueError, match="outside TP size"):
+            srv.register(2, _record(2))
+        with pytest.raises(ValueError, match="endpoint"):
+            srv.register(0, {"engine": "trtllm"})
+    finally:
+        srv.close()
+    with pytest.raises(BootstrapError, match=f"{srv.address}.*within 0.3 s.*(refused|Errno)"):
+        fetch_ranks(srv.address, timeout_s=0.3)
+
+
+def test_discovery_client_errors_name_the_problem():
+    with pytest.raises(ValueError, match="host:port"):
+        parse_address("localhost")
+    body = {"dp_size": 2, "attn_cp_size": 1, "pp_size": 1, "attn_tp_size": 1, "ranks": []}
+    with pytest.raises(BootstrapError, match="dp_size 2"):
+        endpoints_by_tp_rank(body, "h:1")
+    body = {"dp_size": 1, "attn_cp_size": 1, "pp_size": 1, "attn_tp_size": 2,
+            "ranks": [{"tp_rank": 0, "endpoint": "tcp://a:1"}]}
+    with pytest.raises(BootstrapError, match=r"TP rank\(s\) \[1\]"):
+        endpoints_by_tp_rank(body, "h:1")
+
+
+def test_trt_prefill_publishes_its_ranks_for_sglang_decodes(tiny_llama_dir):
+    from kvbridge.demo.trtllm import StandInServer
+
+    with StandInServer("1.2", tiny_llama_dir, tokens_per_block=32, num_blocks=8,
+                       plugin={"sglang_bootstrap_port": 0, "sglang_page_size": 8}) as trt:
+        addr = trt.bootstrap_address
+        body = fetch_ranks(addr, timeout_s=10)  # registered once the worker said hello on the bus
+        assert endpoints_by_tp_rank(body, addr) == trt.sender_endpoints
+        (rank,) = body["ranks"]
+        st = trt.state()
+        assert rank["engine"] == "trtllm" and rank["page_size"] == 32  # its real block size
+        assert rank["layout"] == st["layout"]
+        info = HTTP.get(f"http://{addr}" + ROUTE.format(-1, -1, -1, -1), timeout=5).json()
+        assert info["page_size"] == 8  # what SGLang's decode compares with its own --page-size
+    with pytest.raises(BootstrapError):
+        fetch_ranks(addr, timeout_s=0.3)  # closed with the connector
+
+
+def test_trt_decode_fails_clearly_when_the_bootstrap_address_answers_nothing(tiny_llama_dir):
+    from kvbridge.adapters.trtllm import announce
+    from kvbridge.demo.models import random_prompt
+    from kvbridge.demo.trtllm import StandInServer, run_until
+
+    with StandInServer("main", tiny_llama_dir, tokens_per_block=32, num_blocks=8,
+                       plugin={"discovery_timeout_s": 1.0}) as trt:
+        addr = f"127.0.0.1:{_dead_port()}"
+        prompt = random_prompt(40, seed=1)
+        announce(trt.bus, prompt, Handle("recv", 5, bootstrap=addr, on_failure="fail"))
+        t0 = time.monotonic()
+        rid = trt.submit(prompt, 4)
+        run_until([trt], lambda: rid in trt.responses and trt.drained(), 30)
+        assert time.monotonic() - t0 < 15
+        done = trt.state()["finished_loads"][rid]
+        assert not done["ok"] and done["verdict"] == "fail", done
+        assert addr in done["reason"] and "refused" in done["reason"].lower(), done["reason"]
+        assert trt.responses[rid]["finish_reason"] == "cancelled"  # the executor cancelled the request
+        st = trt.state()
+        assert st["free"] == st["total"] and st["held"] == 0
+
+
+def test_demo_json_failure_is_one_json_object(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "demo", "--json", "--model-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    (line,) = out.stdout.strip().splitlines()
+    res = json.loads(line)
+    assert res["match"] is False and "config.json" in res["error"]

@@ -1,0 +1,1 @@
+"""The fault matrix: kills and link cuts, two hosts in network namespaces."""

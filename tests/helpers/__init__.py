@@ -1,0 +1,1 @@
+"""Code the tests share: peer processes, server pairs, tiny models, reference readers."""

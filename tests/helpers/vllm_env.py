@@ -1,0 +1,42 @@
+"""Where the vLLM venv is, and the marker for tests that need it.
+
+vLLM runs from a venv of its own (``.venv-vllm``, built by ``make``; its torch differs
+from SGLang's), always in subprocesses: this test process never imports vLLM.
+``KVBRIDGE_VLLM_PYTHON`` names another interpreter that has vLLM and kvbridge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "vllm_scripts"
+
+
+def vllm_python() -> str | None:
+    """The vLLM venv's interpreter, or None when there is none."""
+    cand = os.environ.get("KVBRIDGE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return cand if os.access(cand, os.X_OK) else None
+
+
+requires_vllm = pytest.mark.skipif(
+    vllm_python() is None,
+    reason=f"no vLLM venv ({ROOT / '.venv-vllm'} is absent; `make test` builds it, or set KVBRIDGE_VLLM_PYTHON)")
+
+
+def run_script(name: str, *args: str, timeout: float = 300.0) -> dict:
+    """Run tests/vllm_scripts/``name`` in the vLLM venv; its last stdout line is JSON."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING", MC_LOG_LEVEL="WARNING",
+               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    out = subprocess.run([vllm_python(), str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=timeout,
+                         env=env, cwd=str(ROOT))
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        raise AssertionError(f"{name} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+    return json.loads(lines[-1])

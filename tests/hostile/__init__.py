@@ -1,0 +1,1 @@
+"""Hostile peers against the handoff protocol, and what the Mooncake engine exposes."""

@@ -1,0 +1,584 @@
+"""Hostile input: fuzzed control messages, and a hostile peer against a real handoff.
+
+(a) Every message type decoded from fuzzed bytes (truncated, oversized, wrong types,
+wrong or unknown versions and tags, huge ints, negative and NaN values, unknown fields)
+either decodes to a valid message or raises ``ProtocolError`` naming the problem; a
+layout description off the wire either rebuilds or raises ``LayoutError``.
+
+(b) A REAL ``KVSender`` (prefill process) and ``KVReceiver`` (decode process) over ZMQ
+and Mooncake TCP on 127.0.0.1, with a raw ZMQ DEALER in this process as the hostile
+peer: fuzzed, replayed, out-of-order and cross-room messages, block ids outside the
+room or the pool, token ranges past the end, the victim's valid transfer session
+without the shared secret or with a wrong one. The prefill process never crashes or
+hangs (every frame is followed by a ping answered within a bound), each hostile
+request is refused with a reason sent back and logged, no byte of the decode pool
+outside the room's blocks changes (the whole pool is compared with a snapshot), and
+the legitimate handoff that was waiting all along then succeeds byte-exact.
+
+Example counts: ``KVBRIDGE_FUZZ_EXAMPLES`` (default: small, for CI) sets them for every
+hypothesis test here, e.g. ``KVBRIDGE_FUZZ_EXAMPLES=500 pytest tests/test_hostile_input.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import hostile_peers
+from tests.helpers.handoff_peers import build_pool
+from kvbridge.common import protocol as P
+from kvbridge.common.control import ControlChannel
+from kvbridge.layout import KVLayout, LayoutError
+from tests.helpers.kvhelpers import PipePeer
+
+_N = int(os.environ.get("KVBRIDGE_FUZZ_EXAMPLES", "0"))
+settings.register_profile("kvbridge-fuzz-ci", max_examples=60, deadline=None, derandomize=False,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("kvbridge-fuzz-local", max_examples=max(_N, 1), deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings.get_profile("kvbridge-fuzz-local" if _N else "kvbridge-fuzz-ci")
+# examples that go through the real peers cost a few round trips each
+PEER_FUZZ = settings(FUZZ, max_examples=_N or 25)
+
+SECRET = "s3cret"
+CFG = dict(deadline_s=120.0, heartbeat_s=0.2, peer_timeout_s=30.0, quiesce_s=1.0, chunk_bytes=1 << 20)
+REPLY_S = 10.0  # every hostile frame is answered (or the ping after it is) within this
+
+# -- (a) decoding fuzzed bytes ------------------------------------------------------------------
+
+LAY = build_pool(dict(engine="trtllm", layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=16,
+                      blocks=8, seed=1))[0]
+
+
+def _valid_messages():
+    req = P.TransferRequest(room=5, model="m", layout=LAY.describe(), block_ids=[1, 2, 3], first_token=0,
+                            token_start=0, token_stop=40, session="127.0.0.1:15001", sent_at=1.0)
+    done = P.TransferDone(room=5, bytes=10, segments=1, plan="direct", seconds=0.1, aux={"output_ids": [3]},
+                          src_layout=LAY.describe(),
+                          staged=[P.StagedChunk(first_token=0, start=0, stop=16, offset=0, blocks=[1])])
+    return [P.sign(req, SECRET), done, P.TransferFailed(room=5, reason="x", code="timeout"),
+            P.Heartbeat(room=5, sender="tcp://x"), P.Abort(room=5, reason="r")]
+
+
+VALID = _valid_messages()
+HOSTILE_VALUES = st.one_of(
+    st.sampled_from([2**64 - 1, 2**63, -(2**63), -1, 2**31, float("nan"), float("inf"), -0.0, True, None, "", "x" * 5000,
+                     b"\x00\xff", [], {}, [[[]]], {"a": {"b": []}}]),
+    st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True), st.text(max_size=40), st.binary(max_size=40),
+    st.lists(st.integers(-(2**40), 2**40), max_size=8),
+)
+
+
+@st.composite
+def mutated(draw):
+    """(wire bytes, the field that was changed or None) from a valid message with one change."""
+    msg = draw(st.sampled_from(VALID))
+    d = msgspec.to_builtins(msg)
+    field = draw(st.sampled_from(sorted(d) + ["<unknown>", "<drop>"]))
+    if field == "<unknown>":
+        d["zz_" + draw(st.text(max_size=8))] = draw(HOSTILE_VALUES)
+    elif field == "<drop>":
+        field = draw(st.sampled_from(sorted(d)))
+        del d[field]
+    else:
+        d[field] = draw(HOSTILE_VALUES)
+    return msgspec.msgpack.encode(d), field
+
+
+# fields that checks comparing fields (TransferRequest.__post_init__) name in their message
+_CROSS_FIELD = {"first_token", "token_start", "token_stop", "staging_addr", "staging_bytes", "block_ids", "layout"}
+
+
+@FUZZ
+@given(mutated())
+def test_one_changed_field_decodes_or_is_named(case):
+    data, field = case
+    try:
+        msg = P.decode(data)
+    except P.ProtocolError as e:
+        text = str(e)
+        assert text and len(text) < 2000
+        if field == "<unknown>":
+            assert "unknown field `zz_" in text, text
+        elif field not in (None, "type", "version"):
+            # msgspec names the path (`$.field`) or the missing field; a cross-field check names
+            # the fields it compares
+            path = f"$.{field}"
+            named = any(path + end in text for end in ("`", "[", "."))  # the field, or an element inside it
+            assert named or f"field `{field}`" in text or (field in _CROSS_FIELD and field in text), (field, text)
+        return
+    assert isinstance(msg, tuple(P._TYPES.values()))
+    P.encode(msg)  # a message that decodes is one we could send back unchanged
+
+
+@FUZZ
+@given(st.sampled_from(VALID), st.data())
+def test_truncated_and_padded_messages(msg, data):
+    wire = P.encode(msg)
+    cut = data.draw(st.integers(0, len(wire) - 1))
+    with pytest.raises(P.ProtocolError):
+        P.decode(wire[:cut])
+    with pytest.raises(P.ProtocolError):
+        P.decode(wire + data.draw(st.binary(min_size=1, max_size=16)))
+
+
+@FUZZ
+@given(st.sampled_from(VALID), st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8), st.none(),
+                                         st.floats(allow_nan=True)))
+def test_wrong_versions_are_named(msg, version):
+    d = msgspec.to_builtins(msg)
+    d["version"] = version
+    if version == P.PROTOCOL_VERSION and type(version) is int:
+        return
+    with pytest.raises(P.ProtocolError, match="version|not a kvbridge message|malformed"):
+        P.decode(msgspec.msgpack.encode(d))
+
+
+def test_oversized_messages_are_refused_before_parsing():
+    big = b"\x91" + b"\xc4\x00" * (P.MAX_MESSAGE_BYTES // 2 + 1)
+    with pytest.raises(P.ProtocolError, match="exceeds the .*-byte limit"):
+        P.decode(big)
+
+
+@st.composite
+def layout_descriptions(draw):
+    d = LAY.describe()
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(sorted(d) + ["tensors", "zz"]))
+        if draw(st.booleans()) and key in d:
+            del d[key]
+        else:
+            d[key] = draw(HOSTILE_VALUES)
+    return d
+
+
+@FUZZ
+@given(layout_descriptions())
+def test_layout_descriptions_off_the_wire_rebuild_or_raise_layout_error(d):
+    try:
+        lay = KVLayout.from_description(d)
+    except LayoutError as e:
+        assert str(e)
+        return
+    assert lay.num_blocks > 0 and lay.tensors is None
+
+
+# -- the control channel itself ----------------------------------------------------------------
+
+
+def test_control_channel_refuses_spoofed_routing_ids_and_oversized_frames():
+    """A DEALER that sends [another peer's routing id, payload] must not be taken for that
+    peer; a frame past the size cap drops its connection instead of being buffered."""
+    got = []
+    ch = ControlChannel(lambda peer, payload: got.append((peer, payload)), bind_host="127.0.0.1",
+                        max_message_bytes=1 << 16)
+    ctx = zmq.Context.instance()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.ROUTING_ID, b"mallory")
+    ok = ctx.socket(zmq.DEALER)
+    ok.setsockopt(zmq.LINGER, 0)
+    try:
+        d.connect(ch.endpoint)
+        ok.connect(ch.endpoint)
+        d.send_multipart([b"\x00victim", b"payload"])
+        d.send(b"x" * (1 << 17))
+        ok.send(b"after")
+        end = time.monotonic() + 10
+        while not any(p == b"after" for _, p in got) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert [p for _, p in got] == [b"after"], got
+        assert b"\x00victim".hex() not in {peer for peer, _ in got}
+        assert ch.refused_frames == 1
+    finally:
+        d.close(0)
+        ok.close(0)
+        ch.close()
+
+
+# -- (b) a hostile peer against real peers -----------------------------------------------------
+
+
+def Peer(target, spec, cfg):
+    return PipePeer(target, spec, {**CFG, **cfg}, ready_timeout=90)
+
+
+def _spec(engine, tpb, seed, blocks=64):
+    return dict(engine=engine, layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=tpb, blocks=blocks,
+                seed=seed)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pre = Peer(hostile_peers.prefill_main, _spec("sglang", 16, 71, blocks=256), {"secret": SECRET})
+    dec = Peer(hostile_peers.decode_main, _spec("trtllm", 32, 72), {"secret": SECRET, "recv_staging_bytes": 1 << 20})
+    yield pre, dec
+    pre.stop()
+    dec.stop()
+
+
+class Hostile:
+    """A raw DEALER: sends anything, pings after it, collects every reply."""
+
+    _pings = itertools.count(1 << 40)
+
+    def __init__(self, endpoint: str, routing_id: bytes | None = None):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if routing_id:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        self.sock.connect(endpoint)
+
+    def exchange(self, frame: bytes) -> list:
+        """Send ``frame``, then a ping; the decoded replies that came before the ping's echo."""
+        ping = next(self._pings)
+        self.sock.send(frame)
+        self.sock.send(P.encode(P.Heartbeat(room=ping, sender="hostile")))
+        replies, end = [], time.monotonic() + REPLY_S
+        while time.monotonic() < end:
+            if not self.sock.poll(100):
+                continue
+            m = P.decode(self.sock.recv())
+            if isinstance(m, P.Heartbeat) and m.room == ping:
+                return replies
+            replies.append(m)
+        raise AssertionError(f"the prefill did not answer a ping within {REPLY_S} s after a hostile frame (hung?)")
+
+    def close(self):
+        self.sock.close(0)
+
+
+def _request_dict(room, session, layout, blocks, n, **over):
+    d = dict(type="transfer_request", version=P.PROTOCOL_VERSION, room=room, model="", layout=layout,
+             block_ids=list(blocks), first_token=0, token_start=0, token_stop=n, session=session, receivers=1,
+             staging_addr=0, staging_bytes=0, auth="", sent_at=time.time())
+    d.update(over)
+    return d
+
+
+def _signed(d, secret):
+    """``d`` with the auth tag ``secret`` gives it (raises ProtocolError if it is not a valid request)."""
+    fields = {k: v for k, v in d.items() if k != "type"}
+    return {**d, "auth": P.auth_tag(P.TransferRequest(**{**fields, "auth": ""}), secret)}
+
+
+@st.composite
+def hostile_frames(draw, room, session, layout, room_blocks, n, nblocks):
+    """(wire bytes, kind) of one hostile frame aimed at the waiting room (or at another one)."""
+    kind = draw(st.sampled_from(["garbage", "request", "request", "request", "other", "version"]))
+    if kind == "garbage":
+        return draw(st.binary(max_size=256)), kind
+    target = draw(st.sampled_from([room, room, room + 1, draw(st.integers(0, 2**63 - 1))]))
+    if kind == "other":
+        cls = draw(st.sampled_from([P.TransferDone, P.TransferFailed, P.Abort, P.Heartbeat]))
+        fill = {P.TransferDone: dict(bytes=1, segments=1, plan="direct", seconds=0.0),
+                P.TransferFailed: dict(reason="no", code="timeout"), P.Abort: dict(reason="stop"),
+                P.Heartbeat: dict(sender="x")}[cls]
+        return P.encode(cls(room=target, **fill)), cls.__struct_config__.tag
+    blocks = draw(st.one_of(
+        st.just(room_blocks),                                            # the room's own blocks
+        st.lists(st.integers(0, nblocks - 1), max_size=8),               # another room's / free blocks
+        st.lists(st.integers(-5, 2**31 - 1), min_size=1, max_size=8),    # outside the pool
+    ))
+    stop = draw(st.sampled_from([n, n + 1, 10**6, 2**31 - 1, 0]))
+    d = _request_dict(target, draw(st.sampled_from([session, "127.0.0.1:1", ""])), layout, blocks, stop,
+                      token_start=draw(st.sampled_from([0, 1, stop])))
+    how = draw(st.sampled_from(["none", "random", "wrong_secret", "other_room_tag", "tampered"]))
+    if how == "random":
+        d["auth"] = draw(st.text("0123456789abcdef", min_size=64, max_size=64))
+    elif how in ("wrong_secret", "other_room_tag", "tampered"):
+        try:
+            if how == "wrong_secret":
+                d = _signed(d, "not-the-secret")
+            elif how == "other_room_tag":  # a genuine tag, for another room, moved onto this one
+                d["auth"] = _signed({**d, "room": (target + 1) % 2**63}, SECRET)["auth"]
+            else:  # a genuine tag over other block ids
+                d["auth"] = _signed({**d, "block_ids": list(room_blocks)[::-1] + [1]}, SECRET)["auth"]
+        except P.ProtocolError:
+            pass  # values the protocol refuses to sign go unsigned
+    if kind == "version":
+        d["version"] = draw(st.sampled_from([0, 2, 65535, -1, "1"]))
+    return msgspec.msgpack.encode(d), "request" if kind == "request" else kind
+
+
+def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
+    pre, dec = pair
+    endpoint, free0 = pre.ready[1], pre.ready[2]
+    session, dfree0, layout = dec.ready[1], dec.ready[2], dec.ready[3]
+    room, n = 4242, 100
+    src_blocks = pre.call("register", room, n)[1]
+    dst_blocks = dec.call("start_pull", room, [endpoint], n, {"deadline_s": 120})[1]
+    dec.call("snap", "before")
+    pre.call("logs")
+    hostile = Hostile(endpoint)
+    seen = {"request": 0}
+    try:
+        @PEER_FUZZ
+        @given(hostile_frames(room, session, layout, dst_blocks, n, 64))
+        def attack(case):
+            frame, kind = case
+            replies = hostile.exchange(frame)
+            logs = pre.call("logs")[1]
+            assert replies or logs, f"{kind} frame: neither a reply nor a log line"
+            if kind in ("request", "version", "garbage"):
+                fails = [m for m in replies if isinstance(m, P.TransferFailed)]
+                assert fails and all(m.code in ("auth", "bad_message") for m in fails), replies
+                assert all(m.reason for m in fails)
+                assert any("refused" in text for _, text in logs), logs
+                seen["request"] += kind == "request"
+            # no byte of the decode pool changed: the room's KV is not even computed yet
+            assert dec.call("changed", "before", [])[1] == 0
+
+        attack()
+        assert pre.call("ping")[0] == "pong" and dec.call("ping")[0] == "pong"
+        # a captured request, replayed from another connection: same room, same tag -> refused, not served twice
+        legit = _signed(_request_dict(room, session, layout, dst_blocks, n), SECRET)
+        replies = hostile.exchange(msgspec.msgpack.encode(legit))
+        assert [m.code for m in replies if isinstance(m, P.TransferFailed)] == ["conflict"], replies
+    finally:
+        hostile.close()
+    # the legitimate handoff that waited through all of it: byte-exact, nothing else in the pool touched
+    pre.call("compute", room)
+    state = dec.call("wait", room, 30)
+    assert state[1] == "SUCCESS", state[2]
+    ok, changed = dec.call("verify", dst_blocks, n, pre.spec, src_blocks, "before")[1:]
+    assert ok and changed == 0
+    assert pre.call("state", room, 10)[1] == "SUCCESS"
+    assert pre.call("free")[1:] == (free0, 0)
+    assert dec.call("free")[1:] == (dfree0, 0)
+
+
+@st.composite
+def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
+    """A request signed with the right secret (a peer we trust to hold it) that is still wrong."""
+    n = draw(st.integers(1, 4 * tpb))
+    need = -(-n // tpb)
+    good = draw(st.lists(st.integers(first_block, nblocks - 1), min_size=need, max_size=need))
+    what = draw(st.sampled_from(["outside_pool", "negative", "past_the_end", "inverted", "layout", "no_layout_geometry"]))
+    d = _request_dict(0, session, layout, good, n)
+    if what == "outside_pool":
+        d["block_ids"] = good[:-1] + [draw(st.integers(nblocks, 2**31 - 1))]
+    elif what == "negative":
+        d["block_ids"] = good[:-1] + [draw(st.integers(-(2**31), -1))]
+    elif what == "past_the_end":  # more tokens than the blocks hold
+        d["token_stop"] = draw(st.integers(need * tpb + 1, 2**31 - 1))
+    elif what == "inverted":
+        d["token_start"], d["token_stop"] = n, draw(st.integers(0, n - 1))
+    elif what == "layout":  # geometry that does not fit its own regions, or nonsense
+        key = draw(st.sampled_from(["num_blocks", "block_stride", "tokens_per_block", "base", "regions", "dtype",
+                                    "head_dim", "kv_factor"]))
+        d["layout"] = {**layout, key: draw(st.one_of(HOSTILE_VALUES, st.integers(2**40, 2**62)))}
+    else:
+        d["layout"] = {k: v for k, v in layout.items() if k not in ("base", "num_blocks")}
+    return d, what
+
+
+def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
+    """A peer holding the secret (so its tag verifies) names blocks outside the pool,
+    tokens past the end, an inverted range or a broken layout: each is refused with the
+    reason, the room fails and its prefill blocks come back; the decode pool is unchanged."""
+    pre, dec = pair
+    endpoint = pre.ready[1]
+    session, layout = dec.ready[1], dec.ready[3]
+    dec.call("snap", "trusted")
+    hostile = Hostile(endpoint)
+    rooms = itertools.count(9000)
+    try:
+        @PEER_FUZZ
+        @given(bad_signed_requests(session, layout, 0, 64, 32))
+        def attack(case):
+            d, what = case
+            room = next(rooms)
+            pre.call("register", room, 16)
+            d["room"] = room
+            try:
+                frame = msgspec.msgpack.encode(_signed(d, SECRET))
+            except (P.ProtocolError, TypeError, ValueError, OverflowError):
+                frame = msgspec.msgpack.encode(d)  # the protocol will not sign it: it goes out unsigned
+            replies = hostile.exchange(frame)
+            fails = [m for m in replies if isinstance(m, P.TransferFailed)]
+            assert fails, (what, replies)
+            assert fails[0].code in ("incompatible", "bad_message", "auth"), (what, fails)
+            assert fails[0].reason
+            logs = pre.call("logs")[1]
+            assert any(f"refused room {fails[0].room}" in t or "malformed" in t for _, t in logs), logs
+            if fails[0].code == "incompatible":  # the room fails and gives its blocks back, once
+                st_ = pre.call("state", room, 10)
+                assert st_[1] == "FAILED" and st_[2], st_
+            assert dec.call("changed", "trusted", [])[1] == 0
+
+        attack()
+    finally:
+        hostile.close()
+    assert pre.call("ping")[0] == "pong" and dec.call("ping")[0] == "pong"
+    free = pre.call("free")
+    assert free[2] == 0  # no block released twice
+
+
+def test_out_of_order_and_cross_room_messages(pair):
+    """Abort, Done and Failed for rooms the peer is not part of; a request after the room
+    succeeded; then a legitimate handoff of a fresh room still works byte-exact."""
+    pre, dec = pair
+    endpoint = pre.ready[1]
+    session, layout = dec.ready[1], dec.ready[3]
+    room, n = 7777, 64
+    src_blocks = pre.call("register", room, n)[1]
+    dst_blocks = dec.call("start_pull", room, [endpoint], n, {"deadline_s": 60})[1]
+    dec.call("snap", "ooo")
+    hostile = Hostile(endpoint)
+    try:
+        for msg in [P.Abort(room=room, reason="not mine"), P.TransferDone(room=room, bytes=1, segments=1, plan="direct",
+                                                                          seconds=0.0),
+                    P.TransferFailed(room=room, reason="fake", code="timeout"), P.Abort(room=room + 1, reason="x")]:
+            hostile.exchange(P.encode(msg))
+        logs = [t for _, t in pre.call("logs")[1]]
+        for r in (room, room + 1):  # an Abort from a peer that never asked, without the secret's tag: ignored
+            assert any(t.startswith(f"sender: ignored an unauthenticated abort of room {r} from ") for t in logs), logs
+        for name in ("TransferDone", "TransferFailed"):  # what only a sender may say: refused by name
+            assert any(t.startswith(f"sender: refused room {room} from ") and f"unexpected {name} from a decode peer" in t
+                       for t in logs), (name, logs)
+        pre.call("compute", room)
+        state = dec.call("wait", room, 30)
+        assert state[1] == "SUCCESS", state[2]  # the hostile Abort did not end someone else's room
+        ok, changed = dec.call("verify", dst_blocks, n, pre.spec, src_blocks, "ooo")[1:]
+        assert ok and changed == 0
+        # the room is over: a request for it now (replayed with a genuine tag) moves nothing
+        dec.call("snap", "after_success")
+        replies = hostile.exchange(msgspec.msgpack.encode(_signed(_request_dict(room, session, layout, dst_blocks, n),
+                                                                  SECRET)))
+        assert any(isinstance(m, P.TransferFailed) for m in replies), replies
+        assert dec.call("changed", "after_success", [])[1] == 0
+    finally:
+        hostile.close()
+
+
+# -- the other direction: a hostile "prefill" that a decode rank asked ---------------------------
+
+SRC_LAYOUT = build_pool(_spec("sglang", 16, 71, blocks=256))[0].describe()
+
+
+@st.composite
+def hostile_answers(draw, room):
+    """Frames a hostile prefill endpoint sends back to a decode rank that asked it for ``room``."""
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["staged", "staged", "done", "other_room", "garbage", "failed"]))
+        if kind == "garbage":
+            out.append(draw(st.binary(max_size=128)))
+            continue
+        target = room if kind != "other_room" else draw(st.sampled_from([room + 1, 0, 2**63 - 1]))
+        if kind == "failed":
+            out.append(P.encode(P.TransferFailed(room=target, reason="hostile", code="transfer")))
+            continue
+        staged = []
+        if kind == "staged":
+            for _ in range(draw(st.integers(1, 3))):
+                start = draw(st.integers(0, 200))
+                staged.append(P.StagedChunk(first_token=draw(st.sampled_from([0, start - start % 16, start])),
+                                            start=start, stop=draw(st.integers(start, 2**31 - 1).filter(lambda x: True)),
+                                            offset=draw(st.sampled_from([0, 1, 4096, 2**40])),
+                                            blocks=draw(st.lists(st.integers(0, 2**31 - 1), max_size=20))))
+        lay = draw(st.sampled_from([SRC_LAYOUT, {**SRC_LAYOUT, "num_blocks": 2**31}, {**SRC_LAYOUT, "head_dim": 64}]))
+        try:
+            msg = P.TransferDone(room=target, bytes=1, segments=1, plan="staged_recv", seconds=0.0, staged=staged,
+                                 src_layout=lay if staged else {})
+            out.append(P.encode(msg))
+        except P.ProtocolError:
+            out.append(msgspec.msgpack.encode(msgspec.to_builtins(msg)))
+    return out
+
+
+# how a decode rank ends a room a hostile prefill answered (hostile_answers): the peer's own
+# TransferFailed, a Done claiming bytes it never wrote, or staged chunks the scatter refuses
+_REFUSALS = re.compile(r"^(prefill peers reported 1 B written, but the room's tokens need \d+ B"
+                       r"|prefill tcp://127\.0\.0\.1:\d+ failed the room: (hostile|closing)"
+                       r"|cannot scatter what prefill tcp://127\.0\.0\.1:\d+ staged: .+)$")
+
+
+def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
+    """A decode rank asks a hostile endpoint for a room; whatever comes back (Done with
+    staged chunks past the staging or the room, a lying source layout, answers for other
+    rooms, garbage), the room ends with a reason or with success, its blocks come back
+    once, and no byte of the decode pool outside the room's blocks changes."""
+    _, dec = pair
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    rooms = itertools.count(50_000)
+    try:
+        @PEER_FUZZ
+        @given(st.data())
+        def attack(data):
+            room, n = next(rooms), 64
+            dec.call("snap", "hostile_prefill")
+            free_before = dec.call("free")[1]
+            blocks = dec.call("start_pull", room, [endpoint], n, {"deadline_s": 20})[1]
+            end = time.monotonic() + REPLY_S
+            while True:  # the decode rank's signed request (heartbeats may come first)
+                assert router.poll(int(max(0.0, end - time.monotonic()) * 1000)), "no request from the decode rank"
+                ident, payload = router.recv_multipart()
+                msg = P.decode(payload)
+                if isinstance(msg, P.TransferRequest):
+                    break
+            assert msg.room == room and P.verify(msg, SECRET) and msg.block_ids == blocks
+            for frame in data.draw(hostile_answers(room)):
+                router.send_multipart([ident, frame])
+            router.send_multipart([ident, P.encode(P.TransferFailed(room=room, reason="closing", code="transfer"))])
+            state, reason, free = dec.call("wait", room, REPLY_S)[1:]
+            # whatever it claims, a peer that wrote nothing cannot end the room Success
+            assert state == "FAILED" and _REFUSALS.match(reason), (state, reason)
+            assert free == free_before  # blocks back exactly once (start_pull frees them on either outcome)
+            assert dec.call("changed", "hostile_prefill", blocks)[1] == 0
+
+        attack()
+    finally:
+        router.close(0)
+    assert dec.call("ping")[0] == "pong"
+    assert dec.call("free")[2] == 0
+
+
+def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
+    """A 17 MiB frame is not buffered (ZMQ drops that connection); a two-frame message that
+    puts someone else's routing id first is refused; the sender keeps serving others."""
+    pre, _ = pair
+    endpoint = pre.ready[1]
+    big = Hostile(endpoint)
+    spoof = Hostile(endpoint)
+    fresh = Hostile(endpoint)
+    try:
+        pre.call("logs")
+        big.sock.send(b"\x00" * (P.MAX_MESSAGE_BYTES + (1 << 20)))
+        spoof.sock.send_multipart([b"\x00victim", P.encode(P.Abort(room=1, reason="as someone else"))])
+        assert fresh.exchange(P.encode(P.Heartbeat(room=5, sender="x"))) == [P.Heartbeat(room=5, sender=endpoint)]
+        logs = [t for _, t in pre.call("logs")[1]]
+        assert any("2 frames, expected 1" in t for t in logs), logs
+        assert not big.sock.poll(200)  # nothing came back for the oversized frame
+    finally:
+        for h in (big, spoof, fresh):
+            h.close()
+    assert pre.call("ping")[0] == "pong"
+
+
+def test_a_sender_off_loopback_without_a_secret_warns(caplog):
+    from kvbridge.common.handoff import HandoffConfig, KVSender
+    from kvbridge.common.transport import MooncakeTransport
+
+    lay = build_pool(_spec("sglang", 4, 1, blocks=4))[0]
+    t = MooncakeTransport("127.0.0.1")
+    try:
+        with caplog.at_level("WARNING", logger="kvbridge"):
+            for host, secret in (("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", SECRET)):
+                KVSender(lay, t, host=host, config=HandoffConfig(chunk_bytes=1 << 20, secret=secret)).close()
+        warned = [r.getMessage() for r in caplog.records if "unauthenticated requests" in r.getMessage()]
+        assert len(warned) == 1 and "tcp://0.0.0.0:" in warned[0], warned
+    finally:
+        t.close()

@@ -1,0 +1,1 @@
+"""The router: unit tests and in front of real servers."""

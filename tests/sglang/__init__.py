@@ -1,0 +1,1 @@
+"""The SGLang adapter: real pools, scheduler ranks and server pairs on CPU."""
