@@ -1,7 +1,7 @@
 """The fault-matrix section of the reliability report (``kvbridge report --only faults``).
 
 ``run_faults`` runs the repository's fault-injection and cross-host tests
-(tests/test_faults.py, tests/test_cross_host.py; prefill and decode in separate OS
+(tests/faults/test_faults.py, tests/faults/test_cross_host.py; prefill and decode in separate OS
 processes over Mooncake TCP, both plugins) with their results directed to a fresh
 folder, and returns what they recorded (``faults.json``, ``cross_host.json``) with the
 pytest outcome; ``render_faults`` turns that into the markdown tables. It needs a source
@@ -39,9 +39,9 @@ FAULT_ROWS = [
     ("gate_recompute", "decode recompute fallback with the cost gate on (below break-even; prefill gone)"),
 ]
 NOT_APPLICABLE = {("sglang", "gate_recompute"): "n/a: SGLang 0.5.23's disaggregated decode cannot compute a prompt; "
-                  "its gate fails the request fast (tests/test_sglang_backend.py)"}
+                  "its gate fails the request fast (tests/sglang/test_sglang_backend.py)"}
 PLUGINS = [("sglang", "SGLang plugin"), ("trtllm", "TensorRT-LLM plugin")]
-TESTS = ("tests/test_faults.py", "tests/test_cross_host.py")
+TESTS = ("tests/faults/test_faults.py", "tests/faults/test_cross_host.py")
 
 
 def _checkout() -> str:

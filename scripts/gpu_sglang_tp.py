@@ -3,7 +3,7 @@
 What this CPU-only machine cannot run: SGLang's CPU engine does not start a TP > 1 server
 (NUMA binding assert; with SGLANG_CPU_OMP_THREADS_BIND set, a PyNccl communicator that
 needs CUDA). kvbridge's head slicing between TP sizes is covered here by the two-process
-tests with real pools (tests/test_sglang_backend.py); this script is the real-server run.
+tests with real pools (tests/sglang/test_sglang_backend.py); this script is the real-server run.
 
 It builds the tiny Llama (2 layers, 2 KV heads: one per prefill rank), starts a prefill
 server with --tp-size 2 --page-size 16 on GPUs 0 and 1 and a decode server with

@@ -119,7 +119,7 @@ def test_bench_load_rooms_read_back_by_each_engines_indexing(tmp_path):
     """Not the bench's own ``corrupted`` count: each side saves every room's blocks as its pool
     holds them (indexed by block id only), and here the decode's TensorRT-LLM-format blocks,
     read by TensorRT-LLM's indexing rule, equal the prefill's SGLang-format pages read by
-    SGLang's (tests/engine_kv.py, written apart from ``KVLayout``), room by room."""
+    SGLang's (tests/helpers/engine_kv.py, written apart from ``KVLayout``), room by room."""
     import torch
 
     from tests.helpers.engine_kv import sglang_kv, trtllm_kv

@@ -10,7 +10,7 @@
 - ``kvbridge demo --json``'s failure shape: one JSON object, ``match`` false, an error.
 
 The positive cross-engine paths (an SGLang server on either side) are
-tests/test_mixed_engines.py.
+tests/mixed/test_mixed_engines.py.
 """
 
 from __future__ import annotations

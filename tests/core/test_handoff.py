@@ -18,7 +18,7 @@ CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, 
 
 
 class Peer(PipePeer):
-    """A handoff peer process (tests/handoff_peers.py) driven over a Pipe."""
+    """A handoff peer process (tests/helpers/handoff_peers.py) driven over a Pipe."""
 
     def __init__(self, role: str, spec: dict, cfg: dict | None = None):
         target = handoff_peers.prefill_main if role == "prefill" else handoff_peers.decode_main

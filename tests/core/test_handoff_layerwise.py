@@ -1,7 +1,7 @@
 """Layer-wise handoffs: the prefill hands each chunk's KV over one layer (range) at a time,
 as its forward writes them, and each goes on the wire while the next is computed.
 
-Separate OS processes over Mooncake TCP on 127.0.0.1 (tests/handoff_peers.py): the decode
+Separate OS processes over Mooncake TCP on 127.0.0.1 (tests/helpers/handoff_peers.py): the decode
 process verifies every moved byte against the prefill pool rebuilt from its seed, and that
 nothing else in its pool changed; block free-counts are checked on both sides.
 """

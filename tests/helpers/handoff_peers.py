@@ -28,7 +28,7 @@ def build_pool(spec: dict):
 
 def engine_read(spec: dict, tensors: list, blocks, positions) -> np.ndarray:
     """``[layers, kv, T, heads, element bytes]`` uint8 of ``positions`` in ``blocks``, read by
-    the engine's own indexing rule (tests/engine_kv.py), not through ``KVLayout``."""
+    the engine's own indexing rule (tests/helpers/engine_kv.py), not through ``KVLayout``."""
     import torch
 
     from tests.helpers.engine_kv import sglang_kv, trtllm_kv, vllm_kv

@@ -1,5 +1,5 @@
 """One SGLang scheduler rank per OS process, driving kvbridge's SGLang backend with the
-REAL sglang package on CPU, for tests/test_sglang_backend.py.
+REAL sglang package on CPU, for tests/sglang/test_sglang_backend.py.
 
 A process imports SGLang once (5-15 s), loads plugins through SGLang's own loader, and
 then plays any role the parent asks for, case after case: it re-publishes SGLang's
@@ -25,12 +25,12 @@ What it mirrors, at sglang 0.5.23 (``sglang/srt/disaggregation/``):
 
 It exists for fault injection (throttled writes, SIGSTOP, kills at exact points), which a
 real server cannot be stopped at. Every behaviour it drives also runs through SGLang's
-REAL servers: handoffs and concurrency (tests/test_sglang_server_kvbridge.py,
-tests/test_sglang_server_page_sizes.py), chunked prefill, prefix reuse and early send
+REAL servers: handoffs and concurrency (tests/sglang/test_sglang_server_kvbridge.py,
+tests/sglang/test_sglang_server_page_sizes.py), chunked prefill, prefix reuse and early send
 (test_sglang_server_page_sizes.py), a dead prefill (``test_decode_fails_cleanly_when_
 prefill_is_gone_and_stays_healthy``), a client's decode abort (``test_decode_abort_while_
 waiting_for_kv_ends_the_room_on_both_servers``), a prefill killed mid-run and a slow
-prefill given up within its deadline (tests/test_route_sglang.py), an incompatible decode
+prefill given up within its deadline (tests/route/test_route_sglang.py), an incompatible decode
 (``test_incompatible_decode_fails_requests_and_servers_stay_up``).
 """
 

@@ -2,7 +2,7 @@
 way TensorRT-LLM's executor loads it (``py_executor_creator.create_py_executor``): from the
 plugin's own ``kv_connector_config``, by import, against the connector API module of the
 installed version. Run in-process where the real ``tensorrt_llm`` imports
-(tests/test_trtllm_contract.py, scripts/gpu_check.sh), and as ``python -m`` against the
+(tests/trtllm/test_trtllm_contract.py, scripts/gpu_check.sh), and as ``python -m`` against the
 stand-in's import trees here.
 
 Checks: the plugin resolved the connector API at the path this version has; the classes
@@ -84,7 +84,7 @@ def check_contract(llm_args=None) -> dict:
             "main_hooks": hasattr(api.KvCacheConnectorScheduler, "wait_for_initialization")}
 
 
-if __name__ == "__main__":  # python tests/trtllm_contract_check.py MODEL_DIR: against whatever tensorrt_llm imports
+if __name__ == "__main__":  # python tests/helpers/trtllm_contract_check.py MODEL_DIR: against whatever tensorrt_llm imports
     args = None
     if len(sys.argv) > 1:
         args = SimpleNamespace(model=sys.argv[1], tensor_parallel_size=1, pipeline_parallel_size=1,

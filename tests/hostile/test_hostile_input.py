@@ -16,7 +16,7 @@ outside the room's blocks changes (the whole pool is compared with a snapshot), 
 the legitimate handoff that was waiting all along then succeeds byte-exact.
 
 Example counts: ``KVBRIDGE_FUZZ_EXAMPLES`` (default: small, for CI) sets them for every
-hypothesis test here, e.g. ``KVBRIDGE_FUZZ_EXAMPLES=500 pytest tests/test_hostile_input.py``.
+hypothesis test here, e.g. ``KVBRIDGE_FUZZ_EXAMPLES=500 pytest tests/hostile/test_hostile_input.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ with blocks of 32/64 (CPU_ATTN: multiples of 32), MLA with blocks of 16 (CPU_MLA
 size); vLLM's CPU fp8 cache is not modelled, and vLLM -> vLLM needs equal block sizes. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
 MLATokenToKVPool); TensorRT-LLM and vLLM sides are pools of their exact geometry (the
 vLLM one read back through vLLM's own indexing rule, ``kvhelpers.vllm_unit_offsets``,
-and checked against vLLM's kernel in tests/test_vllm_layout.py). Each cell moves a
+and checked against vLLM's kernel in tests/vllm/test_vllm_layout.py). Each cell moves a
 request (with a prefix the receiver holds) from every source rank to every destination
 rank that shares heads with it, with the plan kvbridge chooses (and the gather/scatter
 kernels when it stages), and checks every byte of every destination rank and that
@@ -192,7 +192,7 @@ def _peer_spec(engine: str, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def mooncake_peers():
-    """A prefill and a decode peer process per engine (tests/handoff_peers.py), each with a
+    """A prefill and a decode peer process per engine (tests/helpers/handoff_peers.py), each with a
     pool of that engine's format and a real Mooncake transport on 127.0.0.1."""
     from tests.helpers import handoff_peers
     from tests.helpers.kvhelpers import PipePeer
@@ -217,7 +217,7 @@ def test_one_cell_per_engine_pair_through_mooncake(mooncake_peers, pair, layerwi
     chunks, the decode process pulls it over Mooncake TCP (holding the first 20 tokens
     already) into scattered blocks. The destination's K/V, read back by the destination
     engine's own indexing rule, equals the source's, read by the source engine's rule
-    (tests/engine_kv.py, independent of ``KVLayout``); both pools get every block back.
+    (tests/helpers/engine_kv.py, independent of ``KVLayout``); both pools get every block back.
     ``layerwise``: each chunk's layers are handed to the sender one at a time."""
     src, dst = pair
     pre, dec = mooncake_peers["prefill", src], mooncake_peers["decode", dst]

@@ -2,7 +2,7 @@
 
 One side is always a REAL SGLang pool (MHATokenToKVPool / MLATokenToKVPool, CPU);
 the other is SGLang or a tensor of TensorRT-LLM's exact pool geometry. Bytes are
-checked against an independent reference reader (tests/kvhelpers.py), the three plan
+checked against an independent reference reader (tests/helpers/kvhelpers.py), the three plan
 kinds must produce identical destination bytes, and nothing else in either pool may
 change.
 """
@@ -159,7 +159,7 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
 
 def engine_kv_of(kind: str, pool, blocks, tpb: int, tokens, heads, head_dim: int) -> torch.Tensor:
     """Bytes ``[layers, kv, T, H, head_bytes]`` of ``tokens`` and local ``heads``, read by the
-    engine's own indexing rule (tests/engine_kv.py), not through ``KVLayout``."""
+    engine's own indexing rule (tests/helpers/engine_kv.py), not through ``KVLayout``."""
     if kind == "sglang":
         layers = pool.layer_num
         if not hasattr(pool, "k_buffer"):  # MLA: one latent row per token

@@ -349,7 +349,7 @@ def test_bench_layout_repack_read_back_by_each_engines_indexing():
     """Not the bench's own ``repack_bytes_verified``: its staged bytes are sent to a real
     TensorRT-LLM-format pool along the plan's wire segments (as a transport would), then the
     destination is read by TensorRT-LLM's indexing rule and compared with the source read by
-    SGLang's (tests/engine_kv.py, written apart from ``KVLayout``)."""
+    SGLang's (tests/helpers/engine_kv.py, written apart from ``KVLayout``)."""
     from tests.helpers.engine_kv import sglang_kv, trtllm_kv
     from kvbridge.bench.layout import bench_layout
     from tests.helpers.kvhelpers import execute_segments

@@ -2,7 +2,7 @@
 
 Three OS processes each import SGLang once and load plugins with SGLang's own loader
 (``sglang.srt.plugins.load_plugins``) from the installed entry point; they then play
-prefill and decode scheduler ranks, case after case (tests/sglang_peers.py), with real
+prefill and decode scheduler ranks, case after case (tests/helpers/sglang_peers.py), with real
 MHA/MLA token pools, real KVArgs and SGLang's bootstrap server, Mooncake TCP on
 127.0.0.1. Every moved byte is compared with the prefill pools; decode pages outside the
 request must be unchanged; the decode metadata row must hold the first token.

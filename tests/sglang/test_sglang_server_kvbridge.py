@@ -3,7 +3,7 @@
 The backend is picked up from kvbridge's installed ``sglang.srt.plugins`` entry point in
 every server process. Greedy float32 outputs must equal transformers' ``generate()`` on
 the same tiny model, and the outputs of the same pair on SGLang's own ``mooncake``
-backend. Servers start once per test session (``conftest_sglang``). A second decode
+backend. Servers start once per test session (``tests.helpers.sglang_pairs``). A second decode
 server with --page-size 16 joins the pair once (prefill page 1 -> decode page 16).
 """
 
@@ -99,7 +99,7 @@ def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridg
     server waits for the KV (the prefill has not been asked yet): the decode answers with
     an abort; the prefill request for that room, sent afterwards, ends within the handoff
     timeouts instead of holding its KV; both servers stay healthy and the next request
-    through the pair equals transformers' output (the same behaviour tests/sglang_peers.py
+    through the pair equals transformers' output (the same behaviour tests/helpers/sglang_peers.py
     drives by hand, through the real servers)."""
     import requests
 

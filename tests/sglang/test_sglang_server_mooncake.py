@@ -2,7 +2,7 @@
 
 The anchor for every other backend: greedy float32 outputs of the pair must
 equal transformers' ``generate()`` on the same tiny model, token for token.
-Servers start once per session (``conftest_sglang``); the whole module takes
+Servers start once per session (``tests.helpers.sglang_pairs``); the whole module takes
 about a minute on 2 cores, most of it the server start.
 """
 

@@ -9,7 +9,7 @@ transformers' ``generate()`` on the same tiny model, and kvbridge's byte counter
 whole pages. A decode server of another model fails its requests with the mismatch named,
 while every server stays up.
 
-Three pairs, one alive at a time (``conftest_sglang``), each started once per session:
+Three pairs, one alive at a time (``tests.helpers.sglang_pairs``), each started once per session:
 - prefill page 16 -> decode page 64, the prefill chunking prompts by 48 tokens; a third
   server, a decode of another tiny model, joins it for the incompatible case;
 - prefill page 64 -> decode page 1, the decode reusing prefixes from its radix cache

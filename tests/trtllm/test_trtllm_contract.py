@@ -1,5 +1,5 @@
 """The kvbridge TensorRT-LLM connector against TensorRT-LLM's own connector API
-(tests/trtllm_contract_check.py): loaded from the plugin's ``kv_connector_config`` the
+(tests/helpers/trtllm_contract_check.py): loaded from the plugin's ``kv_connector_config`` the
 way the executor loads it, checked against the bases of the module path the installed
 version has, and wrapped in that version's ``KvCacheConnectorManager``.
 
