@@ -624,7 +624,7 @@ class TRTServers:
         mine = self.per_role.get(role, {})
         return StandInServer(self.versions[role], self.model, num_blocks=48, tokens_per_block=32,
                              plugin={**self.plugin, **mine.get("plugin", {}), **plugin},
-                             setup=("kvhelpers:install_test_hooks", {**self.switch.hooks, **mine.get("hooks", {})}))
+                             setup=("tests.helpers.kvhelpers:install_test_hooks", {**self.switch.hooks, **mine.get("hooks", {})}))
 
     def replace(self, role: str) -> None:
         """A restarted server in place of ``role``'s (killed) one."""
