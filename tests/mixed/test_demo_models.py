@@ -9,7 +9,6 @@ import json
 import pytest
 
 
-
 def test_model_info_counts_kv_bytes_per_token(tiny_llama_dir, tiny_mla_dir):  # noqa: F811
     from kvbridge.demo.run import _model_info
 
