@@ -35,6 +35,13 @@ against the installed 0.3.13.post1 wheel, which behaves the same):
   (src/transport/tcp_transport/tcp_transport.cpp l. 254-259); beyond that pieces
   fail with "TCP lane queue-full" (one 3000-piece call fails here).
 
+* A TCP write piece is COMPLETED only once the peer has copied it into its memory
+  and said so (Mooncake's TCP protocol v2, ``tcp_transport_session_impl.h``: the server
+  sends a status frame after the last chunk is applied). A sender's TransferDone rests on
+  this. ``MC_TCP_PROTO=1`` selects the v1 framing, whose writes complete once in the
+  local socket (33 KiB to a SIGSTOPped peer: 2.5 ms); never set it
+  (``tests/test_transport.py::test_a_completed_write_is_in_the_peers_memory``).
+
 So every piece is its own one-piece batch, submitted through
 ``batch_transfer_async_write`` a chunk at a time (about 3 us per piece measured,
 against 1-2 us per piece inside one large batch), with at most

@@ -39,7 +39,8 @@ class VllmBridgeConfig(BridgeSettings):
     turning it on is refused. ``discovery_timeout_s``: how long a
     decode waits for a prefill's bootstrap server to list its ranks. ``records_path``: a
     file every worker appends one JSON line to per finished handoff (request, room, side,
-    outcome and kvbridge's record: bytes, segments, plan, seconds); "" (default): none.
+    outcome, the request's block ids the room read or filled, and kvbridge's record:
+    bytes, segments, plan, seconds); "" (default): none.
 
     What a failed load does is vLLM's own setting, ``kv_load_failure_policy`` in the same
     ``--kv-transfer-config`` (``recompute`` the prompt, or ``fail`` the request).

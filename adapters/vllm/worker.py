@@ -107,6 +107,7 @@ class _Room:
     reason: str = ""
     started: bool = False
     cancelled: bool = False  # its request ended before the load could start
+    blocks: tuple[int, ...] = ()  # the request's block ids the room reads (send) or fills (load), token order
 
 
 def _bounded(d: OrderedDict, key: str, value: Any) -> None:
@@ -221,7 +222,7 @@ class KVBridgeWorker:
                 s = self._sends.pop(r)
                 self._announced.discard(r)
                 rec = self.sender.record(s.room) if s.started else None
-                done = {"room": s.room, "ok": s.ok, "record": rec.as_dict() if rec else None}
+                done = {"room": s.room, "ok": s.ok, "blocks": list(s.blocks), "record": rec.as_dict() if rec else None}
                 _bounded(self.finished_sends, r, done)
                 if self.cfg.records_path:
                     _append_record(self.cfg.records_path, {"req": r, "side": "send", "rank": self.tp_rank, **done})
@@ -238,7 +239,7 @@ class KVBridgeWorker:
                 loaded.add(r)
                 if not ld.ok:
                     failed.add(r)
-                done = {"room": ld.room, "ok": ld.ok, "reason": ld.reason}
+                done = {"room": ld.room, "ok": ld.ok, "reason": ld.reason, "blocks": list(ld.blocks)}
                 if ld.started:
                     rec = self.receiver.record(ld.room)
                     done.update(aux=self.receiver.aux(ld.room), record=rec.as_dict() if rec else None)
@@ -275,6 +276,7 @@ class KVBridgeWorker:
         s = self._sends[o.req]
         if not s.started:
             return
+        s.blocks = tuple(o.blocks)
         aux = {"output_ids": [o.first_token]} if o.first_token >= 0 else None
         self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), 0, o.stop, last=True, aux=aux)
 
@@ -297,7 +299,7 @@ class KVBridgeWorker:
     def _load(self, o: Load) -> None:
         if self.receiver is None:
             raise ConfigError("a load order on a worker without a receiver (kv_role kv_producer)")
-        ld = self._loads[o.req] = _Room(o.req, o.room, "load")
+        ld = self._loads[o.req] = _Room(o.req, o.room, "load", blocks=tuple(o.blocks))
         if o.endpoints:
             self._request(ld, o, list(o.endpoints), None)
         else:

@@ -318,6 +318,54 @@ def test_stopped_peer_times_out(pair):
         victim.proc.join(5)
 
 
+def _stop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (``kill`` returns once
+    the signal is sent; on a loaded machine the threads may run on for milliseconds)."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that just ended
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        assert time.monotonic() < end, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.01)
+
+
+def test_a_completed_write_is_in_the_peers_memory(pair):
+    """What a sender's TransferDone rests on: a completed write has been copied into the
+    peer's memory, not only into a socket. Mooncake 0.3.13's TCP transport acknowledges a
+    write once its peer applied it (its protocol v2; ``MC_TCP_PROTO=1`` selects v1, whose
+    writes complete in the local socket: 33 KiB to a stopped peer then complete in ~1 ms).
+    So a write to a stopped peer does not complete, and the bytes of the write that
+    completes once it runs again are there, read at once."""
+    writer, _ = pair
+    victim = Peer(4 * MiB).ready()
+    n = 33 * 1024  # a 33-token prompt's KV in the vLLM tests: one piece, far less than a socket buffer
+    args = dict(session=victim.session, src_off=[4096], dst_addrs=[victim.addr], lengths=[n])
+    try:
+        writer.call("fill", seed=11)
+        assert writer.call("write", deadline_s=5.0, **args)["ok"]  # connects
+        victim.call("fill", seed=5)
+        _stop(victim.proc.pid)
+        out = writer.call("write", deadline_s=1.0, **args)
+        assert not out["ok"] and out["type"] == "TransportTimeout", out
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        assert writer.call("settle", timeout_s=10.0) is True
+        assert writer.call("write", deadline_s=5.0, **args)["ok"]
+        bad, first = victim.call("verify", fill_seed=5, src_seed=11, src_nbytes=writer.nbytes, src_off=np.array([4096]),
+                                 dst_off=np.array([0]), lengths=np.array([n]))
+        assert bad == 0, f"{bad} bytes differ from byte {first} on"
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        victim.stop()
+
+
 # ---------------------------------------------------------------------------- one process
 
 

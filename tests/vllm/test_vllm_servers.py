@@ -287,7 +287,7 @@ def test_route_pairs_with_vllm(model_dir, vllm_servers, sglang_pair, trt_http, p
         router.call(router.router.dispatcher.drain)
         assert m.value("kvbridge_route_room_aborts_total", {"engine": p_e["engine"]}) == 0
     for (ids, info), (prompt, ref) in zip(out, cases):
-        assert ids == ref, (ids, ref)
+        assert ids == ref, (ids, ref, info, _handoff_evidence(out, vllm_servers, pk, dk))
         assert info["route"] == route and info["mode"] == "disaggregated" and info["servers"] == [p_e["name"], d_e["name"]]
         assert len(info["rooms"]) == 1 and not info["retries"], info
     rooms = [(info["rooms"][0], len(prompt)) for (_, info), (prompt, _) in zip(out, cases)]
@@ -309,6 +309,18 @@ def test_route_pairs_with_vllm(model_dir, vllm_servers, sglang_pair, trt_http, p
             assert all(v.get("verdict") == "ok" for v in new.values()), new
         else:
             assert all(v.get("ok") for v in new.values()), new
+
+
+def _handoff_evidence(out, vllm_servers, pk: str, dk: str) -> dict:
+    """What each vLLM side recorded of the rooms of ``out`` (the router's answers), for a
+    failure message: block ids, bytes, timing (a record not written yet shows as None)."""
+    got = {}
+    for _, info in out:
+        for room in info.get("rooms") or ():
+            for kind, side in ((pk, "send"), (dk, "load")):
+                if kind.startswith("vllm"):
+                    got[f"{kind} {side} {room}"] = vllm_servers[int(kind[-1])].record_of(room, side)
+    return got
 
 
 def test_route_short_prompt_is_computed_by_the_vllm_decode_alone(model_dir, vllm_servers):
