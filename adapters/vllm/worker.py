@@ -358,6 +358,9 @@ class KVBridgeWorker:
             ld.started = True
         except (ValueError, LayoutError) as e:
             self._fail(ld, f"{type(e).__name__}: {e}")
+            return
+        if ld.cancelled:  # a Drop that came between the check above and ``started`` did not abort the room
+            self.receiver.abort(o.room, "decode request aborted while loading")
 
     def _fail(self, ld: _Room, reason: str) -> None:
         log.warning("kvbridge vLLM worker rank %d: request %s: room %s: %s", self.tp_rank, ld.req, ld.room, reason)
