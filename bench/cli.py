@@ -33,6 +33,18 @@ def _print_json(args: argparse.Namespace, name: str, res: dict) -> None:
         print(json.dumps(res))
 
 
+def _warn(res: dict) -> None:
+    """The machine's line and each warning of a result, on stderr (so ``--json`` stays one object)."""
+    import sys
+
+    from kvbridge.bench.machine import machine_line
+
+    if res.get("machine"):
+        print(machine_line(res["machine"]), file=sys.stderr)
+    for w in res.get("warnings", []):
+        print(f"warning: {w}", file=sys.stderr)
+
+
 def _bench_layout(args: argparse.Namespace) -> int:
     from kvbridge.bench.layout import bench_layout
 
@@ -42,6 +54,7 @@ def _bench_layout(args: argparse.Namespace) -> int:
                                  progress=say),
         args.json,
     )
+    _warn(res)
     if args.json:
         _print_json(args, "layout", res)
         return 0
@@ -49,7 +62,8 @@ def _bench_layout(args: argparse.Namespace) -> int:
         "layout: SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 32 layers x 8 heads x 128, bf16",
         res,
         ["plan_ms_32k", "plan_kind", "segments_direct", "segments_staged", "segments_staged_contiguous_dst",
-         "repack_bytes", "repack_gbps", "memcpy_gbps", "repack_ratio", "threads"],
+         "repack_bytes", "repack_path", "repack_gbps", "memcpy_gbps", "repack_ratio", "repack_ratio_spread",
+         "repack_rows_ratio_spread", "repack_cold_ratio_spread", "warmup_reps", "threads"],
     )
     print(res["plan_reason"])
     if res.get("cuda"):
@@ -69,6 +83,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         args.json, transfer_steps(reps, sweep),
     )
     _stash(args, "transfer", res)
+    _warn(res)
     if args.plot and args.suite != "all":  # `bench all` draws them once every suite ran
         res["plots"] = _plot_suites(args.plot, res, None)
     if args.json:
