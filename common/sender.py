@@ -29,6 +29,7 @@ from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
 from .send_pipeline import SendPipeline, _Prestaged
+from .staging import staging_buffer
 from .transport import MooncakeTransport
 
 __all__ = ["KVSender"]
@@ -132,7 +133,7 @@ class KVSender(ControlSide, SendPipeline):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
         for _ in range(workers):
-            ring = torch.empty(max(2, cfg.ring_parts) * cfg.part_bytes, dtype=torch.uint8, device=layout.device or "cpu")
+            ring = staging_buffer(max(2, cfg.ring_parts) * cfg.part_bytes, layout.device or "cpu")  # faulted in now
             transport.register_tensor(ring)
             self._rings.append(ring)
         # first parts gathered ahead of their requests (see _prestage): one slot per room
@@ -140,8 +141,8 @@ class KVSender(ControlSide, SendPipeline):
         self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
         self._prestage_buf = None
         if self._prestage_free:
-            self._prestage_buf = torch.zeros(len(self._prestage_free) * self._slot_bytes, dtype=torch.uint8,
-                                             device=layout.device or "cpu")  # touched now: no page faults on a room's time
+            self._prestage_buf = staging_buffer(len(self._prestage_free) * self._slot_bytes,
+                                                layout.device or "cpu")  # touched now: no page faults on a room's time
             transport.register_tensor(self._prestage_buf)
 
     @property
