@@ -7,7 +7,7 @@ runs on real tensors of a smaller request and is compared with a torch copy of t
 same number of bytes, interleaved in the same run (the order rotated each repetition,
 after ``warmup_reps`` untimed ones): every ratio is the median of per-repetition
 ratios, with its p10-p90. The cold ratio: a plan's gathers built on the spot into a
-staging ring never touched, against a memcpy into a buffer never touched. What the
+staging ring never touched, against a memcpy of the same bytes into such a ring. What the
 machine imposes (THP policy, CPUs, governor, threads, load) is in ``machine``; the
 ``warnings`` name it, and any ratio whose spread is wider than its effect.
 """
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvbridge.bench.machine import machine_notes, spread
+from kvbridge.common.copyteam import CopyTeam
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
@@ -123,12 +124,15 @@ def bench_layout(
     b = torch.empty(nbytes, dtype=torch.uint8)
     b.random_(0, 255)
 
-    def chunked(inline: bool | None = None, ps=parts, into=ring) -> None:  # as KVSender's pipeline: parts into its ring in turn
-        for k, (g, a, b) in enumerate(ps):
-            g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline)
+    team = CopyTeam()  # as KVSender's: the calling thread and default_helpers() threads share each part
+
+    def chunked(inline: bool | None = None, ps=parts, into=ring, parallel=team) -> None:
+        for k, (g, a, b) in enumerate(ps):  # as KVSender's pipeline: parts into the regions of its ring in turn
+            g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline, parallel=parallel)
 
     cases = {"memcpy": lambda: a.copy_(b), "repack": chunked, "repack_rows": lambda: chunked(ps=rows_only),
-             "repack_inline": lambda: chunked(inline=True), "repack_whole": lambda: whole.run(whole_stage)}
+             "repack_omp": lambda: chunked(parallel=None),  # each part through torch's OpenMP pool (before)
+             "repack_inline": lambda: chunked(inline=True, parallel=None), "repack_whole": lambda: whole.run(whole_stage)}
     warmup = max(1, reps // 5)
     for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
         for fn in cases.values():
@@ -144,8 +148,11 @@ def bench_layout(
     cold_reps = max(3, reps // 3)
     t_cold = {"memcpy": [], "repack": []}
     for i in range(cold_reps):
-        def cold_copy():
-            torch.empty(nbytes, dtype=torch.uint8).copy_(b)
+        def cold_copy():  # the same bytes through a fresh ring of the same size, part by part
+            fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
+            for k, o in enumerate(range(0, nbytes, part_bytes)):
+                n = min(part_bytes, nbytes - o)
+                fresh[(k % ring_parts) * part_bytes:][:n].copy_(b[o:o + n])
 
         def cold_repack():
             fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
@@ -153,6 +160,7 @@ def bench_layout(
         for k, fn in ((("memcpy", cold_copy), ("repack", cold_repack)) if i % 2 == 0 else
                       (("repack", cold_repack), ("memcpy", cold_copy))):
             t_cold[k].append(_timed(fn))
+    team.close()
     copy_s, rep_s, whole_s = (statistics.median(t[k]) for k in ("memcpy", "repack", "repack_whole"))
     inline_s, rows_s = statistics.median(t["repack_inline"]), statistics.median(t["repack_rows"])
     ratios = {k: spread([c / r for c, r in zip(t["memcpy"], t[k])], 1.0) for k in names[1:]}
@@ -185,8 +193,10 @@ def bench_layout(
         "repack_bytes": nbytes,
         "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
                         f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
-                        "torch's threads spreading each part; repack_inline_gbps: on the calling thread only, "
-                        "as KVSender does with inline_gather"),
+                        "each part shared by the calling thread and a copy team's helpers (KVSender's); "
+                        "repack_omp: each part through torch's OpenMP pool instead (before issue 21); "
+                        "repack_rows: the row-index fallback; repack_inline: the calling thread only (inline_gather); "
+                        "repack_whole: the whole request in one gather"),
         "repack_path": "box tiles" if gathers[0].box_path else "row index",
         "repack_gbps": round(nbytes / rep_s / 1e9, 3),
         "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
@@ -195,6 +205,9 @@ def bench_layout(
         "repack_ratio_spread": ratios["repack"],
         "repack_rows_gbps": round(nbytes / rows_s / 1e9, 3),  # the row-index fallback on the same bytes
         "repack_rows_ratio_spread": ratios["repack_rows"],
+        "repack_omp_gbps": round(nbytes / statistics.median(t["repack_omp"]) / 1e9, 3),  # parts through torch's pool
+        "repack_omp_ratio_spread": ratios["repack_omp"],
+        "copy_team_helpers": team.helpers,
         "repack_inline_gbps": round(nbytes / inline_s / 1e9, 3),  # on the calling thread only (HandoffConfig.inline_gather)
         "repack_inline_ratio_spread": ratios["repack_inline"],
         "repack_whole_gbps": round(nbytes / whole_s / 1e9, 3),
@@ -202,7 +215,7 @@ def bench_layout(
         "repack_whole_ratio_spread": ratios["repack_whole"],
         "repack_cold_ratio_spread": cold_ratio,
         "cold": ("first run of a plan's gathers built on the spot into a staging ring never touched, "
-                 "against a memcpy into a buffer never touched"),
+                 "against a memcpy of the same bytes part by part into a ring of the same size never touched"),
         "repack_prepare_ms": round(prepare_s * 1e3, 2),
         "reps": reps,
         "warmup_reps": warmup,

@@ -29,6 +29,7 @@ from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
 from .send_pipeline import SendPipeline, _Prestaged
+from .copyteam import CopyTeam
 from .staging import staging_buffer
 from .transport import MooncakeTransport
 
@@ -130,6 +131,10 @@ class KVSender(ControlSide, SendPipeline):
         cfg = self.config
         for t in layout.tensors or ():
             transport.register_tensor(t)
+        # CPU gathers shared with helper threads that never hold a part up (torch's OpenMP
+        # pool does, on a busy host: each part would wait for its threads to be scheduled)
+        dev = layout.device
+        self._team = CopyTeam(name="kvbridge-gather") if dev is None or dev.type == "cpu" else None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
         for _ in range(workers):
@@ -276,6 +281,8 @@ class KVSender(ControlSide, SendPipeline):
             if self._rooms[room].state not in TERMINAL:
                 self._fail(room, "sender shutting down", code="shutdown", notify=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._team is not None:
+            self._team.close()
         super().close()
 
     # -- control plane (I/O thread) -----------------------------------------------------

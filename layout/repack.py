@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -259,23 +260,30 @@ class _PoolRows:
         first = int(self._box_end[i - 1]) if i else 0
         return self._rows_index(self._boxes.take(slice(i, j)), a - first, b - first)
 
-    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None) -> int:
+    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None,
+                     parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
         a, b = rows if rows is not None else (0, self.rows)
         if not 0 <= a <= b <= self.rows:
             raise LayoutError(f"row range [{a}, {b}) outside the {self.rows} rows of this repack")
         nbytes = (b - a) * self.row_bytes
         out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
-        if self._tiles is not None:
-            self._tiles_gather(out, a, b, inline)
-            self._complete()
-            return nbytes
-        index = self._index_of(a, b)
-        if self._strided:
-            for kv, pos in self._by_kv(a, b):
-                out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
+        if parallel is not None and self._device.type == "cpu" and not self._strided:
+            inline = True  # pieces below ATen's grain: each runs on whichever thread takes it
         else:
-            for i, j in self._copies(b - a, inline):
-                torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
+            parallel = None
+        if self._tiles is not None:
+            pieces = self._tiles_pieces(out, a, b, inline)
+        elif self._strided:
+            index = self._index_of(a, b)
+            pieces = [lambda kv=kv, pos=pos: out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
+                      for kv, pos in self._by_kv(a, b)]
+        else:
+            pieces = self._rows_pieces(out, a, b, inline)
+        if parallel is not None and len(pieces) > 1:
+            parallel(pieces)
+        else:
+            for piece in pieces:
+                piece()
         self._complete()
         return nbytes
 
@@ -297,27 +305,27 @@ class _PoolRows:
         self._complete()
         return self.nbytes
 
-    def _tiles_gather(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> None:
-        """Staging rows ``[a, b)`` into ``out`` (row 0 = row ``a``): whole boxes as tiles,
-        the rows of a box the range cuts through the row index of those rows only."""
+    def _tiles_pieces(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> list:
+        """The copies that put staging rows ``[a, b)`` into ``out`` (row 0 = row ``a``):
+        whole boxes as tiles, the rows of a box the range cuts through the row index of
+        those rows only. Each a thunk; they write disjoint rows (any order, any thread)."""
         t = self._tiles
         i0, i1 = -(-a // t.rows), b // t.rows  # whole boxes [i0, i1)
         if i0 >= i1:  # inside one box (or across one boundary, no whole box)
-            self._rows_gather(out, a, b, inline)
-            return
-        self._rows_gather(out[: i0 * t.rows - a], a, i0 * t.rows, inline)
+            return self._rows_pieces(out, a, b, inline)
+        pieces = self._rows_pieces(out[: i0 * t.rows - a], a, i0 * t.rows, inline)
         for i, j in self._box_copies(i0, i1, inline):
-            dst = out[i * t.rows - a: j * t.rows - a].view(j - i, *t.shape)
-            torch.index_select(t.view, 0, t.index[i:j], out=dst)
-        self._rows_gather(out[i1 * t.rows - a:], i1 * t.rows, b, inline)
+            pieces.append(lambda i=i, j=j: torch.index_select(
+                t.view, 0, t.index[i:j], out=out[i * t.rows - a: j * t.rows - a].view(j - i, *t.shape)))
+        return pieces + self._rows_pieces(out[i1 * t.rows - a:], i1 * t.rows, b, inline)
 
-    def _rows_gather(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> None:
-        """Rows ``[a, b)`` into ``out`` through their row index (contiguous-row pools)."""
+    def _rows_pieces(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> list:
+        """Rows ``[a, b)`` into ``out`` through their row index (contiguous-row pools): thunks."""
         if b <= a:
-            return
+            return []
         index = self._index_of(a, b)
-        for i, j in self._copies(b - a, inline):
-            torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
+        return [lambda i=i, j=j: torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
+                for i, j in self._copies(b - a, inline)]
 
     def _box_copies(self, i0: int, i1: int, inline: bool | None) -> list[tuple[int, int]]:
         """Box ranges of one tiled copy each: ``_copies``' rule, counted in boxes."""
@@ -432,14 +440,18 @@ class Gather(_PoolRows):
     def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None, *, tiles: bool = True):
         super().__init__(spec, "src", "dst", src_addr, tiles)
 
-    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None) -> int:
+    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None,
+            parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns
         bytes once they are all in place (on a GPU too), so ``staging`` may be sent at once.
         With ``rows=(a, b)``, only staging rows ``[a, b)``, written at the START of ``staging``
         (``(b - a) * row_bytes`` bytes): one part of a pipelined gather. ``inline=True`` keeps
         a CPU gather on the calling thread (torch's intra-op threads stay out of it), False
-        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline."""
-        return self._gather_into(staging, rows, inline)
+        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline.
+        ``parallel`` (CPU): a callable that runs a list of thunks, in any threads, and returns
+        once all are done (e.g. ``kvbridge.common.copyteam.CopyTeam``); the gather is then cut
+        into copies small enough to stay off torch's OpenMP pool, handed to it."""
+        return self._gather_into(staging, rows, inline, parallel)
 
 
 class Scatter(_PoolRows):

@@ -108,3 +108,44 @@ def test_scatter_writes_exactly_the_request(name, tiled):
     assert np.array_equal(read_units(src, so), read_units(dst, do))
     mask = written_mask(dst, do)
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
+
+
+@pytest.mark.parametrize("name", ["sglang64_to_trtllm32", "partial_blocks"])
+def test_gather_shared_with_a_copy_team_is_exact(name, monkeypatch):
+    """A gather cut into pieces run by a copy team (the calling thread and 2 helpers, as the
+    sender's pipeline does), in parts that cut boxes: the reference's rows, on both paths."""
+    import sys
+
+    from kvbridge.common.copyteam import CopyTeam
+
+    monkeypatch.setattr(sys.modules["kvbridge.layout.repack"], "CPU_COPY_ELEMENTS", 64)  # many small pieces
+    src, sb, dst, db, start, stop, tiled = _pools(name)
+    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
+    team = CopyTeam(2)
+    try:
+        for tiles in (True, False):
+            g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)), tiles=tiles)
+            assert g.box_path is (tiled and tiles)
+            out = torch.full((g.nbytes,), 0xEE, dtype=torch.uint8)
+            rb, step = g.row_bytes, 45
+            for a in range(0, g.rows, step):
+                b = min(g.rows, a + step)
+                g.run(out[a * rb:], rows=(a, b), parallel=team)
+            assert np.array_equal(out.numpy().reshape(want.shape), want)
+    finally:
+        team.close()
+
+
+def test_copy_team_raises_a_piece_error_in_the_caller_and_runs_every_piece():
+    from kvbridge.common.copyteam import CopyTeam
+
+    team = CopyTeam(1)
+    try:
+        seen = []
+        team([lambda i=i: seen.append(i) for i in range(100)])
+        assert sorted(seen) == list(range(100))
+        with pytest.raises(ZeroDivisionError):
+            team([lambda: None, lambda: 1 / 0, lambda: None])
+    finally:
+        team.close()
+    assert not team._threads
