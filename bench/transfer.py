@@ -140,8 +140,9 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         state = recv.wait(room, 120)
         dt = time.perf_counter() - t0
         rec = recv.record(room)
+        reason = recv.failure_reason(room)  # before forget: after it the room is unknown
         recv.forget(room)
-        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, recv.failure_reason(room))
+        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}")
 
     _serve(conn, handle)
     for recv in receivers.values():
