@@ -124,14 +124,15 @@ def bench_layout(
     b = torch.empty(nbytes, dtype=torch.uint8)
     b.random_(0, 255)
 
-    team = CopyTeam()  # as KVSender's: the calling thread and default_helpers() threads share each part
+    team = CopyTeam()  # as KVSender's with gather_team: the calling thread and default_helpers() threads share each part
 
     def chunked(inline: bool | None = None, ps=parts, into=ring, parallel=team) -> None:
         for k, (g, a, b) in enumerate(ps):  # as KVSender's pipeline: parts into the regions of its ring in turn
             g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline, parallel=parallel)
 
-    cases = {"memcpy": lambda: a.copy_(b), "repack": chunked, "repack_rows": lambda: chunked(ps=rows_only),
-             "repack_omp": lambda: chunked(parallel=None),  # each part through torch's OpenMP pool (before)
+    cases = {"memcpy": lambda: a.copy_(b), "repack": lambda: chunked(parallel=None),  # KVSender's default
+             "repack_team": chunked,  # HandoffConfig.gather_team
+             "repack_rows": lambda: chunked(ps=rows_only, parallel=None),
              "repack_inline": lambda: chunked(inline=True, parallel=None), "repack_whole": lambda: whole.run(whole_stage)}
     warmup = max(1, reps // 5)
     for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
@@ -195,8 +196,8 @@ def bench_layout(
         "repack_bytes": nbytes,
         "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
                         f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
-                        "each part shared by the calling thread and a copy team's helpers (KVSender's); "
-                        "repack_omp: each part through torch's OpenMP pool instead (before issue 21); "
+                        "parts over 1 MiB through torch's OpenMP pool (KVSender's default); "
+                        "repack_team: each part shared by the calling thread and a copy team's helpers (gather_team); "
                         "repack_rows: the row-index fallback; repack_inline: the calling thread only (inline_gather); "
                         "repack_whole: the whole request in one gather"),
         "repack_path": "box tiles" if gathers[0].box_path else "row index",
@@ -207,8 +208,8 @@ def bench_layout(
         "repack_ratio_spread": ratios["repack"],
         "repack_rows_gbps": round(nbytes / rows_s / 1e9, 3),  # the row-index fallback on the same bytes
         "repack_rows_ratio_spread": ratios["repack_rows"],
-        "repack_omp_gbps": round(nbytes / statistics.median(t["repack_omp"]) / 1e9, 3),  # parts through torch's pool
-        "repack_omp_ratio_spread": ratios["repack_omp"],
+        "repack_team_gbps": round(nbytes / statistics.median(t["repack_team"]) / 1e9, 3),  # parts shared with a copy team
+        "repack_team_ratio_spread": ratios["repack_team"],
         "copy_team_helpers": team.helpers,
         "repack_inline_gbps": round(nbytes / inline_s / 1e9, 3),  # on the calling thread only (HandoffConfig.inline_gather)
         "repack_inline_ratio_spread": ratios["repack_inline"],

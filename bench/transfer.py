@@ -177,6 +177,7 @@ def bench_transfer(
     chunk_bytes: int = 16 << 20,
     sweep: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384),
     link_only: bool = False,
+    gather_team: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict.
@@ -188,7 +189,7 @@ def bench_transfer(
     say = progress or (lambda _m: None)
     ctx = mp.get_context("spawn")
     cap = max([tokens, small_tokens] + ([] if link_only else list(sweep)))
-    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0)
+    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, gather_team=gather_team)
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
     say("starting peers")
@@ -356,6 +357,7 @@ def bench_transfer(
             "model_error_max": max(p["error"] for p in per_len),
             "model_check": per_len,
             "reps": reps,
+            "gather_team": gather_team,
             "small_reps": len(big["small"]),
             # medians with p10-p90 over the interleaved repetitions (ratios: per-repetition pairs;
             # small_overhead_ms: each small handoff minus the raw write just before it)

@@ -339,7 +339,7 @@ class SendPipeline:
                     region = ring[(k % regions) * cfg.part_bytes:]
                     t0 = time.perf_counter()
                     gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None,
-                               parallel=self._team if cfg.gather_team and not cfg.inline_gather else None)
+                               parallel=None if cfg.inline_gather else self._team)
                     rec.repack_s += time.perf_counter() - t0
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())

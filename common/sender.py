@@ -134,7 +134,8 @@ class KVSender(ControlSide, SendPipeline):
         # CPU gathers shared with helper threads that never hold a part up (torch's OpenMP
         # pool does, on a busy host: each part would wait for its threads to be scheduled)
         dev = layout.device
-        self._team = CopyTeam(name="kvbridge-gather") if dev is None or dev.type == "cpu" else None
+        self._team = (CopyTeam(name="kvbridge-gather") if self.config.gather_team and (dev is None or dev.type == "cpu")
+                      else None)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
         for _ in range(workers):
