@@ -33,6 +33,18 @@ def _print_json(args: argparse.Namespace, name: str, res: dict) -> None:
         print(json.dumps(res))
 
 
+def _warn(res: dict) -> None:
+    """The machine's line and each warning of a result, on stderr (so ``--json`` stays one object)."""
+    import sys
+
+    from kvbridge.bench.machine import machine_line
+
+    if res.get("machine"):
+        print(machine_line(res["machine"]), file=sys.stderr)
+    for w in res.get("warnings", []):
+        print(f"warning: {w}", file=sys.stderr)
+
+
 def _bench_layout(args: argparse.Namespace) -> int:
     from kvbridge.bench.layout import bench_layout
 
@@ -42,6 +54,7 @@ def _bench_layout(args: argparse.Namespace) -> int:
                                  progress=say),
         args.json,
     )
+    _warn(res)
     if args.json:
         _print_json(args, "layout", res)
         return 0
@@ -49,7 +62,8 @@ def _bench_layout(args: argparse.Namespace) -> int:
         "layout: SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 32 layers x 8 heads x 128, bf16",
         res,
         ["plan_ms_32k", "plan_kind", "segments_direct", "segments_staged", "segments_staged_contiguous_dst",
-         "repack_bytes", "repack_gbps", "memcpy_gbps", "repack_ratio", "threads"],
+         "repack_bytes", "repack_path", "repack_gbps", "memcpy_gbps", "repack_ratio", "repack_ratio_spread",
+         "repack_rows_ratio_spread", "repack_cold_ratio_spread", "warmup_reps", "threads"],
     )
     print(res["plan_reason"])
     if res.get("cuda"):
@@ -65,10 +79,11 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     res = run_with_bar(
         "kvbridge bench transfer",
         lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=reps, sweep=sweep,
-                                   progress=say),
+                                   gather_team=args.gather_team, progress=say),
         args.json, transfer_steps(reps, sweep),
     )
     _stash(args, "transfer", res)
+    _warn(res)
     if args.plot and args.suite != "all":  # `bench all` draws them once every suite ran
         res["plots"] = _plot_suites(args.plot, res, None)
     if args.json:
@@ -304,6 +319,8 @@ def add_commands(sub) -> None:
         b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 7 transfer, 3 link and sglang)")
         b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
+        b.add_argument("--gather-team", action="store_true",
+                       help="transfer: the sender's gathers shared with its copy team, not torch's OpenMP pool (HandoffConfig.gather_team)")
         b.add_argument("--sweep", default="1024,2048,4096,8192,16384",
                        help="transfer: prompt lengths for the cost-model check (comma-separated)")
         b.add_argument("--plot", metavar="DIR",

@@ -4,7 +4,12 @@ Geometry of the headline case: 32 layers, 8 KV heads, head_dim 128, bf16, SGLang
 64 (NHD, per-layer K/V tensors) -> TensorRT-LLM tokens_per_block 32 (HND, one pool).
 Plans are compiled over addresses only (no memory needed for 32K tokens); the repack
 runs on real tensors of a smaller request and is compared with a torch copy of the
-same number of bytes, interleaved in the same run.
+same number of bytes, interleaved in the same run (the order rotated each repetition,
+after ``warmup_reps`` untimed ones): every ratio is the median of per-repetition
+ratios, with its p10-p90. The cold ratio: a plan's gathers built on the spot into a
+staging ring never touched, against a memcpy of the same bytes into such a ring. What the
+machine imposes (THP policy, CPUs, governor, threads, load) is in ``machine``; the
+``warnings`` name it, and any ratio whose spread is wider than its effect.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvbridge.bench.machine import machine_notes, spread
+from kvbridge.common.copyteam import CopyTeam
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
@@ -104,29 +111,66 @@ def bench_layout(
     gathers = [c.gather().prepare() for c in chunks]  # every row index up front: prepare_ms, not repack time
     prepare_s = time.perf_counter() - t0
     ring = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
-    parts = [(g, a, min(g.rows, a + part_bytes // g.row_bytes)) for g in gathers
-             for a in range(0, g.rows, part_bytes // g.row_bytes)]
+
+    def parts_of(gs):
+        return [(g, a, min(g.rows, a + part_bytes // g.row_bytes)) for g in gs
+                for a in range(0, g.rows, part_bytes // g.row_bytes)]
+
+    parts = parts_of(gathers)
+    rows_only = parts_of([Gather(c.spec, tiles=False).prepare() for c in chunks])  # the fallback, same bytes
     whole = rplan.gather()
     whole_stage = torch.empty(nbytes, dtype=torch.uint8)
     a = torch.empty(nbytes, dtype=torch.uint8)
     b = torch.empty(nbytes, dtype=torch.uint8)
     b.random_(0, 255)
 
-    def chunked(inline: bool | None = None) -> None:  # as KVSender's pipeline: parts into the regions of its ring in turn
-        for k, (g, a, b) in enumerate(parts):
-            g.run(ring[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline)
+    team = CopyTeam()  # as KVSender's with gather_team: the calling thread and default_helpers() threads share each part
 
-    a.copy_(b)  # warm-up: first touch of every page
-    chunked()
-    whole.run(whole_stage)
-    t_copy, t_rep, t_whole, t_inline = [], [], [], []
-    for _ in range(reps):
-        t_copy.append(_timed(lambda: a.copy_(b)))
-        t_rep.append(_timed(chunked))
-        t_whole.append(_timed(lambda: whole.run(whole_stage)))
-        t_inline.append(_timed(lambda: chunked(inline=True)))
-    copy_s, rep_s, whole_s = statistics.median(t_copy), statistics.median(t_rep), statistics.median(t_whole)
-    inline_s = statistics.median(t_inline)
+    def chunked(inline: bool | None = None, ps=parts, into=ring, parallel=team) -> None:
+        for k, (g, a, b) in enumerate(ps):  # as KVSender's pipeline: parts into the regions of its ring in turn
+            g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline, parallel=parallel)
+
+    cases = {"memcpy": lambda: a.copy_(b), "repack": lambda: chunked(parallel=None),  # KVSender's default
+             "repack_team": chunked,  # HandoffConfig.gather_team
+             "repack_rows": lambda: chunked(ps=rows_only, parallel=None),
+             "repack_inline": lambda: chunked(inline=True, parallel=None), "repack_whole": lambda: whole.run(whole_stage)}
+    warmup = max(1, reps // 5)
+    for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
+        for fn in cases.values():
+            fn()
+    t = {k: [] for k in cases}
+    names = list(cases)
+    for i in range(reps):  # interleaved, the order rotated each repetition
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            t[k].append(_timed(cases[k]))
+
+    # cold: a plan's gathers built on the spot into a staging ring never touched, against a
+    # memcpy into a buffer never touched (both pay first-touch faults), interleaved
+    cold_reps = max(3, reps // 3)
+    t_cold = {"memcpy": [], "repack": []}
+    for i in range(cold_reps):
+        def cold_copy():  # the same bytes through a fresh ring of the same size, part by part, shared
+            fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)  # with the team as the gather's
+            for k, o in enumerate(range(0, nbytes, part_bytes)):
+                n = min(part_bytes, nbytes - o) // 8
+                d = fresh[(k % ring_parts) * part_bytes:][: n * 8].view(torch.int64)
+                s = b[o: o + n * 8].view(torch.int64)
+                team([lambda i=i: d[i: i + 32768].copy_(s[i: i + 32768]) for i in range(0, n, 32768)])
+
+        def cold_repack():
+            fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
+            chunked(ps=parts_of([c.gather() for c in rplan.chunks(chunk_bytes)]), into=fresh)
+        for k, fn in ((("memcpy", cold_copy), ("repack", cold_repack)) if i % 2 == 0 else
+                      (("repack", cold_repack), ("memcpy", cold_copy))):
+            t_cold[k].append(_timed(fn))
+    team.close()
+    copy_s, rep_s, whole_s = (statistics.median(t[k]) for k in ("memcpy", "repack", "repack_whole"))
+    inline_s, rows_s = statistics.median(t["repack_inline"]), statistics.median(t["repack_rows"])
+    ratios = {k: spread([c / r for c, r in zip(t["memcpy"], t[k])], 1.0) for k in names[1:]}
+    cold_ratio = spread([c / r for c, r in zip(t_cold["memcpy"], t_cold["repack"])], 1.0)
+    warnings = [f"{k}_ratio: p10-p90 {v['p10']}-{v['p90']} is wider than its distance from 1 ({v['median']}): "
+                "noise as large as the effect" for k, v in ratios.items() if v["wide"]]
+    machine = machine_notes()
     # the bytes are right: staging row i is the destination's i-th row, read from the source
     check = _check_gather(rplan, whole_stage)
     if keep is not None:
@@ -152,15 +196,36 @@ def bench_layout(
         "repack_bytes": nbytes,
         "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
                         f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
-                        "torch's threads spreading each part; repack_inline_gbps: on the calling thread only, "
-                        "as KVSender does with inline_gather"),
+                        "parts over 1 MiB through torch's OpenMP pool (KVSender's default); "
+                        "repack_team: each part shared by the calling thread and a copy team's helpers (gather_team); "
+                        "repack_rows: the row-index fallback; repack_inline: the calling thread only (inline_gather); "
+                        "repack_whole: the whole request in one gather"),
+        "repack_path": "box tiles" if gathers[0].box_path else "row index",
         "repack_gbps": round(nbytes / rep_s / 1e9, 3),
         "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
-        "repack_ratio": round(copy_s / rep_s, 3),
+        # each ratio: the median over repetitions of (memcpy time / repack time) in the same repetition
+        "repack_ratio": ratios["repack"]["median"],
+        "repack_ratio_spread": ratios["repack"],
+        "repack_rows_gbps": round(nbytes / rows_s / 1e9, 3),  # the row-index fallback on the same bytes
+        "repack_rows_ratio_spread": ratios["repack_rows"],
+        "repack_team_gbps": round(nbytes / statistics.median(t["repack_team"]) / 1e9, 3),  # parts shared with a copy team
+        "repack_team_ratio_spread": ratios["repack_team"],
+        "copy_team_helpers": team.helpers,
         "repack_inline_gbps": round(nbytes / inline_s / 1e9, 3),  # on the calling thread only (HandoffConfig.inline_gather)
+        "repack_inline_ratio_spread": ratios["repack_inline"],
         "repack_whole_gbps": round(nbytes / whole_s / 1e9, 3),
-        "repack_whole_ratio": round(copy_s / whole_s, 3),
+        "repack_whole_ratio": ratios["repack_whole"]["median"],
+        "repack_whole_ratio_spread": ratios["repack_whole"],
+        "repack_cold_ratio_spread": cold_ratio,
+        "cold": ("first run of a plan's gathers built on the spot into a staging ring never touched, "
+                 "against a memcpy of the same bytes part by part into a ring of the same size never touched, "
+                 "each part shared with the same copy team (pieces below ATen's grain)"),
         "repack_prepare_ms": round(prepare_s * 1e3, 2),
+        "reps": reps,
+        "warmup_reps": warmup,
+        "cold_reps": cold_reps,
+        "machine": machine,
+        "warnings": machine["warnings"] + warnings,
         "repack_bytes_verified": check,
         "threads": torch.get_num_threads(),
         "cuda": cuda,

@@ -25,6 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvbridge.bench.machine import machine_notes, spread
+
 __all__ = ["bench_transfer", "transfer_steps"]
 
 GEOM = dict(layers=32, total_heads=8, head_dim=128, dtype="bf16")
@@ -138,8 +140,9 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         state = recv.wait(room, 120)
         dt = time.perf_counter() - t0
         rec = recv.record(room)
+        reason = recv.failure_reason(room)  # before forget: after it the room is unknown
         recv.forget(room)
-        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, recv.failure_reason(room))
+        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}")
 
     _serve(conn, handle)
     for recv in receivers.values():
@@ -174,6 +177,7 @@ def bench_transfer(
     chunk_bytes: int = 16 << 20,
     sweep: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384),
     link_only: bool = False,
+    gather_team: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict.
@@ -185,7 +189,7 @@ def bench_transfer(
     say = progress or (lambda _m: None)
     ctx = mp.get_context("spawn")
     cap = max([tokens, small_tokens] + ([] if link_only else list(sweep)))
-    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0)
+    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, gather_team=gather_team)
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
     say("starting peers")
@@ -277,6 +281,20 @@ def bench_transfer(
             big["small"].append(handoff(small_tokens)[0])
         med = {k: statistics.median(v) for k, v in big.items()}
         nbytes = tokens * bytes_per_token
+        # spreads: each ratio from the pair measured in the same repetition
+        spreads = {
+            "ratio": spread([r / h for r, h in zip(big["raw"], big["handoff"])], 1.0),
+            "same_layout_ratio": spread([r / h for r, h in zip(big["raw"], big["same_layout"])], 1.0),
+            "scattered_ratio": spread([h / s for h, s in zip(big["handoff"], big["scattered"])], 1.0),
+            "small_overhead_ms": spread([(h - r) * 1e3 for h, r in zip(big["small"], big["small_raw"])], 0.0),
+            "small_handoff_ms": spread([h * 1e3 for h in big["small"]]),
+            "small_raw_ms": spread([r * 1e3 for r in big["small_raw"]]),
+        }
+        cpu_gib = {k: spread([x * (1 << 30) / nbytes for x in v]) for k, v in cpu.items() if v}
+        machine = machine_notes()
+        warnings = [f"{k}: p10-p90 {v['p10']}-{v['p90']} is wider than the effect it reports "
+                    f"(median {v['median']}, against {0.0 if k.endswith('_ms') else 1.0})"
+                    for k, v in spreads.items() if v.get("wide")]
 
         # -- the cost model against measured handoffs -------------------------------
         per_len = []
@@ -339,7 +357,16 @@ def bench_transfer(
             "model_error_max": max(p["error"] for p in per_len),
             "model_check": per_len,
             "reps": reps,
+            "gather_team": gather_team,
             "small_reps": len(big["small"]),
+            # medians with p10-p90 over the interleaved repetitions (ratios: per-repetition pairs;
+            # small_overhead_ms: each small handoff minus the raw write just before it)
+            "spread": spreads,
+            "cpu_s_per_gib_spread": cpu_gib,
+            "warmup": ("untimed before anything is measured: 1 raw write and 1 handoff of the small request; "
+                       "then the link measurement (raw writes of up to 4096 tokens, small handoffs) runs before the headline"),
+            "machine": machine,
+            "warnings": machine["warnings"] + warnings,
             "samples_s": {k: [round(x, 5) for x in v] for k, v in big.items()},
         }
     finally:

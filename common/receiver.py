@@ -29,7 +29,7 @@ from . import protocol as P
 from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, HandoffConfig, PeerState, RoomState
-from .staging import Arena
+from .staging import Arena, staging_buffer
 from .transport import MooncakeTransport
 
 __all__ = ["KVReceiver"]
@@ -83,7 +83,7 @@ class KVReceiver(ControlSide):
         self._arena = Arena(n)
         self._staging = None
         if n:
-            self._staging = torch.empty(n, dtype=torch.uint8, device=layout.device or "cpu")
+            self._staging = staging_buffer(n, layout.device or "cpu")  # faulted in now, not on a request's time
             transport.register_tensor(self._staging)
         self._scatter_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-scatter")
 

@@ -338,7 +338,8 @@ class SendPipeline:
                         rec.transfer_s += time.perf_counter() - t0
                     region = ring[(k % regions) * cfg.part_bytes:]
                     t0 = time.perf_counter()
-                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None)
+                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None,
+                               parallel=None if cfg.inline_gather else self._team)
                     rec.repack_s += time.perf_counter() - t0
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())

@@ -29,6 +29,8 @@ from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
 from .send_pipeline import SendPipeline, _Prestaged
+from .copyteam import CopyTeam
+from .staging import staging_buffer
 from .transport import MooncakeTransport
 
 __all__ = ["KVSender"]
@@ -129,10 +131,15 @@ class KVSender(ControlSide, SendPipeline):
         cfg = self.config
         for t in layout.tensors or ():
             transport.register_tensor(t)
+        # CPU gathers shared with helper threads that never hold a part up (torch's OpenMP
+        # pool does, on a busy host: each part would wait for its threads to be scheduled)
+        dev = layout.device
+        self._team = (CopyTeam(name="kvbridge-gather") if self.config.gather_team and (dev is None or dev.type == "cpu")
+                      else None)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         self._rings: deque = deque()
         for _ in range(workers):
-            ring = torch.empty(max(2, cfg.ring_parts) * cfg.part_bytes, dtype=torch.uint8, device=layout.device or "cpu")
+            ring = staging_buffer(max(2, cfg.ring_parts) * cfg.part_bytes, layout.device or "cpu")  # faulted in now
             transport.register_tensor(ring)
             self._rings.append(ring)
         # first parts gathered ahead of their requests (see _prestage): one slot per room
@@ -140,8 +147,8 @@ class KVSender(ControlSide, SendPipeline):
         self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
         self._prestage_buf = None
         if self._prestage_free:
-            self._prestage_buf = torch.zeros(len(self._prestage_free) * self._slot_bytes, dtype=torch.uint8,
-                                             device=layout.device or "cpu")  # touched now: no page faults on a room's time
+            self._prestage_buf = staging_buffer(len(self._prestage_free) * self._slot_bytes,
+                                                layout.device or "cpu")  # touched now: no page faults on a room's time
             transport.register_tensor(self._prestage_buf)
 
     @property
@@ -275,6 +282,8 @@ class KVSender(ControlSide, SendPipeline):
             if self._rooms[room].state not in TERMINAL:
                 self._fail(room, "sender shutting down", code="shutdown", notify=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._team is not None:
+            self._team.close()
         super().close()
 
     # -- control plane (I/O thread) -----------------------------------------------------

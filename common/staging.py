@@ -1,11 +1,18 @@
-"""Byte ranges of a registered staging buffer, handed out first-fit (a receiver's staging
-for ``staged_recv`` plans: one slice per sender of a room)."""
+"""Staging memory: buffers allocated ready for copies (``staging_buffer``), and byte ranges
+of a registered staging buffer handed out first-fit (``Arena``: a receiver's staging for
+``staged_recv`` plans, one slice per sender of a room)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 
-__all__ = ["Arena"]
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Arena", "staging_buffer"]
 
 
 class Arena:
@@ -38,3 +45,34 @@ class Arena:
                 elif ln:
                     merged.append((o, ln))
             self._free = merged
+
+
+_HUGE = 2 << 20  # x86-64's transparent huge page
+_MADV_HUGEPAGE = 14
+
+
+def _madvise_huge(addr: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages over ``[addr, addr + nbytes)`` (2 MiB aligned): where
+    THP is ``madvise``-only, memory nobody asked for is mapped in 4 KiB pages. Best effort."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def staging_buffer(nbytes: int, device="cpu") -> torch.Tensor:
+    """A uint8 staging buffer of ``nbytes`` whose pages are already faulted in: on CPU
+    2 MiB aligned, huge pages asked for (``MADV_HUGEPAGE``), then written once, so no copy
+    into it pays first-touch page faults on a request's time. ``[nbytes]`` uint8."""
+    dev = torch.device(device)
+    if dev.type != "cpu" or nbytes < _HUGE:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % _HUGE
+    buf = raw[off: off + nbytes]
+    huge = nbytes // _HUGE * _HUGE
+    if _madvise_huge(buf.data_ptr(), huge):
+        log.debug("staging: %d B at 0x%x, huge pages asked for", nbytes, buf.data_ptr())
+    buf.zero_()
+    return buf

@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the mixed deployment behind `kvbridge route`, driven by an OpenAI client (kvbridge.route.demo)")
     demo.set_defaults(func=_demo)
 
+    doc = sub.add_parser("doctor", help="what this machine imposes on kvbridge's copies (THP, CPUs, governor, threads, load)")
+    doc.add_argument("--json", action="store_true", help="print one JSON object")
+    doc.set_defaults(func=_doctor)
+
     ann = sub.add_parser("announce", help="tell a TensorRT-LLM server which handoff its next request with a prompt plays")
     ann.add_argument("--bus", required=True, help="the server's kvbridge bus, tcp://host:bus_port")
     ann.add_argument("--prompt-ids", required=True, help="the prompt's token ids, comma-separated")
@@ -253,6 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
     ann.set_defaults(func=_announce)
     _add_route_command(sub)
     return p
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``kvbridge doctor``: the machine's settings that bound kvbridge's copies, one line,
+    then one line per setting that does bound them here. Reads only; exit status 0."""
+    from kvbridge.bench.machine import machine_line, machine_notes
+
+    notes = machine_notes()
+    if args.json:
+        print(json.dumps(notes))
+        return 0
+    print(machine_line(notes))
+    for w in notes["warnings"]:
+        print(f"note: {w}")
+    if not notes["warnings"]:
+        print("nothing here bounds kvbridge's copies")
+    return 0
 
 
 def _announce(args: argparse.Namespace) -> int:

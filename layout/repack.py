@@ -16,12 +16,24 @@ through one strided row view per K/V, so one indexed copy per K/V. Row indices a
 once per spec with numpy (``prepare``) and reused; a pool made of several tensors (one
 per layer, as SGLang's) is read through one zero-copy alias of the address span that
 holds them, so any row of any layer is one index away.
+
+Box path: where every box of the staging's order side (one (layer, kv, block) of the
+side whose address order the staging follows) holds the same number of tokens and lies
+inside ONE block of the pool side too (whole source pages -> whole destination blocks,
+e.g. SGLang page 64 -> TensorRT-LLM block 32), each box is one strided tile of the pool
+at a per-box offset: ``[A, C, row]`` with the pool's strides, ``(A, C)`` the order side's
+(heads, tokens) or (tokens, heads). Such a copy indexes tiles, one int64 per box (256x
+fewer than rows for a 64-token x 8-head box; built in microseconds), and moves each
+tile with one strided copy (one memcpy where the tile is contiguous on both sides). A
+part whose row range cuts a box copies the cut ends row by row. Element-strided pools
+and boxes that cross a pool block boundary use the row index (the fallback).
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -191,7 +203,7 @@ class _PoolRows:
     The index is computed on first use (``addr``, when given, is every row's address);
     a row range asked for before that computes only the boxes that hold it."""
 
-    def __init__(self, spec: CopySpec, pool: str, order: str, addr: np.ndarray | None = None):
+    def __init__(self, spec: CopySpec, pool: str, order: str, addr: np.ndarray | None = None, tiles: bool = True):
         lay = spec.src if pool == "src" else spec.dst
         self.spec, self._pool, self._order = spec, pool, order
         self.row_bytes = lay.head_bytes
@@ -207,6 +219,12 @@ class _PoolRows:
         self.rows = int(self._box_end[-1]) if self._box_end.size else 0
         self.nbytes = self.rows * self.row_bytes
         self._index = None if addr is None else self._to_index(addr)
+        self._tiles = _BoxTiles.of(spec, pool, order, self._boxes, self._space) if tiles else None
+
+    @property
+    def box_path(self) -> bool:
+        """Whether whole boxes are copied as strided tiles (else every row is indexed)."""
+        return self._tiles is not None
 
     @property
     def index(self) -> torch.Tensor:
@@ -216,8 +234,10 @@ class _PoolRows:
         return self._index
 
     def prepare(self) -> "_PoolRows":
-        """Build the whole row index now (for a repack that will run many times); returns self."""
-        self.index
+        """Build the whole row index now (for a repack that will run many times; the box
+        path's tile index is built with the repack already); returns self."""
+        if self._tiles is None:
+            self.index
         return self
 
     def _rows_index(self, boxes: SideBoxes, a: int = 0, b: int | None = None) -> torch.Tensor:
@@ -240,24 +260,41 @@ class _PoolRows:
         first = int(self._box_end[i - 1]) if i else 0
         return self._rows_index(self._boxes.take(slice(i, j)), a - first, b - first)
 
-    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None) -> int:
+    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None,
+                     parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
         a, b = rows if rows is not None else (0, self.rows)
         if not 0 <= a <= b <= self.rows:
             raise LayoutError(f"row range [{a}, {b}) outside the {self.rows} rows of this repack")
         nbytes = (b - a) * self.row_bytes
         out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
-        index = self._index_of(a, b)
-        if self._strided:
-            for kv, pos in self._by_kv(a, b):
-                out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
+        if parallel is not None and self._device.type == "cpu" and not self._strided:
+            inline = True  # pieces below ATen's grain: each runs on whichever thread takes it
         else:
-            for i, j in self._copies(b - a, inline):
-                torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
+            parallel = None
+        if self._tiles is not None:
+            pieces = self._tiles_pieces(out, a, b, inline)
+        elif self._strided:
+            index = self._index_of(a, b)
+            pieces = [lambda kv=kv, pos=pos: out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
+                      for kv, pos in self._by_kv(a, b)]
+        else:
+            pieces = self._rows_pieces(out, a, b, inline)
+        if parallel is not None and len(pieces) > 1:
+            parallel(pieces)
+        else:
+            for piece in pieces:
+                piece()
         self._complete()
         return nbytes
 
     def _scatter_from(self, staging: torch.Tensor) -> int:
         src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
+        if self._tiles is not None:
+            t = self._tiles
+            for i, j in self._box_copies(0, t.count, None):
+                t.view.index_copy_(0, t.index[i:j], src[i * t.rows:j * t.rows].view(j - i, *t.shape))
+            self._complete()
+            return self.nbytes
         index = self.index
         if self._strided:
             for kv, pos in self._by_kv(0, self.rows):
@@ -267,6 +304,40 @@ class _PoolRows:
                 self._space.rows.index_copy_(0, index[i:j], src[i:j])
         self._complete()
         return self.nbytes
+
+    def _tiles_pieces(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> list:
+        """The copies that put staging rows ``[a, b)`` into ``out`` (row 0 = row ``a``):
+        whole boxes as tiles, the rows of a box the range cuts through the row index of
+        those rows only. Each a thunk; they write disjoint rows (any order, any thread)."""
+        t = self._tiles
+        i0, i1 = -(-a // t.rows), b // t.rows  # whole boxes [i0, i1)
+        if i0 >= i1:  # inside one box (or across one boundary, no whole box)
+            return self._rows_pieces(out, a, b, inline)
+        pieces = self._rows_pieces(out[: i0 * t.rows - a], a, i0 * t.rows, inline)
+        for i, j in self._box_copies(i0, i1, inline):
+            pieces.append(lambda i=i, j=j: torch.index_select(
+                t.view, 0, t.index[i:j], out=out[i * t.rows - a: j * t.rows - a].view(j - i, *t.shape)))
+        return pieces + self._rows_pieces(out[i1 * t.rows - a:], i1 * t.rows, b, inline)
+
+    def _rows_pieces(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> list:
+        """Rows ``[a, b)`` into ``out`` through their row index (contiguous-row pools): thunks."""
+        if b <= a:
+            return []
+        index = self._index_of(a, b)
+        return [lambda i=i, j=j: torch.index_select(self._space.rows, 0, index[i:j], out=out[i:j])
+                for i, j in self._copies(b - a, inline)]
+
+    def _box_copies(self, i0: int, i1: int, inline: bool | None) -> list[tuple[int, int]]:
+        """Box ranges of one tiled copy each: ``_copies``' rule, counted in boxes."""
+        rows = self._tiles.rows
+        return [(i0 + i // rows, i0 + -(-j // rows)) for i, j in self._copies_aligned((i1 - i0) * rows, rows, inline)]
+
+    def _copies_aligned(self, rows: int, align: int, inline: bool | None) -> list[tuple[int, int]]:
+        cuts = self._copies(rows, inline)
+        if len(cuts) == 1:
+            return cuts
+        step = max(align, (cuts[0][1] - cuts[0][0]) // align * align)
+        return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
     def _by_kv(self, a: int, b: int) -> list[tuple[int, torch.Tensor]]:
         """Rows ``[a, b)`` (relative to ``a``) grouped by K/V: a strided pool reads K and V
@@ -302,27 +373,85 @@ class _PoolRows:
         return [(i, min(rows, i + step)) for i in range(0, rows, step)]
 
 
+@dataclass
+class _BoxTiles:
+    """The boxes of a copy as tiles of the pool: box ``i`` (in the staging's order) is
+    ``view[index[i]]``, ``shape = (A, C, row_units)`` = its ``rows = A * C`` staging rows
+    (A: the order side's outer dim, heads or tokens; C: the inner one)."""
+
+    view: torch.Tensor  # [n, A, C, row_units] over the pool's memory, stride (1, sA, sC, 1) in units
+    index: torch.Tensor  # int64 [boxes]: each box's first unit, on the pool's device
+    shape: tuple[int, int, int]
+    rows: int
+    count: int
+
+    @classmethod
+    def of(cls, spec: CopySpec, pool: str, order: str, bx: SideBoxes, space: _RowSpace) -> "_BoxTiles | None":
+        """Tiles for ``spec``'s rows on ``pool`` in ``order``'s address order, or None where
+        boxes differ in size, cross a pool block, or rows are element-strided."""
+        P, O = (spec.src, spec.dst) if pool == "src" else (spec.dst, spec.src)
+        if not (P.rows_contiguous and O.rows_contiguous) or not bx.ntok.size:
+            return None
+        classes = bx.by_length()
+        if len(classes) != 1:
+            return None
+        n, nh = classes[0][0], spec.heads.count
+        o_first, p_first = ((spec.dst_first_token, spec.src_first_token) if pool == "src"
+                            else (spec.src_first_token, spec.dst_first_token))
+        p_blocks = spec.src_blocks if pool == "src" else spec.dst_blocks
+        p_head0 = spec.heads.src_start if pool == "src" else spec.heads.dst_start
+        rel = o_first + bx.block_pos * O.tokens_per_block + bx.slot - p_first
+        slot = rel % P.tokens_per_block
+        if (slot + n > P.tokens_per_block).any():
+            return None  # a box spans two pool blocks: rows of one box are not one tile
+        addr = (P.base.reshape(-1)[bx.lk] + p_blocks[rel // P.tokens_per_block] * P.block_stride
+                + slot * P.token_stride + p_head0 * P.head_stride)
+        u = space.unit
+        ru = P.head_bytes // u
+        if O.head_stride > O.token_stride:  # the order side enumerates heads outside tokens
+            (A, sA), (C, sC) = (nh, P.head_stride // u), (n, P.token_stride // u)
+        else:
+            (A, sA), (C, sC) = (n, P.token_stride // u), (nh, P.head_stride // u)
+        if A == 1:
+            sA = C * ru
+        if C == 1:
+            sC = ru
+        flat = space.rows.as_strided((space.rows.shape[0] + ru - 1,), (1,))
+        span = (A - 1) * sA + (C - 1) * sC + ru
+        if sC == ru and sA == C * ru:  # a tile is contiguous: one memcpy per box
+            view = flat.as_strided((flat.numel() - span + 1, A * C * ru), (1, 1)).view(-1, A, C, ru)
+        else:
+            view = flat.as_strided((flat.numel() - span + 1, A, C, ru), (1, sA, sC, 1))
+        index = torch.from_numpy((addr - space.base) // u).to(space.rows.device)
+        return cls(view, index, (A, C, ru), A * C, int(addr.size))
+
+
 class Gather(_PoolRows):
     """Sender-side repack: ``spec``'s rows from the source pool into a dense staging buffer
     in the destination's address order. Prepared once; ``run`` may be called repeatedly.
     Its row index is built on first use; ``run(rows=...)`` before that builds only the
     part it needs, so a pipelined send's first part waits for a fraction of that work.
+    ``tiles=False``: every row through the row index, never the box path (for comparison).
 
     Staging: ``nbytes`` bytes, ``[rows, head_dim]`` of the KV dtype, row ``i`` = the
     ``i``-th row of the destination in increasing address order.
     """
 
-    def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None):
-        super().__init__(spec, "src", "dst", src_addr)
+    def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None, *, tiles: bool = True):
+        super().__init__(spec, "src", "dst", src_addr, tiles)
 
-    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None) -> int:
+    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None,
+            parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns
         bytes once they are all in place (on a GPU too), so ``staging`` may be sent at once.
         With ``rows=(a, b)``, only staging rows ``[a, b)``, written at the START of ``staging``
         (``(b - a) * row_bytes`` bytes): one part of a pipelined gather. ``inline=True`` keeps
         a CPU gather on the calling thread (torch's intra-op threads stay out of it), False
-        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline."""
-        return self._gather_into(staging, rows, inline)
+        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline.
+        ``parallel`` (CPU): a callable that runs a list of thunks, in any threads, and returns
+        once all are done (e.g. ``kvbridge.common.copyteam.CopyTeam``); the gather is then cut
+        into copies small enough to stay off torch's OpenMP pool, handed to it."""
+        return self._gather_into(staging, rows, inline, parallel)
 
 
 class Scatter(_PoolRows):
@@ -333,8 +462,8 @@ class Scatter(_PoolRows):
     address order (what ``side_runs(spec, 'src')`` put on the wire).
     """
 
-    def __init__(self, spec: CopySpec, dst_addr: np.ndarray | None = None):
-        super().__init__(spec, "dst", "src", dst_addr)
+    def __init__(self, spec: CopySpec, dst_addr: np.ndarray | None = None, *, tiles: bool = True):
+        super().__init__(spec, "dst", "src", dst_addr, tiles)
 
     def run(self, staging: torch.Tensor) -> int:
         """Write ``staging``'s rows into the destination pool; returns bytes once they are in place."""

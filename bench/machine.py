@@ -1,0 +1,95 @@
+"""What the machine imposes on the benchmarks' figures: read, printed, never changed.
+
+``machine_notes()`` reads the transparent huge page policy, the CPUs this process may
+run on, the frequency governor (when readable), torch's intra-op (OpenMP) threads and
+the load average (other jobs sharing the cores), and says which of them bound or blur
+a figure. ``spread`` gives a sample's median and p10-p90 and flags a spread wider than
+the effect it is about. Used by ``kvbridge bench ...`` and ``kvbridge doctor``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["machine_notes", "machine_line", "spread"]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _bracketed(text: str | None) -> str | None:
+    """The selected value of a sysfs choice list (``always [madvise] never`` -> ``madvise``)."""
+    if text is None:
+        return None
+    if "[" in text:
+        return text.split("[", 1)[1].split("]", 1)[0]
+    return text
+
+
+def machine_notes() -> dict:
+    """The machine's settings that bound kvbridge's copies, and ``warnings`` (plain
+    sentences) for each one that does here."""
+    import torch
+
+    thp = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/enabled"))
+    defrag = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/defrag"))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    gov = _bracketed(_read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"))
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    threads = torch.get_num_threads()
+    notes = {
+        "thp": thp or "unreadable",
+        "thp_defrag": defrag or "unreadable",
+        "cpus": cpus,
+        "governor": gov or "unreadable",
+        "torch_threads": threads,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "loadavg": load,
+    }
+    warn = []
+    if thp and thp != "always":
+        warn.append(f"transparent huge pages are '{thp}': a pool the engine did not madvise is mapped in 4 KiB pages")
+    if cpus <= 2:
+        warn.append(f"{cpus} CPU(s): a gather and a transfer compete for the same cores; torch's {threads} "
+                    "intra-op thread(s) share them with the transport's")
+    if load is not None and load[0] > cpus:
+        warn.append(f"load average {load[0]} on {cpus} CPU(s): other jobs are running; timings vary with them")
+    if gov is not None and gov not in ("performance",):
+        warn.append(f"CPU frequency governor '{gov}': clocks may ramp during a measurement")
+    notes["warnings"] = warn
+    return notes
+
+
+def machine_line(notes: dict | None = None) -> str:
+    """``machine_notes`` as one line."""
+    n = notes or machine_notes()
+    load = "/".join(str(x) for x in n["loadavg"]) if n["loadavg"] else "unreadable"
+    return (f"machine: THP {n['thp']} (defrag {n['thp_defrag']}), {n['cpus']} CPU(s), governor {n['governor']}, "
+            f"torch threads {n['torch_threads']} (OMP_NUM_THREADS {n['omp_num_threads']}), load {load}")
+
+
+def spread(samples, effect_from: float | None = None, digits: int = 3) -> dict:
+    """``{median, p10, p90, n}`` of ``samples``; with ``effect_from`` (e.g. 1.0 for a ratio
+    of equals), ``wide``: whether p90 - p10 exceeds |median - effect_from|, the effect the
+    figure reports (then the figure cannot tell the effect from noise)."""
+    a = np.asarray(list(samples), dtype=float)
+    if not a.size:
+        return {"median": None, "p10": None, "p90": None, "n": 0}
+    out = {"median": round(float(np.median(a)), digits), "p10": round(float(np.percentile(a, 10)), digits),
+           "p90": round(float(np.percentile(a, 90)), digits), "n": int(a.size)}
+    if effect_from is not None:
+        out["wide"] = bool(out["p90"] - out["p10"] > abs(out["median"] - effect_from))
+    return out

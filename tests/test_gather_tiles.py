@@ -1,0 +1,151 @@
+"""The gather's box path (whole boxes copied as strided tiles of the pool) against an
+independent reference: staging row i must hold the source row that lands at the
+destination's i-th row in address order, computed here from block ids, slots and
+strides with numpy (kvhelpers), without repack code. Each case also says which path ran:
+the box path where pages map regularly, the row-index fallback where they do not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.layout import CopySpec, allocate_pool
+from kvbridge.layout.repack import Gather, Scatter
+from kvhelpers import read_units, snapshot, unit_offsets, written_mask
+
+GEOM = dict(layers=2, total_heads=4, head_dim=8, dtype="bf16")
+
+
+def _abs(layout, offsets):
+    """Absolute addresses of ``unit_offsets`` (offsets are relative to each region)."""
+    starts = np.array([r.addr for r in layout.regions], dtype=np.int64)[layout.region_of]
+    return offsets + starts[:, :, None, None, None]
+
+
+def _staged_rows(src, sb, dst, db, start, stop, order):
+    """The rows of the request, in increasing address order of side ``order``: each row's
+    bytes read from the source pool. ``[rows, head_bytes]`` uint8."""
+    heads = range(src.num_heads)
+    so = unit_offsets(src, sb, 0, start, stop, heads)
+    do = unit_offsets(dst, db, 0, start, stop, heads)
+    data = read_units(src, so).reshape(-1, src.head_bytes)
+    key = _abs(src if order == "src" else dst, so if order == "src" else do)[..., 0].reshape(-1)
+    return data[np.argsort(key, kind="stable")]
+
+
+CASES = {
+    # name: (src engine, src page, dst engine, dst page, token range, box path expected)
+    "sglang64_to_trtllm32": ("sglang", 64, "trtllm", 32, (0, 256), True),  # HND tiles, strided
+    "sglang32_to_sglang16": ("sglang", 32, "sglang", 16, (0, 160), True),  # NHD -> NHD: tiles contiguous
+    "trtllm32_to_sglang16": ("trtllm", 32, "sglang", 16, (32, 192), True),  # HND source, NHD order
+    "sglang16_to_trtllm32": ("sglang", 16, "trtllm", 32, (0, 256), False),  # a dst block spans 2 src pages
+    "partial_blocks": ("sglang", 64, "trtllm", 32, (10, 250), False),  # a partial first and last block
+    "trtllm32_to_sglang64": ("trtllm", 32, "sglang", 64, (0, 256), False),  # a dst page spans 2 src blocks
+}
+
+
+def _pools(name):
+    se, sp, de, dp, (start, stop), tiled = CASES[name]
+    src = allocate_pool(se, tokens_per_block=sp, num_blocks=-(-stop // sp) * 2 + 2, seed=1, **GEOM)
+    dst = allocate_pool(de, tokens_per_block=dp, num_blocks=-(-stop // dp) * 2 + 2, seed=2, **GEOM)
+    rng = np.random.default_rng(7)
+    sb = rng.permutation(np.arange(src.first_block, src.num_blocks))[: -(-stop // sp)]
+    db = rng.permutation(np.arange(dst.first_block, dst.num_blocks))[: -(-stop // dp)]
+    return src, sb, dst, db, start, stop, tiled
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gather_matches_reference_on_the_expected_path(name):
+    src, sb, dst, db, start, stop, tiled = _pools(name)
+    spec = CopySpec.build(src, sb, dst, db, (start, stop))
+    g = Gather(spec)
+    assert g.box_path is tiled
+    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
+    out = torch.full((g.nbytes,), 0xAB, dtype=torch.uint8)
+    assert g.run(out) == want.size
+    assert np.array_equal(out.numpy().reshape(want.shape), want)
+    # the row-index path on the same spec writes the same bytes
+    rows = torch.zeros_like(out)
+    Gather(spec, tiles=False).run(rows)
+    assert torch.equal(rows, out)
+
+
+@pytest.mark.parametrize("name", ["sglang64_to_trtllm32", "sglang32_to_sglang16"])
+@pytest.mark.parametrize("part", [1, 7, 37, 64, 200])
+def test_gather_in_parts_that_cut_boxes(name, part):
+    """Parts of any row count (cutting boxes at both ends, or inside one box) and CPU copies
+    cut small: the concatenated parts are the reference's rows."""
+    src, sb, dst, db, start, stop, _ = _pools(name)
+    g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)))
+    assert g.box_path
+    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
+    rb = g.row_bytes
+    out = torch.zeros(g.nbytes, dtype=torch.uint8)
+    region = torch.empty(part * rb, dtype=torch.uint8)
+    for a in range(0, g.rows, part):
+        b = min(g.rows, a + part)
+        region.fill_(0xCD)
+        g.run(region, rows=(a, b), inline=True)
+        out[a * rb: b * rb] = region[: (b - a) * rb]
+    assert np.array_equal(out.numpy().reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("name,tiled", [("trtllm32_to_sglang64", True), ("sglang16_to_trtllm32", True),
+                                        ("sglang64_to_trtllm32", False), ("partial_blocks", False)])
+def test_scatter_writes_exactly_the_request(name, tiled):
+    """Receiver side: staging in the source's address order (built here from the reference)
+    scattered into the destination: the request's bytes land, nothing else changes."""
+    src, sb, dst, db, start, stop, _ = _pools(name)
+    spec = CopySpec.build(src, sb, dst, db, (start, stop))
+    staging = torch.from_numpy(_staged_rows(src, sb, dst, db, start, stop, "src").reshape(-1).copy())
+    before = snapshot(dst)
+    s = Scatter(spec)
+    assert s.box_path is tiled  # a source box inside one destination block: written as one tile
+    assert s.run(staging) == spec.nbytes
+    heads = range(src.num_heads)
+    so, do = unit_offsets(src, sb, 0, start, stop, heads), unit_offsets(dst, db, 0, start, stop, heads)
+    assert np.array_equal(read_units(src, so), read_units(dst, do))
+    mask = written_mask(dst, do)
+    assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
+
+
+@pytest.mark.parametrize("name", ["sglang64_to_trtllm32", "partial_blocks"])
+def test_gather_shared_with_a_copy_team_is_exact(name, monkeypatch):
+    """A gather cut into pieces run by a copy team (the calling thread and 2 helpers, as the
+    sender's pipeline does), in parts that cut boxes: the reference's rows, on both paths."""
+    import sys
+
+    from kvbridge.common.copyteam import CopyTeam
+
+    monkeypatch.setattr(sys.modules["kvbridge.layout.repack"], "CPU_COPY_ELEMENTS", 64)  # many small pieces
+    src, sb, dst, db, start, stop, tiled = _pools(name)
+    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
+    team = CopyTeam(2)
+    try:
+        for tiles in (True, False):
+            g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)), tiles=tiles)
+            assert g.box_path is (tiled and tiles)
+            out = torch.full((g.nbytes,), 0xEE, dtype=torch.uint8)
+            rb, step = g.row_bytes, 45
+            for a in range(0, g.rows, step):
+                b = min(g.rows, a + step)
+                g.run(out[a * rb:], rows=(a, b), parallel=team)
+            assert np.array_equal(out.numpy().reshape(want.shape), want)
+    finally:
+        team.close()
+
+
+def test_copy_team_raises_a_piece_error_in_the_caller_and_runs_every_piece():
+    from kvbridge.common.copyteam import CopyTeam
+
+    team = CopyTeam(1)
+    try:
+        seen = []
+        team([lambda i=i: seen.append(i) for i in range(100)])
+        assert sorted(seen) == list(range(100))
+        with pytest.raises(ZeroDivisionError):
+            team([lambda: None, lambda: 1 / 0, lambda: None])
+    finally:
+        team.close()
+    assert not team._threads
