@@ -12,7 +12,7 @@ import torch
 
 from kvbridge.layout import CopySpec, allocate_pool
 from kvbridge.layout.repack import Gather, Scatter
-from kvhelpers import read_units, snapshot, unit_offsets, written_mask
+from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
 
 GEOM = dict(layers=2, total_heads=4, head_dim=8, dtype="bf16")
 
