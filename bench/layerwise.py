@@ -201,6 +201,18 @@ def bench_layerwise(
     return _report(runs, ref, geo, prompt_lens, reps, warmup, max_new, seed)
 
 
+def _predicted(geo: dict, n: int, prefill_ms: float) -> dict:
+    """What the cost model (``decide_layerwise``, the ``tcp`` preset) says for this prompt
+    given the measured prefill time."""
+    from kvbridge.common.costmodel import LINK_PRESETS, ModelGeometry, decide_layerwise
+    from kvbridge.demo.models import LLAMA_DEFAULTS
+
+    g = ModelGeometry.from_hf_dict({**LLAMA_DEFAULTS, **geo}, dtype_bytes=4, name="bench")
+    e = decide_layerwise(g, LINK_PRESETS["tcp"], n, prefill_s=prefill_ms / 1e3)
+    return {"layerwise": e.layerwise, "ttft_whole_ms": round(e.ttft_whole_s * 1e3, 2),
+            "ttft_layerwise_ms": round(e.ttft_layerwise_s * 1e3, 2), "transfer_ms": round(e.transfer_whole_s * 1e3, 2)}
+
+
 def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: int, max_new: int, seed: int) -> dict:
     layers = geo["num_hidden_layers"]
     out: dict[str, Any] = {
@@ -240,6 +252,7 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
             "layer_pieces": {"whole": [r.layer_pieces for r in whole], "layerwise": [r.layer_pieces for r in lw]},
             "ended_by": {"whole": [r.ended_by for r in whole], "layerwise": [r.ended_by for r in lw]},
             "outputs_equal": all(r.output == ref[n] for r in whole + lw),
+            "cost_model": _predicted(geo, n, prefill),  # its verdict on the tcp preset, given the measured prefill
         }
         spread = max(row["ttft_ratio"]["p90"] - row["ttft_ratio"]["p10"], 0.0)
         effect = abs(1.0 - row["ttft_ratio"]["median"])
