@@ -167,6 +167,10 @@ def bench_layerwise(
 
     say = progress or (lambda _m: None)
     geo = {**GEOMETRY, **(geometry or {})}
+    if geo["hidden_size"] % geo["num_attention_heads"] or geo["num_attention_heads"] % geo["num_key_value_heads"]:
+        raise ValueError(f"bench layerwise: hidden size {geo['hidden_size']} must be a multiple of the "
+                         f"{geo['num_attention_heads']} attention heads, themselves a multiple of the "
+                         f"{geo['num_key_value_heads']} KV heads (transformers' Llama refuses it otherwise)")
     max_len = max(prompt_lens) + max_new
     tmp = None
     if model_dir is None:

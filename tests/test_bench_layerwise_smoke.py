@@ -51,3 +51,6 @@ def test_bench_layerwise_refuses_what_it_cannot_run():
     out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--prompt-lens", "64,0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--prompt-lens needs positive token counts" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--hidden", "8", "--kv-heads", "32"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "hidden size 8 must be a multiple of the 32 attention heads" in out.stderr
