@@ -14,10 +14,9 @@ import json
 
 import pytest
 
-from conftest_sglang import tiny_llama_dir  # noqa: F401
 from kvbridge.adapters.trtllm import Handle, announce
 from kvbridge.demo.models import random_prompt, reference_generate
-from trtllm_servers import check_clean, trt_servers, wait_done  # noqa: F401
+from tests.helpers.trtllm_servers import check_clean, wait_done
 
 MAX_NEW = 4
 LAYERS = 2

@@ -17,7 +17,6 @@ import pytest
 
 from kvbridge.common.costmodel import (LINK_PRESETS, MODEL_PRESETS, LinkProfile, decide_layerwise, layer_plan_segments,
                                        model_layout)
-from kvbridge.common.gate import LayerwiseChooser
 from kvbridge.common.settings import BridgeSettings, ConfigError, read_settings
 from kvbridge.layout import PlanKind, plan_transfer
 
