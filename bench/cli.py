@@ -2,8 +2,8 @@
 (``add_commands``, called by ``kvbridge.cli.build_parser``) and what each runs and prints.
 
 Suites: ``layout``, ``transfer``, ``link``, ``sglang``, ``load``, ``vllm`` (``BENCHES``),
-``all`` (each of those in turn; ``--plot DIR``: the charts), and ``route`` (apart: it starts
-five servers).
+``all`` (each of those in turn; ``--plot DIR``: the charts), and ``route`` and ``layerwise``
+(apart: they start several servers).
 """
 
 from __future__ import annotations
@@ -306,6 +306,66 @@ def _bench_route(args: argparse.Namespace) -> int:
     return 0 if res["lost"] == 0 and res["wrong"] == 0 else 1
 
 
+def _add_layerwise_bench(bsub) -> None:
+    b = bsub.add_parser("layerwise", help="first-token time with KV sent layer by layer during the prefill vs whole "
+                                          "after it (not part of `bench all`: it starts three servers)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--plot", metavar="DIR", help="write a PNG chart into DIR")
+    b.add_argument("--prompt-lens", default="1024,4096", help="prompt lengths (comma-separated; default 1024,4096)")
+    b.add_argument("--reps", type=int, default=3, help="measured pairs (whole, layer-wise) per length (default 3)")
+    b.add_argument("--warmup", type=int, default=1, help="unmeasured pairs first, per length (default 1)")
+    b.add_argument("--max-new", type=int, default=4, help="tokens the decode generates (recorded, compared)")
+    b.add_argument("--layers", type=int, default=None, help="decoder layers of the model (default 8)")
+    b.add_argument("--head-dim", type=int, default=None, help="head size: sets the KV bytes per token (default 256)")
+    b.add_argument("--kv-heads", type=int, default=None, help="KV heads = attention heads (default 2)")
+    b.add_argument("--hidden", type=int, default=None, help="residual stream width (default 32; intermediate: twice it)")
+    b.add_argument("--engine", default="trtllm", help="trtllm (the stand-in); sglang once its prefill has the hook")
+    b.add_argument("--model-dir", help="write the model here and keep it (default: a temporary folder)")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=_bench_layerwise)
+
+
+def _bench_layerwise(args: argparse.Namespace) -> int:
+    from kvbridge.bench.layerwise import bench_layerwise, layerwise_steps
+
+    lens = _lengths(args.prompt_lens, "--prompt-lens")
+    geo = {k: v for k, v in (("num_hidden_layers", args.layers), ("head_dim", args.head_dim),
+                             ("num_key_value_heads", args.kv_heads), ("num_attention_heads", args.kv_heads),
+                             ("hidden_size", args.hidden), ("intermediate_size", args.hidden and 2 * args.hidden))
+           if v is not None}
+    try:
+        res = run_with_bar("kvbridge bench layerwise", lambda say: bench_layerwise(
+            lens, reps=args.reps, warmup=args.warmup, max_new=args.max_new, geometry=geo, engine=args.engine,
+            model_dir=args.model_dir, seed=args.seed, progress=say), args.json, layerwise_steps(lens, args.reps, args.warmup))
+    except ValueError as e:
+        raise SystemExit(f"kvbridge bench layerwise: {e}") from None
+    if args.plot:
+        from kvbridge.bench.plots import plot_layerwise
+
+        res["plots"] = plot_layerwise(res, args.plot)
+    if args.json:
+        print(json.dumps(res))
+        return 0 if all(r["outputs_equal"] for r in res["lengths"]) else 1
+    g = res["geometry"]
+    print(f"layerwise: {res['engine']}; {g['num_hidden_layers']} layers, {g['num_key_value_heads']} KV heads of "
+          f"{g['head_dim']}, {g['token_bytes']:,} B/token; {res['reps']} interleaved pairs after {res['warmup']} warm-up")
+    for r in res["lengths"]:
+        tw, tl, q = r["ttft_whole_ms"], r["ttft_layerwise_ms"], r["ttft_ratio"]
+        print(f"  {r['prompt_len']:>6} tokens ({r['bytes'] / 2**20:.1f} MiB): prefill {r['prefill_ms']:.1f} ms, "
+              f"transfer {r['transfer_ms']:.1f} ms, decode step {r['decode_step_ms']:.1f} ms")
+        print(f"         ttft_whole_ms {tw['median']:.1f} [{tw['p10']:.1f}-{tw['p90']:.1f}], ttft_layerwise_ms "
+              f"{tl['median']:.1f} [{tl['p10']:.1f}-{tl['p90']:.1f}], ttft_ratio {q['median']:.3f} "
+              f"[{q['p10']:.3f}-{q['p90']:.3f}]")
+        print(f"         bound: layer-wise {r['bound_layerwise_ms']:.1f} ms vs whole {r['bound_whole_ms']:.1f} ms "
+              f"(ratio {r['bound_ratio']:.3f}); layer-wise / its bound {r['layerwise_over_bound']:.3f}; outputs "
+              f"{'equal' if r['outputs_equal'] else 'DIFFER'} (transformers' generate())")
+    for w in res["warnings"]:
+        print(f"warning: {w}")
+    for f in res.get("plots", []):
+        print(f"chart: {f}")
+    return 0 if all(r["outputs_equal"] for r in res["lengths"]) else 1
+
+
 def add_commands(sub) -> None:
     """Add ``bench`` (every suite, ``all`` and ``route``) and ``report`` to the ``kvbridge``
     command's subparsers."""
@@ -337,6 +397,7 @@ def add_commands(sub) -> None:
         b.add_argument("--markdown", metavar="FILE", help="load: also write its section of the reliability report into FILE")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])
     _add_route_bench(bsub)
+    _add_layerwise_bench(bsub)
 
     rep = sub.add_parser("report", help="regenerate the reliability report (load figures, fault matrix) in one go")
     rep.add_argument("--out", default="docs/reliability.md", help="markdown file (sections replaced between markers)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import textwrap
 
-__all__ = ["plot_break_even", "plot_transfer", "plot_sglang"]
+__all__ = ["plot_break_even", "plot_transfer", "plot_sglang", "plot_layerwise"]
 
 _MARK = dict(markersize=5, linewidth=1.6)
 
@@ -240,3 +240,32 @@ def plot_break_even(model, link, kw: dict, path: str, break_even) -> str:
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def plot_layerwise(res: dict, out_dir: str) -> list[str]:
+    """``kvbridge bench layerwise``: first-token time per prompt length, whole and layer by
+    layer (medians, p10-p90 bars), with each mode's bound. Returns the file written."""
+    plt = _plt()
+    rows = res["lengths"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    x = list(range(len(rows)))
+    w = 0.35
+    for off, key, bound, label in ((-w / 2, "ttft_whole_ms", "bound_whole_ms", "whole after the prefill"),
+                                   (w / 2, "ttft_layerwise_ms", "bound_layerwise_ms", "layer by layer")):
+        med = [r[key]["median"] for r in rows]
+        err = [[r[key]["median"] - r[key]["p10"] for r in rows], [r[key]["p90"] - r[key]["median"] for r in rows]]
+        ax.bar([i + off for i in x], med, w, yerr=err, capsize=3, label=label)
+        ax.scatter([i + off for i in x], [r[bound] for r in rows], marker="_", s=400, color="k", zorder=3)
+    ax.set_xticks(x, [f"{r['prompt_len']:,} tokens\nratio {r['ttft_ratio']['median']:.2f}" for r in rows])
+    ax.set_ylabel("first-token time, ms (median, p10-p90)")
+    g = res["geometry"]
+    ax.set_title("\n".join(textwrap.wrap(
+        f"layer-wise KV sends, {res['engine']}; {g['num_hidden_layers']} layers, {g['token_bytes']:,} B/token "
+        f"(black: bounds); {_where()}", 80)), fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "layerwise_ttft.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

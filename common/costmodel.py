@@ -37,6 +37,9 @@ __all__ = [
     "ModelGeometry",
     "Decision",
     "decide",
+    "LayerwiseEstimate",
+    "decide_layerwise",
+    "layer_plan_segments",
     "predict_handoff_s",
     "break_even_prompt_len",
     "load_link",
@@ -57,6 +60,7 @@ class LinkProfile:
     setup_s: float  # per handoff: control round trip + first write to a warm peer
     repack_bytes_per_s: float  # sender gather into staging (GPU: HBM copy; CPU here)
     source: str = "preset"  # "preset" or "measured: <file>"
+    per_batch_s: float = 100e-6  # one more write batch: submit, completion, the sender's bookkeeping (per layer, layer-wise)
 
     def plan_costs(self, overlap_repack: bool = True) -> PlanCosts:
         """The plan chooser's figures for this link (``HandoffConfig.costs``)."""
@@ -86,12 +90,17 @@ class LinkProfile:
 # per-segment costs (a few us: one work request or copy per piece) and setup are
 # estimates, and their repack is a GPU gather at HBM speed (~2 TB/s). Measure a real link
 # with ``kvbridge bench link --out FILE`` and use the file instead.
+# ``per_batch_s`` is what one more write batch costs beyond its segments and bytes (a
+# layer-wise send writes one batch per layer): ``tcp``'s is the measured latency of later
+# small writes to a warm peer (73-163 us, above); the others' 30 us are an estimate (a
+# post, a completion poll and the sender's Python bookkeeping per batch).
 LINK_PRESETS: dict[str, LinkProfile] = {
-    "nvlink": LinkProfile("nvlink", 380e9, 2e-6, 0.3e-3, 2000e9, source="preset (nominal)"),
-    "pcie5": LinkProfile("pcie5", 50e9, 4e-6, 0.3e-3, 2000e9, source="preset (nominal)"),
-    "rdma": LinkProfile("rdma", 45e9, 5e-6, 0.5e-3, 2000e9, source="preset (nominal)"),
-    "ib400": LinkProfile("ib400", 45e9, 5e-6, 0.5e-3, 2000e9, source="preset (nominal)"),
-    "tcp": LinkProfile("tcp", 2e9, 30e-6, 1.0e-3, 5e9, source="preset (measured: Mooncake TCP on loopback, 2 cores)"),
+    "nvlink": LinkProfile("nvlink", 380e9, 2e-6, 0.3e-3, 2000e9, source="preset (nominal)", per_batch_s=30e-6),
+    "pcie5": LinkProfile("pcie5", 50e9, 4e-6, 0.3e-3, 2000e9, source="preset (nominal)", per_batch_s=30e-6),
+    "rdma": LinkProfile("rdma", 45e9, 5e-6, 0.5e-3, 2000e9, source="preset (nominal)", per_batch_s=30e-6),
+    "ib400": LinkProfile("ib400", 45e9, 5e-6, 0.5e-3, 2000e9, source="preset (nominal)", per_batch_s=30e-6),
+    "tcp": LinkProfile("tcp", 2e9, 30e-6, 1.0e-3, 5e9, source="preset (measured: Mooncake TCP on loopback, 2 cores)",
+                       per_batch_s=120e-6),
 }
 
 # Mooncake's ``protocol`` argument -> the preset of that link
@@ -176,7 +185,8 @@ def load_link(spec: str) -> LinkProfile:
     d = json.loads(p.read_text())
     try:
         return LinkProfile(d.get("name", p.stem), float(d["bandwidth_bytes_per_s"]), float(d["per_segment_s"]),
-                           float(d["setup_s"]), float(d["repack_bytes_per_s"]), source=f"measured: {p}")
+                           float(d["setup_s"]), float(d["repack_bytes_per_s"]), source=f"measured: {p}",
+                           per_batch_s=float(d.get("per_batch_s", LinkProfile.per_batch_s)))
     except KeyError as e:
         raise ValueError(f"{p} lacks {e}; write it with `kvbridge bench link --out {p}`") from None
 
@@ -361,3 +371,127 @@ def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 
         else:
             lo = mid
     return hi
+
+
+# -- layer-wise sends: worth it for this request? ----------------------------------------------
+
+@lru_cache(maxsize=256)
+def layer_plan_segments(model: "ModelGeometry", link: LinkProfile, start: int, stop: int) -> tuple[np.ndarray, bool]:
+    """Segments of each layer's plan (int64 ``[layers]``) for tokens ``[start, stop)`` sent
+    layer by layer, and whether those plans stage: ``request_plan`` between
+    ``KVLayout.layer_range(l, l + 1)`` views of ``model_layout``. The layers of one such
+    pool share every stride and size (only their base differs), so the first and the
+    last layer's plans are made and, when they agree, stand for every layer; else every
+    layer is planned."""
+    lay = model_layout(model, stop)
+    n = lay.num_layers
+
+    def one(i: int) -> TransferPlan:
+        v = lay.layer_range(i, i + 1)
+        return request_plan(v, v, (start, stop), link)
+
+    first, last = one(0), one(n - 1)
+    if first.num_segments == last.num_segments and first.kind == last.kind:
+        return np.full(n, first.num_segments, dtype=np.int64), first.kind is not PlanKind.DIRECT
+    plans = [first] + [one(i) for i in range(1, n - 1)] + [last]
+    return (np.array([p.num_segments for p in plans], dtype=np.int64),
+            any(p.kind is not PlanKind.DIRECT for p in plans))
+
+
+@dataclass(frozen=True)
+class LayerwiseEstimate:
+    """Send a request's KV layer by layer while the prefill computes, or whole after it?
+
+    ``ttft_whole_s`` = prefill + whole handoff; ``ttft_layerwise_s``: the pipeline in
+    which layer ``l``'s send starts once the prefill has computed it (at ``(l + 1) x
+    prefill / layers``) and the link is free, each layer paying its bytes, its plan's
+    segments and one write batch (``LinkProfile.per_batch_s``); about
+    ``setup + max(prefill, layer-wise transfer) + one layer's transfer``
+    (``bound_layerwise_s``).
+    ``layerwise``: the layer-wise TTFT is below the whole one by more than ``margin``
+    (a fraction of the whole one). Times in seconds."""
+
+    layerwise: bool
+    reason: str
+    prompt_len: int
+    held_tokens: int
+    layers: int
+    bytes: int
+    prefill_s: float
+    transfer_whole_s: float  # the whole handoff after the prefill (setup, wire, segments, repack not hidden)
+    transfer_layerwise_s: float  # the same bytes as per-layer sends, back to back (setup included)
+    one_layer_s: float  # the last layer's send: what is left after the prefill ends, at best
+    segments_whole: int
+    segments_layerwise: int
+    overhead_layerwise_s: float  # what layer-wise adds: its extra segments and one batch per layer
+    ttft_whole_s: float
+    ttft_layerwise_s: float
+    bound_layerwise_s: float  # setup + max(prefill, transfer_layerwise - setup) + one_layer
+    margin: float
+    model: str
+    link: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return asdict(self)
+
+
+def decide_layerwise(
+    model: ModelGeometry,
+    link: LinkProfile,
+    prompt_len: int,
+    *,
+    held_tokens: int = 0,
+    prefill_s: float | None = None,
+    prefill_tps: float | None = None,
+    gpu_tflops: float = 989.0,
+    mfu: float = 0.45,
+    tp: int = 1,
+    margin: float = 0.1,
+) -> LayerwiseEstimate:
+    """Layer-wise or whole sends for one request of ``prompt_len`` tokens, of which the
+    first ``held_tokens`` are not moved (the decode holds them), on ``link``. The prefill
+    time is ``prefill_s`` when given, else ``prompt_len / prefill_tps``, else from FLOPs
+    (as ``decide``). Segments come from the plans either way would run:
+    ``request_plan`` over ``model_layout`` for the whole send, over its
+    ``KVLayout.layer_range`` views per layer (``layer_plan_segments``)."""
+    if prompt_len <= 0:
+        raise ValueError(f"prompt_len must be positive, got {prompt_len}")
+    if not 0 <= held_tokens < prompt_len:
+        raise ValueError(f"held_tokens must be in [0, prompt_len={prompt_len}), got {held_tokens}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    if prefill_s is None:
+        prefill_s = (prompt_len / prefill_tps if prefill_tps
+                     else model.prefill_flops(prompt_len) / (gpu_tflops * 1e12 * mfu * tp))
+    if prefill_s < 0:
+        raise ValueError(f"prefill_s must be >= 0, got {prefill_s}")
+    moved = prompt_len - held_tokens
+    nbytes = model.kv_bytes(moved)
+    segs_whole, staged_whole = _model_plan_shape(model, link, held_tokens, prompt_len)
+    whole = predict_handoff_s(nbytes, segs_whole, link, staged=staged_whole)
+    segs, staged = layer_plan_segments(model, link, held_tokens, prompt_len)
+    n = model.layers
+    layer_bytes = nbytes / n
+    # each layer's send: its bytes, its plan's segments, one write batch, and (staged) its
+    # repack, which has no later layer's wire time to hide behind
+    x = (layer_bytes / link.bandwidth_bytes_per_s + segs * link.per_segment_s + link.per_batch_s
+         + (layer_bytes / link.repack_bytes_per_s if staged else 0.0))
+    ready = prefill_s * np.arange(1, n + 1) / n  # layer l computed at (l + 1) / n of the prefill
+    tail = np.cumsum(x[::-1])[::-1]  # sends of layers l.. back to back
+    ttft_lw = link.setup_s + float(np.max(ready + tail))
+    transfer_lw = link.setup_s + float(tail[0])
+    one = float(x[-1])
+    ttft_whole = prefill_s + whole.total_s
+    overhead = float(transfer_lw - whole.total_s)
+    go = ttft_lw < ttft_whole * (1.0 - margin)
+    why = (f"{moved} tokens ({nbytes / 2**20:.1f} MiB) over {link.name}: whole send after a {prefill_s * 1e3:.2f} ms "
+           f"prefill, first token after {ttft_whole * 1e3:.2f} ms (transfer {whole.total_s * 1e3:.2f} ms, "
+           f"{segs_whole} segments); layer by layer {ttft_lw * 1e3:.2f} ms ({n} sends of {one * 1e3:.3f} ms, "
+           f"{int(segs.sum())} segments, +{overhead * 1e3:.2f} ms of per-layer cost)")
+    verdict = ("LAYER-WISE: " if go else "WHOLE: ") + why + (
+        f"; {'saves' if go else 'would save'} {(1 - ttft_lw / ttft_whole) * 100:.0f}%"
+        f"{'' if go else f', not more than the {margin * 100:.0f}% margin'}")
+    return LayerwiseEstimate(go, verdict, prompt_len, held_tokens, n, nbytes, prefill_s, whole.total_s, transfer_lw, one,
+                             segs_whole, int(segs.sum()), overhead, ttft_whole, ttft_lw,
+                             link.setup_s + max(prefill_s, float(tail[0])) + one, margin, model.name, link.describe())

@@ -1,4 +1,6 @@
-"""Per-request cost-model gate: move this request's KV, or compute its prompt on the decode side?
+"""Per-request cost-model decisions: move this request's KV, or compute its prompt on the
+decode side (``CostGate``)? Send it layer by layer during the prefill, or whole after it
+(``LayerwiseChooser``, the ``layerwise: auto`` setting)?
 
 Every engine plugin that supports it consults a ``CostGate`` on the decode side when
 one is configured (off by default; settings ``cost_gate_enabled`` / ``cost_link``, ``link``,
@@ -18,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .costmodel import MODEL_PRESETS, Decision, LinkProfile, ModelGeometry, break_even_prompt_len, decide, load_link
+import math
 
-__all__ = ["CostGate", "GateVerdict", "FALLBACK_BELOW_BREAK_EVEN", "RECOMPUTE_PREFIX"]
+from .costmodel import (MODEL_PRESETS, Decision, LayerwiseEstimate, LinkProfile, ModelGeometry, break_even_prompt_len,
+                        decide, decide_layerwise, load_link)
+
+__all__ = ["CostGate", "GateVerdict", "LayerwiseChooser", "FALLBACK_BELOW_BREAK_EVEN", "RECOMPUTE_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +113,54 @@ class CostGate:
                       f"{d.local_ttft_s * 1e3:.2f} ms recomputing on the decode worker vs {d.disaggregated_ttft_s * 1e3:.2f} ms "
                       f"through the prefill worker and a {d.handoff.bytes} B handoff over {self.link.name}")
         return GateVerdict(d.move, reason, prompt_len, held, d)
+
+
+class LayerwiseChooser:
+    """``layerwise: auto`` on a prefill worker: per request, layer-wise sends when the cost
+    model (``kvbridge.common.costmodel.decide_layerwise``) predicts an earlier first
+    token than a whole send by more than ``margin``. Prompt lengths are rounded up to
+    eight buckets per octave, each decided once (a decision plans the request)."""
+
+    BUCKETS_PER_OCTAVE = 8
+
+    def __init__(self, model: ModelGeometry, link: LinkProfile, *, prefill_tps: float = 0.0, margin: float = 0.1):
+        if prefill_tps < 0:
+            raise ValueError(f"layer-wise decision: prefill_tps must be >= 0, got {prefill_tps}")
+        self.model, self.link, self.prefill_tps, self.margin = model, link, prefill_tps, margin
+        self._cache: dict[int, LayerwiseEstimate] = {}
+        self._told = False
+
+    @classmethod
+    def from_settings(cls, link: "str | LinkProfile", model: str | Mapping[str, Any] | ModelGeometry = "", *,
+                      prefill_tps: float = 0.0, default_model: str | Mapping[str, Any] | None = None) -> "LayerwiseChooser":
+        """The chooser for ``link`` (a ``LinkProfile``, a preset or a ``kvbridge bench link``
+        file) and ``model`` (else ``default_model``, the served model's config)."""
+        spec = model or default_model
+        if not spec:
+            raise ValueError("layerwise=auto needs the model geometry: set cost_model to a preset or a config.json "
+                             "(the served model's config could not be found)")
+        return cls(model_geometry(spec), link if isinstance(link, LinkProfile) else load_link(link),
+                   prefill_tps=float(prefill_tps))
+
+    def bucket(self, prompt_len: int) -> int:
+        """The prompt length a decision for ``prompt_len`` is made at (rounded up)."""
+        if prompt_len <= 16:
+            return max(1, int(prompt_len))
+        k = math.ceil(math.log2(prompt_len) * self.BUCKETS_PER_OCTAVE - 1e-9)
+        return max(int(prompt_len), int(math.ceil(2 ** (k / self.BUCKETS_PER_OCTAVE))))
+
+    def choose(self, prompt_len: int) -> LayerwiseEstimate:
+        """The decision for a request of ``prompt_len`` tokens sent from its first."""
+        if prompt_len <= 0:
+            raise ValueError(f"prompt_len must be positive, got {prompt_len}")
+        b = self.bucket(prompt_len)
+        est = self._cache.get(b)
+        if est is None:
+            est = self._cache[b] = decide_layerwise(self.model, self.link, b, prefill_tps=self.prefill_tps or None,
+                                                     margin=self.margin)
+            log.debug("kvbridge layer-wise decision at %d tokens: %s", b, est.reason)
+            if not self._told:
+                self._told = True
+                log.info("kvbridge layerwise=auto: %s, %s; first decision (%d tokens): %s", self.model.name,
+                         self.link.describe(), b, est.reason)
+        return est

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, TypeVar
 
 from .costmodel import LinkProfile, resolve_link
 from .rooms import HandoffConfig
 
-__all__ = ["BridgeSettings", "ConfigError", "read_settings", "read_mapping_file"]
+__all__ = ["BridgeSettings", "ConfigError", "LAYERWISE_AUTO", "parse_layerwise", "read_settings", "read_mapping_file"]
 
 T = TypeVar("T", bound="BridgeSettings")
 
@@ -32,6 +32,25 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 class ConfigError(ValueError):
     """A setting that is missing, malformed or inconsistent."""
+
+
+LAYERWISE_AUTO = "auto"
+
+
+def parse_layerwise(v: Any) -> "bool | str":
+    """The ``layerwise`` setting: True / False (also "true", "on", "1", "false", "off",
+    "0"...) force layer-wise sends on or off; "auto" lets the cost model decide per
+    request (``kvbridge.common.costmodel.decide_layerwise``)."""
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s == LAYERWISE_AUTO:
+        return LAYERWISE_AUTO
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ConfigError(f"setting layerwise={v!r} is not one of auto, true, false")
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,11 @@ class BridgeSettings:
     empty; ``cost_model`` (a model preset or a Hugging Face ``config.json``; default: the
     served model's), ``cost_prefill_tps`` / ``cost_decode_prefill_tps`` (prefill tokens/s
     of each worker, 0: from FLOPs), ``cost_queue_s`` (expected prefill queue wait).
+    Layer-wise sends (prefill side, off by default): ``layerwise`` true sends each layer
+    of a forward's tokens as soon as the forward wrote it, false sends a request's KV
+    whole after its prefill, "auto" decides per request from the link and the model
+    geometry (``cost_model``, else the served model's; prefill speed
+    ``cost_prefill_tps``, else from FLOPs): ``layerwise_chooser``.
     """
 
     deadline_s: float = 60.0
@@ -69,8 +93,10 @@ class BridgeSettings:
     cost_prefill_tps: float = 0.0
     cost_decode_prefill_tps: float = 0.0
     cost_queue_s: float = 0.0
+    layerwise: bool | str = field(default=False, metadata={"parse": parse_layerwise})
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layerwise", parse_layerwise(self.layerwise))  # frozen: normalised once here
         for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -121,8 +147,24 @@ class BridgeSettings:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def layerwise_chooser(self, default_model: str | Mapping[str, Any] | None = None):
+        """The per-request layer-wise decision (``kvbridge.common.gate.LayerwiseChooser``)
+        when ``layerwise`` is "auto", else None (``layerwise`` itself is the answer).
+        ``default_model``: the served model's config, used when ``cost_model`` is empty."""
+        if self.layerwise != LAYERWISE_AUTO:
+            return None
+        from .gate import LayerwiseChooser
 
-def _typed(name: str, v: Any, default: Any) -> Any:
+        try:
+            return LayerwiseChooser.from_settings(self.link_profile(), self.cost_model, prefill_tps=self.cost_prefill_tps,
+                                                  default_model=default_model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:
+    if parse is not None:
+        return parse(v)
     kind = type(default)
     if isinstance(v, kind):
         return v
@@ -157,7 +199,8 @@ def read_settings(cls: type[T], base: Mapping[str, Any] | None = None, *, enviro
         if raw is not None:
             values[name] = raw
     values.update(overrides or {})
-    return cls(**{name: _typed(name, v, known[name].default) for name, v in values.items()})
+    return cls(**{name: _typed(name, v, known[name].default, known[name].metadata.get("parse"))
+                  for name, v in values.items()})
 
 
 def read_mapping_file(path: str, what: str = "config file") -> dict[str, Any]:

@@ -8,7 +8,8 @@
 - ``kvbridge bench route``: a load through ``kvbridge route`` with a prefill killed part-way
   (not part of ``all``).
 - ``kvbridge report``: regenerate the reliability report (``docs/reliability.md``).
-- ``kvbridge plan``: is moving a request's KV worth it (the cost model).
+- ``kvbridge plan``: is moving a request's KV worth it, and sending it layer by layer
+  during the prefill (the cost model).
 - ``kvbridge announce``: a router's handoff announcement to a TensorRT-LLM server.
 - ``kvbridge route``: the OpenAI-compatible front of a mixed disaggregated deployment
   (``--check``: probe it and exit).
@@ -148,7 +149,8 @@ def _run_demo(kw: dict, progress) -> dict:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kvbridge.common.costmodel import MODEL_PRESETS, ModelGeometry, break_even_prompt_len, decide, load_link
+    from kvbridge.common.costmodel import (MODEL_PRESETS, ModelGeometry, break_even_prompt_len, decide, decide_layerwise,
+                                           load_link)
 
     if args.config:
         model = ModelGeometry.from_hf_config(args.config, dtype_bytes=args.kv_dtype_bytes)
@@ -159,9 +161,12 @@ def _plan(args: argparse.Namespace) -> int:
               queue_s=args.queue_ms / 1e3, tp=args.tp)
     try:
         d = decide(model, link, args.prompt_len, held_tokens=args.held_tokens, **kw)
+        lw = decide_layerwise(model, link, args.prompt_len, held_tokens=args.held_tokens, prefill_s=d.prefill_s,
+                              margin=args.layerwise_margin)
     except ValueError as e:
         raise SystemExit(f"kvbridge plan: {e}") from None
     out = d.as_dict()
+    out["layerwise"] = lw.as_dict()
     if args.break_even or args.plot:
         out["break_even_prompt_len"] = break_even_prompt_len(model, link, **kw)
     if args.plot:
@@ -183,8 +188,16 @@ def _plan(args: argparse.Namespace) -> int:
                     ("handoff total", h.total_s), ("queue for prefill", d.queue_s), ("prefill on prefill worker", d.prefill_s),
                     ("first token, disaggregated", d.disaggregated_ttft_s), ("first token, recompute on decode", d.local_ttft_s)]:
         t.add_row(name, f"{h.bytes:,} B" if v is None else f"{v * 1e3:.2f}")
+    for name, v in [("layer-wise: first token, whole send", lw.ttft_whole_s),
+                    ("layer-wise: first token, layer by layer", lw.ttft_layerwise_s),
+                    ("layer-wise: bound, max(prefill, transfer) + one layer", lw.bound_layerwise_s),
+                    ("layer-wise: one layer's send", lw.one_layer_s),
+                    ("layer-wise: per-layer cost added", lw.overhead_layerwise_s)]:
+        t.add_row(name, f"{v * 1e3:.2f}")
     Console().print(t)
     print(d.verdict)
+    print(f"layer-wise sends ({lw.layers} layers, {lw.segments_layerwise} segments vs {lw.segments_whole} whole): "
+          + lw.reason)
     if "break_even_prompt_len" in out:
         print(f"break-even prompt length on this link: {out['break_even_prompt_len']}")
     return 0
@@ -216,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--held-tokens", type=int, default=0,
                       help="prompt tokens the decode worker already holds (prefix cache): neither moved nor recomputed")
     plan.add_argument("--tp", type=int, default=1, help="GPUs per worker")
+    plan.add_argument("--layerwise-margin", type=float, default=0.1,
+                      help="layer-wise sends when they bring the first token earlier by more than this fraction")
     plan.add_argument("--break-even", action="store_true", help="also find the prompt length from which moving wins")
     plan.add_argument("--plot", help="write a PNG of first-token time against prompt length")
     plan.add_argument("--json", action="store_true")

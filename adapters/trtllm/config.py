@@ -52,9 +52,11 @@ class BridgeConfig(BridgeSettings):
     is computed on this decode server and the prefill's room released; its model
     geometry defaults to the served model's config (from the LLM args).
 
-    Layer-wise sends (prefill servers; off by default): ``layerwise`` sends each layer of
-    the tokens a forward computes from ``save_kv_layer``, while the next layers compute,
-    for requests whose room is open; the first token follows once sampled.
+    Layer-wise sends (prefill servers; off by default; a shared setting): ``layerwise``
+    true sends each layer of the tokens a forward computes from ``save_kv_layer``, while
+    the next layers compute, for requests whose room is open; the first token follows
+    once sampled. "auto" decides per request, when its room opens, from the link and the
+    model geometry (``cost_model``, else the served model's config): ``layerwise_chooser``.
 
     Geometry overrides (normally read from the pool, the executor's KV cache manager and
     the model's config; see ``geometry.rank_geometry``): ``tokens_per_block``,
@@ -83,7 +85,6 @@ class BridgeConfig(BridgeSettings):
     sglang_bootstrap_port: int = -1
     sglang_page_size: int = 1
     discovery_timeout_s: float = 30.0
-    layerwise: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,7 +115,16 @@ class BridgeConfig(BridgeSettings):
         """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when the
         gate is off. ``served_model``: the LLM args' model (a directory with a
         ``config.json``), used when ``cost_model`` is empty."""
-        default = None
-        if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
-            default = os.fspath(served_model)
-        return self.make_cost_gate(default)
+        return self.make_cost_gate(_served_config(served_model))
+
+    def layerwise_chooser_for(self, served_model: Any = None):
+        """The per-request layer-wise decision (``kvbridge.common.gate.LayerwiseChooser``)
+        when ``layerwise`` is "auto", else None. ``served_model`` as in ``cost_gate``."""
+        return self.layerwise_chooser(_served_config(served_model))
+
+
+def _served_config(served_model: Any) -> str | None:
+    """The served model's folder when it holds a ``config.json`` (the LLM args' model), else None."""
+    if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
+        return os.fspath(served_model)
+    return None

@@ -117,6 +117,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._discovering: dict[str, float] = {}
         self._parked: dict[str, list] = {}  # prefill -> orders waiting for its endpoints
         self.gate = self.cfg.cost_gate(_get(llm_args, "model", None))
+        self.layerwise_chooser = self.cfg.layerwise_chooser_for(_get(llm_args, "model", None))  # layerwise=auto
+        self.layerwise_decisions: OrderedDict[int, bool] = OrderedDict()  # request id -> layer-wise or not (prefill halves)
         self.fallbacks: OrderedDict[int, dict] = OrderedDict()  # request id -> why it is computed here
         self.bus = ControlChannel(self._on_bus, self._on_tick, bind_host=self.cfg.host, port=self.cfg.bus_port,
                                   name="kvbridge-trtllm-scheduler")
@@ -219,9 +221,10 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             key = prompt_key(request.get_tokens(0)[:int(request.prompt_len)])
             h = self._take_expected(key, "send")
             if h is not None:
+                layerwise = self._layerwise(rid, h, int(request.prompt_len))
                 with self._lock:
                     self._sending[rid] = h
-                    if self.cfg.layerwise:
+                    if layerwise:
                         self._streams[rid] = _Stream(h.room, int(request.prompt_len))
                     self._issue(B.Open(req=rid, room=h.room, blocks=[int(b) for b in block_ids]))
             return
@@ -231,6 +234,21 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         with self._lock:
             self._loads[rid] = _Load(order)
         self._route(order, h)
+
+    def _layerwise(self, rid: int, h: Handle, prompt_len: int) -> bool:
+        """Whether prefill half ``rid`` sends layer by layer: the ``layerwise`` setting, or
+        with "auto" the cost model's decision for its prompt length."""
+        if self.layerwise_chooser is None:
+            go = bool(self.cfg.layerwise)
+        else:
+            est = self.layerwise_chooser.choose(prompt_len)
+            go = est.layerwise
+            log.debug("kvbridge: room %s (request %s): %s", h.room, rid, est.reason)
+        with self._lock:
+            self.layerwise_decisions[rid] = go
+            while len(self.layerwise_decisions) > _LOG_KEEP:
+                self.layerwise_decisions.popitem(last=False)
+        return go
 
     def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
         """Called by ``PyExecutor._send_kv_async`` for a finished request (with the overlap

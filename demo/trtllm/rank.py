@@ -88,8 +88,11 @@ def rank_main(conn, rank: int, world: int, version: str, llm_kw: dict, pool_file
                     ex.iteration()
                     new = {rid: r for rid, r in ex.responses.items() if rid not in sent}
                     sent.update(new)
+                    # "generated": output tokens so far of each running request (what trtllm-serve streams)
                     conn.send(("done", {"responses": new, "active": len(ex.active_requests),
-                                        "free": ex.kv_cache_manager.free_count}))
+                                        "free": ex.kv_cache_manager.free_count,
+                                        "generated": {r.request_id: r.get_num_tokens(0) - r.prompt_len
+                                                      for r in ex.active_requests}}))
                 elif op == "submit":
                     prompt, max_tokens, request_type, salt = cmd[1:]
                     dp = DisaggregatedParams(request_type=request_type) if request_type else None

@@ -1,0 +1,56 @@
+"""`kvbridge bench layerwise` runs end to end on small prompts: what it moved and generated
+is checked here against figures computed apart from it (the model's config, transformers'
+``generate()``), not against its own verdicts. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvbridge.demo.models import random_prompt, reference_generate
+
+LENS = (48, 130)
+MAX_NEW = 3
+
+
+def test_bench_layerwise_smoke(tmp_path):
+    model = tmp_path / "model"
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--json", "--prompt-lens",
+                          ",".join(map(str, LENS)), "--reps", "1", "--warmup", "0", "--max-new", str(MAX_NEW), "--layers", "3",
+                          "--head-dim", "32", "--model-dir", str(model), "--plot", str(tmp_path / "plots")],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    res = json.loads(out.stdout)
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 3 and cfg["head_dim"] == 32
+    token_bytes = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # float32 pools
+    assert [r["prompt_len"] for r in res["lengths"]] == list(LENS)
+    for i, r in enumerate(res["lengths"]):
+        n = r["prompt_len"]
+        want = reference_generate(model, random_prompt(n, seed=i), MAX_NEW).token_ids
+        assert r["outputs"]["whole"] == [want] and r["outputs"]["layerwise"] == [want], n
+        # the decode pulled the whole prompt in both modes (no device cache held any of it)
+        assert r["bytes_moved"] == {"whole": [n * token_bytes], "layerwise": [n * token_bytes]}, n
+        # layer-wise: one piece per layer of the one forward, the room ended by finish(); whole: one send
+        assert r["layer_pieces"] == {"whole": [0], "layerwise": [cfg["num_hidden_layers"]]}, n
+        assert r["ended_by"] == {"whole": ["send"], "layerwise": ["finish"]}, n
+        for key in ("ttft_whole_ms", "ttft_layerwise_ms", "ttft_ratio"):
+            assert set(r[key]) == {"median", "p10", "p90", "n"} and r[key]["n"] == 1, key
+        for key in ("prefill_ms", "transfer_ms", "bound_whole_ms", "bound_layerwise_ms", "decode_step_ms"):
+            assert isinstance(r[key], float), key
+    (png,) = res["plots"]
+    with open(png, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_layerwise_refuses_what_it_cannot_run():
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--engine", "sglang"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "per-layer hook" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--prompt-lens", "64,0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--prompt-lens needs positive token counts" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--hidden", "8", "--kv-heads", "32"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "hidden size 8 must be a multiple of the 32 attention heads" in out.stderr
