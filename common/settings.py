@@ -51,6 +51,9 @@ class BridgeSettings:
     empty; ``cost_model`` (a model preset or a Hugging Face ``config.json``; default: the
     served model's), ``cost_prefill_tps`` / ``cost_decode_prefill_tps`` (prefill tokens/s
     of each worker, 0: from FLOPs), ``cost_queue_s`` (expected prefill queue wait).
+    Layer-wise sends (prefill side, off by default): ``layerwise`` sends each layer of the
+    tokens a forward computes as soon as the forward wrote it, while the next layers
+    compute (where a plugin has no per-layer hook it sends whole requests and says so once).
     """
 
     deadline_s: float = 60.0
@@ -69,6 +72,7 @@ class BridgeSettings:
     cost_prefill_tps: float = 0.0
     cost_decode_prefill_tps: float = 0.0
     cost_queue_s: float = 0.0
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):

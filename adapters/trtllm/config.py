@@ -52,9 +52,10 @@ class BridgeConfig(BridgeSettings):
     is computed on this decode server and the prefill's room released; its model
     geometry defaults to the served model's config (from the LLM args).
 
-    Layer-wise sends (prefill servers; off by default): ``layerwise`` sends each layer of
-    the tokens a forward computes from ``save_kv_layer``, while the next layers compute,
-    for requests whose room is open; the first token follows once sampled.
+    Layer-wise sends (prefill servers; off by default): ``layerwise`` (a shared setting)
+    sends each layer of the tokens a forward computes from ``save_kv_layer``, while the
+    next layers compute, for requests whose room is open; the first token follows once
+    sampled.
 
     Geometry overrides (normally read from the pool, the executor's KV cache manager and
     the model's config; see ``geometry.rank_geometry``): ``tokens_per_block``,
@@ -83,7 +84,6 @@ class BridgeConfig(BridgeSettings):
     sglang_bootstrap_port: int = -1
     sglang_page_size: int = 1
     discovery_timeout_s: float = 30.0
-    layerwise: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
