@@ -272,14 +272,15 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
 
 
 def serve_layerwise(r: Rank, room: int, pages: list, num_tokens: int, first_token: int, timeout: float,
-                    layer_gap_s: float = 0.0):
+                    layer_gap_s: float = 0.0, progress_path: str | None = None):
     """Prefill side of one request with ``layerwise`` on, as the real scheduler runs it
     (tests/test_sglang_layerwise.py runs the server): one forward computes the prompt; the
     prefill manager's streamer is armed with its tokens (what the ``run_batch`` hook does),
     then each layer's K and V go into the REAL pool through ``MHATokenToKVPool.set_kv_buffer``
     (the hooked method; ``RadixAttention`` as the attention layer passes itself), which hands
     the layer to the sender; ``layer_gap_s`` between layers stands for the next layer's
-    compute. Then ``send_kv_chunk``'s last send, which ends the room with ``finish``."""
+    compute; ``progress_path``: a file that holds how many layers the forward has written.
+    Then ``send_kv_chunk``'s last send, which ends the room with ``finish``."""
     import numpy as np
     import torch
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -317,6 +318,10 @@ def serve_layerwise(r: Rank, room: int, pages: list, num_tokens: int, first_toke
         attn = RadixAttention(heads, dim, 1.0, heads, layer_id=layer)
         r.pool.set_kv_buffer(attn, loc, k, v)  # the attention backend's write; the hook streams the layer
         pieces.append(sender.kvb_layer_pieces)
+        if progress_path:
+            with open(progress_path + ".tmp", "w") as f:
+                f.write(str(layer + 1))
+            os.replace(progress_path + ".tmp", progress_path)
     st.disarm()
     r.meta.output_ids[aux_idx][0] = first_token
     r.meta.cached_tokens[aux_idx][0] = prefix

@@ -158,8 +158,8 @@ def format_matrix() -> list[str]:
                 cells.append(head + sides + ("" if worst <= 1 else " LATE"))
         rows.append((fault, cells))
     width = max([44] + [len(c) + 2 for _, cells in rows for c in cells])
-    lines = [f"{'fault':<22}" + "".join(f"{p:<{width}}" for p in plugins)]
-    lines += [f"{fault:<22}" + "".join(f"{c:<{width}}" for c in cells) for fault, cells in rows]
+    lines = [f"{'fault':<24}" + "".join(f"{p:<{width}}" for p in plugins)]
+    lines += [f"{fault:<24}" + "".join(f"{c:<{width}}" for c in cells) for fault, cells in rows]
     lines.append("cells: side, state it reports, fault -> terminal s / bound s; every block released once; next request "
                  "byte-exact; GAP: a known gap showed itself (xfail strict)")
     return lines
@@ -433,10 +433,16 @@ def _sgl_mid_layer_case(farm: SGLangFarm) -> dict:
     sw.on(SGL_THROTTLED)
     room, ntok = farm.next_room(), 200
     pages = [int(x) for x in np.random.default_rng(room).permutation(np.arange(1, 129))[: -(-ntok // 16)]]
-    farm.pre.conn.send(("serve_layerwise", room, pages, ntok, room % 1000 + 7, 20.0, SGL_LAYER_GAP_S))
+    progress = os.path.join(OUT, f"layers-{room}")
+    farm.pre.conn.send(("serve_layerwise", room, pages, ntok, room % 1000 + 7, 20.0, SGL_LAYER_GAP_S, progress))
     farm.dec.conn.send(("pull", room, ntok, 0, 20.0, None, 0.5))
     t_fault = wait_until(sw.started, 30, "the first layer never got under way")
     farm.kill(farm.pre)
+    with open(progress) as f:
+        written = int(f.read())
+    os.unlink(progress)
+    # the transfer was under way while later layers were still to be computed: mid-layer
+    assert 1 <= written < farm.case["layers"], f"killed after {written} of {farm.case['layers']} layers were written"
     d = farm.dec.recv()[1]
     sides.append(_side("decode", _state(d), d.get("reason", ""), d["t_end"] - t_fault, PEER_TIMEOUT_S,
                        ("unreachable", "failed the room")))
@@ -465,7 +471,7 @@ def _sgl_mid_layer_case(farm: SGLangFarm) -> dict:
     next_ok = farm.request_ok()
     return {"plugin": "sglang", "fault": "kill_prefill_mid_layer", "ok": True, "sides": sides,
             "double_releases": len(dbl), "blocks_ok": True, "next_ok": next_ok, "transport": "throttled",
-            "layerwise_after_restart_ok": True, "case_s": round(time.monotonic() - t_case, 2)}
+            "layers_written_at_kill": written, "layerwise_after_restart_ok": True, "case_s": round(time.monotonic() - t_case, 2)}
 
 
 @pytest.mark.sglang
