@@ -1,6 +1,7 @@
 """Fault injection: prefill and decode in separate OS processes, each fault for both plugins.
 
-Faults: decode killed mid-transfer (SIGKILL), prefill killed mid-transfer, prefill stopped
+Faults: decode killed mid-transfer (SIGKILL), prefill killed mid-transfer (SGLang also with
+layer-wise sends: killed after its first layer went, before its last was computed), prefill stopped
 (SIGSTOP: it hangs) then continued, abort from the prefill side and from the decode side
 mid-transfer, a room that never gets its peer, a bootstrap server (SGLang) / discovery bus
 (TensorRT-LLM) that is down; the link cut between two hosts is here for SGLang and in
