@@ -429,8 +429,12 @@ def _sgl_mid_layer_case(farm: SGLangFarm) -> dict:
     sw = farm.switch
     t_case = time.monotonic()
     sides: list[dict] = []
-    farm.case = dict(farm.case, env=dict(farm.case["env"], KVBRIDGE_LAYERWISE="true"))
-    farm.pre.call("setup", "prefill", farm.case, 0)  # its manager builds the streamer and hooks set_kv_buffer
+    # a fresh case (new bootstrap port: the decode has no record of an earlier prefill there)
+    # whose prefill manager builds the streamer and hooks set_kv_buffer
+    case = farm.new_case()
+    farm.case = dict(case, env=dict(case["env"], KVBRIDGE_LAYERWISE="true"))
+    farm.pre.call("setup", "prefill", farm.case, 0)
+    farm.dec.call("setup", "decode", farm.case, 0)
     sw.on(SGL_THROTTLED)
     room, ntok = farm.next_room(), 200
     pages = [int(x) for x in np.random.default_rng(room).permutation(np.arange(1, 129))[: -(-ntok // 16)]]
