@@ -235,9 +235,9 @@ class LayerStreamer:
         event = None
         for a in self.armed:
             if a.gap or layer < a.next_layer:
-                continue  # a second write of a layer already handed over changes nothing we sent...
+                continue  # a layer written again after it went (no 0.5.23 backend does): not sent twice
             if layer > a.next_layer:
-                a.gap = True  # ...but a layer out of order: the rest go after the forward
+                a.gap = True  # a layer out of order (an earlier one not written yet): the rest go after the forward
                 self.say_once("gap", "kvbridge: layer %d's KV was written before layer %d's; the layers from %d go "
                               "after the forward", layer, a.next_layer, a.next_layer)
                 continue
