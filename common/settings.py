@@ -74,7 +74,8 @@ class BridgeSettings:
     of a forward's tokens as soon as the forward wrote it, false sends a request's KV
     whole after its prefill, "auto" decides per request from the link and the model
     geometry (``cost_model``, else the served model's; prefill speed
-    ``cost_prefill_tps``, else from FLOPs): ``layerwise_chooser``.
+    ``cost_prefill_tps``, else from FLOPs): ``layerwise_chooser``. Where a plugin has no per-layer hook it
+    sends whole requests and says so once.
     """
 
     deadline_s: float = 60.0

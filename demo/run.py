@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -194,7 +195,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
              extra_prompt_lens: Sequence[int] = (), link: str = "tcp", model_dir: str | os.PathLike | None = None,
              model: str | None = None, log_dir: str | os.PathLike | None = None, progress: Any = None,
              start_timeout: float | None = None, trtllm_version: str = "1.2", prefill: str | None = None,
-             decode: str | None = None, trtllm_settings: dict | None = None) -> dict:
+             decode: str | None = None, trtllm_settings: dict | None = None,
+             sglang_settings: dict | None = None) -> dict:
     """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
     generated token equals transformers' reference; ``real_servers`` names the engines
     that ran as their REAL servers, the TensorRT-LLM stand-in not being one).
@@ -203,7 +205,8 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     default SGLang -> TensorRT-LLM, ``reverse``: TensorRT-LLM -> SGLang. With vLLM on a
     side the model defaults to "llama-hd32" (vLLM's CPU backend serves no head_dim 16).
     ``trtllm_version``: which TensorRT-LLM the stand-in models ("1.2" or "main");
-    ``trtllm_settings``: more kvbridge settings for its plugin (e.g. ``{"layerwise": True}``).
+    ``trtllm_settings``: more kvbridge settings for its plugin (e.g. ``{"layerwise": True}``);
+    ``sglang_settings``: the same for the SGLang server's plugin (as ``KVBRIDGE_<NAME>``).
     ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
     ``extra_prompt_lens``: more requests through the same servers, checked likewise
     (``report["checks"]``). ``link``: the cost model's link (a preset or a ``kvbridge
@@ -260,10 +263,15 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     kw = dict(model_dir=model_dir, prompts=prompts, refs=refs, max_new=max_new, prog=prog, log_dir=log_dir,
               start_timeout=start_timeout or DEFAULT_START_TIMEOUT, trtllm_version=trtllm_version,
               trtllm_settings=dict(trtllm_settings or {}))
+    sgl_env = {f"KVBRIDGE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
+               for k, v in (sglang_settings or {}).items()}
     if with_vllm:
+        if sgl_env:
+            raise DemoError("sglang_settings: not passed to the SGLang server of a pair with vLLM")
         results, extra = _with_vllm(p_eng, d_eng, **kw)
     else:
-        results, extra = (_trt_to_sglang(**kw) if p_eng == "trtllm" else _sglang_to_trt(**kw))
+        results, extra = (_trt_to_sglang(**kw, sglang_env=sgl_env) if p_eng == "trtllm"
+                          else _sglang_to_trt(**kw, sglang_env=sgl_env))
     main = results[0]
     rec = main["record"]
     handoff_s = float(rec["seconds"])
@@ -300,7 +308,7 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
         "wire_gbps": (float(rec["bytes"]) / float(rec["transfer_s"]) / 1e9) if float(rec.get("transfer_s") or 0) > 0
         else None,  # the sender's own time on the wire: known when the sender is this process
         "record": rec,
-        "sender_layer_pieces": main.get("layer_pieces"),  # layer-wise pieces a TensorRT-LLM prefill streamed
+        "sender_layer_pieces": main.get("layer_pieces"),  # layer-wise pieces the prefill streamed
         "sender_ended_by": main.get("ended_by"),
         "cost_model": _cost_verdict(model_dir, link, len(prompts[0]), max_new, rec, recompute_s, handoff_s),
         "context_tokens_computed": main["context_tokens_computed"],
@@ -327,8 +335,25 @@ def _first_logits_diff(resp: dict, ref: Any) -> float:
     return float((torch.tensor(resp["first_logits"]) - ref.first_logits).abs().max())
 
 
+_LAYERWISE_LINE = re.compile(r"room (\d+) went layer by layer: (\d+) layer piece\(s\), (\d+) token\(s\) sent whole; "
+                             r"ended by (\w+)")
+
+
+def _sglang_layerwise(srv: Any, room: int, timeout: float = 10.0) -> dict:
+    """What an SGLang prefill's log says of ``room``'s layer-wise send (``layer_pieces``,
+    ``whole_tokens``, ``ended_by``; empty when the room went whole)."""
+    end = time.monotonic() + timeout
+    while True:
+        for m in _LAYERWISE_LINE.finditer(srv.log_path.read_text(errors="replace")):
+            if int(m.group(1)) == room:
+                return {"layer_pieces": int(m.group(2)), "whole_tokens": int(m.group(3)), "ended_by": m.group(4)}
+        if time.monotonic() > end:
+            return {}
+        time.sleep(0.05)
+
+
 def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version,
-                   trtllm_settings):
+                   trtllm_settings, sglang_env):
     from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import fetch_ranks
 
@@ -336,7 +361,7 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
     from .trtllm import StandInServer, run_until
 
     prog.start("start server", "SGLang prefill server (kvbridge backend), TensorRT-LLM decode stand-in")
-    with sglang_server(model_dir, "prefill", log_dir=log_dir, timeout=start_timeout) as (srv, boot), \
+    with sglang_server(model_dir, "prefill", log_dir=log_dir, timeout=start_timeout, extra_env=sglang_env) as (srv, boot), \
             StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
                           plugin={"host": HOST, "on_failure": "fail", "peer_timeout_s": 3.0, **trtllm_settings}) as trt:
         prog.done("start server", f"SGLang prefill up in {srv.ready_after_s:.1f}s at {srv.url}, bootstrap {HOST}:{boot}; "
@@ -367,7 +392,9 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
             prog.done("decode", "match" if toks == ref.token_ids else "MISMATCH")
             replan = _replan(src_desc, dst_desc, resp["blocks"], len(prompt))
             same = replan["kind"] == rec.get("plan") and replan["segments"] == rec.get("segments")
+            lw = _sglang_layerwise(srv, room) if sglang_env.get("KVBRIDGE_LAYERWISE") == "true" else {}
             results.append({
+                "layer_pieces": lw.get("layer_pieces", 0), "ended_by": lw.get("ended_by", ""),
                 "generated": toks, "match": toks == ref.token_ids, "record": rec,
                 "first_prefill": int(out["output_ids"][0]),
                 "first_aux": int(((done.get("aux") or {}).get("output_ids") or [-1])[0]),
@@ -388,7 +415,7 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
 
 
 def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version,
-                   trtllm_settings):
+                   trtllm_settings, sglang_env):
     from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import parse_address
 
@@ -397,7 +424,8 @@ def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
 
     prog.start("start server", "SGLang decode server (kvbridge backend), TensorRT-LLM prefill stand-in")
     # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
-    with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1) as (srv, _), \
+    with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1,
+                       extra_env=sglang_env) as (srv, _), \
             StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
                           plugin={"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1,
                                   **trtllm_settings}) as trt:

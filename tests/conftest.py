@@ -1,10 +1,11 @@
 """Session-wide test setup: the tiny models every area uses and the end-of-run summaries.
 
-Area fixtures live in the area's own conftest.py (tests/layout: SGLang's pool classes;
-tests/sglang: the SGLang server pairs); shared code lives in tests/helpers.
+Area fixtures live in the area's own conftest.py (tests/sglang: the SGLang server pairs);
+shared code lives in tests/helpers.
 """
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ def tiny_mla_dir() -> Path:
     from tests.helpers.sglang_pairs import tiny_model_dir
 
     return tiny_model_dir("mla")
+
+
+@pytest.fixture(scope="session")
+def sglang_pools():
+    """SGLang 0.5.23's real pool classes (MHATokenToKVPool, MLATokenToKVPool), on CPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    return MHATokenToKVPool, MLATokenToKVPool
 
 
 def pytest_terminal_summary(terminalreporter):

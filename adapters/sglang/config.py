@@ -63,15 +63,27 @@ class SglangBridgeConfig(BridgeSettings):
         served model's ``config.json`` (a local folder, or a hub model SGLang fetched)."""
         if not self.gate_on:
             return None
+        return self.make_cost_gate(self._served_config(server_args))
+
+    def layerwise_chooser_for(self, server_args: Any):
+        """The prefill rank's per-request layer-wise decision (``kvbridge.common.gate.
+        LayerwiseChooser``) when ``layerwise`` is "auto", else None; the model geometry as
+        in ``cost_gate_for``."""
+        if self.layerwise != "auto":
+            return None
+        return self.layerwise_chooser(self._served_config(server_args))
+
+    def _served_config(self, server_args: Any):
+        """The served model's config for the cost model: its folder, a hub model's config
+        as a dict, or None (``cost_model`` set, or nothing found)."""
         model_path = str(getattr(server_args, "model_path", "") or "")
-        default = None
         if os.path.isfile(os.path.join(model_path, "config.json")):
-            default = model_path
-        elif model_path and not self.cost_model:
+            return model_path
+        if model_path and not self.cost_model:
             try:  # a hub id SGLang has already fetched
                 from transformers import AutoConfig
 
-                default = AutoConfig.from_pretrained(model_path).to_dict()
+                return AutoConfig.from_pretrained(model_path).to_dict()
             except Exception as e:
-                log.warning("kvbridge: cost gate: cannot read %s's config: %s", model_path, e)
-        return self.make_cost_gate(default)
+                log.warning("kvbridge: cost model: cannot read %s's config: %s", model_path, e)
+        return None

@@ -28,6 +28,7 @@ from kvbridge.layout import KVLayout, LayoutError, tp_head_slice
 
 from .config import SglangBridgeConfig
 from .geometry import layout_from_kv_args, names_kv_dtype, resolve_kv_dtype, served_model_config
+from .layerwise import install_prefill_hooks, layerwise_wanted
 
 __all__ = ["KVBridgeKVManager", "REGISTER_TAG", "AUX_ROWS", "AUX_LENS"]
 
@@ -84,6 +85,8 @@ class KVBridgeKVManager(CommonKVManager):
         self.kv_sender: Optional[KVSender] = None
         self.kv_receiver: Optional[KVReceiver] = None
         self.layout: Optional[KVLayout] = None
+        self.kvb_layerwise_chooser = None  # prefill with layerwise "auto": the per-request decision
+        self.kvb_streamer = None  # prefill with layerwise on: kvbridge.adapters.sglang.layerwise.LayerStreamer
         self._kvb_aux_regs = False
         try:
             if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -98,6 +101,9 @@ class KVBridgeKVManager(CommonKVManager):
                 from .plugin import install_decode_hooks
 
                 install_decode_hooks()
+            elif layerwise_wanted(self.kvb_settings):
+                self.kvb_layerwise_chooser = self.kvb_settings.layerwise_chooser_for(server_args)
+                self.kvb_streamer = install_prefill_hooks(self)
         except Exception:
             self._close_kvbridge()
             raise
@@ -274,6 +280,8 @@ class KVBridgeKVManager(CommonKVManager):
 
     def _close_kvbridge(self) -> None:
         self._kvb_closed.set()
+        if getattr(self, "kvb_streamer", None) is not None:
+            self.kvb_streamer.close()
         for side in (getattr(self, "kv_sender", None), getattr(self, "kv_receiver", None)):
             if side is not None:
                 try:

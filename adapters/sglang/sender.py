@@ -30,6 +30,15 @@ _STATE = {
 }
 
 
+def _guarded(mgr: KVBridgeKVManager, room: int, fn) -> None:
+    """``fn`` (a sender call); a refusal fails the room instead of raising."""
+    try:
+        fn()
+    except (KeyError, ValueError) as e:
+        log.error("kvbridge: room %s: %s", room, e)
+        mgr.kv_sender.abort(room, f"kvbridge: {e}")
+
+
 class KVBridgeKVSender(CommonKVSender):
     """One per request on each prefill rank, made by ``create_sender`` (prefill.py)
     when the request enters the bootstrap queue.
@@ -52,6 +61,11 @@ class KVBridgeKVSender(CommonKVSender):
         self._pages_sent = 0
         self._tokens_sent = 0
         self._added = False
+        self._kvb_inited = False  # init() came: the decode asked and the prefix is known
+        self._kvb_covered: int | None = None  # layer-wise: tokens before this went in every layer
+        self._kvb_ended = ""  # layer-wise: how the room's last chunk went ("finish" or "send")
+        self._kvb_whole_tokens = 0  # layer-wise: tokens sent whole (not streamed by a forward)
+        self.kvb_layer_pieces = 0  # layer-wise pieces handed to the sender
         if self.conclude_state is None and not mgr.is_dummy_cp_rank:
             kvs = mgr.kv_sender
             kvs.forget(bootstrap_room)  # a finished room of the same id from an earlier request
@@ -90,6 +104,29 @@ class KVBridgeKVSender(CommonKVSender):
         """Prefill scheduler, once the decode has asked (finalize_bootstrap): the request's
         page count past the prefix ``pop_decode_prefix_len`` returned, and its metadata row."""
         super().init(num_kv_indices, aux_index)
+        self._kvb_inited = True
+
+    # -- layer-wise (kvbridge.adapters.sglang.layerwise, on the scheduler's thread) ---------
+    def kvb_streamable(self) -> bool:
+        """Whether a forward may stream this room's layers now: it is open with kvbridge, its
+        decode asked (``init`` came), and its last chunk has not been given."""
+        if not (self._added and self._kvb_inited) or self.conclude_state is not None or self._kvb_ended:
+            return False
+        return self.kv_mgr.kv_sender.poll(self.bootstrap_room) not in (RoomState.SUCCESS, RoomState.FAILED)
+
+    def kvb_covered(self) -> int:
+        """The first token not yet handed to kvbridge's sender in every layer."""
+        sent = self._prefix + self._tokens_sent
+        return sent if self._kvb_covered is None else max(self._kvb_covered, sent)
+
+    def kvb_note_streamed(self, stop: int) -> None:
+        """Tokens before ``stop`` went layer by layer (every layer handed over)."""
+        self._kvb_covered = max(self.kvb_covered(), int(stop))
+
+    def kvb_note_whole(self, stop: int) -> None:
+        """Tokens up to ``stop`` (a prefix cached here) went whole before a streamed forward."""
+        self._kvb_whole_tokens += max(0, int(stop) - self.kvb_covered())
+        self._kvb_covered = max(self.kvb_covered(), int(stop))
 
     @_fails_the_request()
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None):
@@ -125,8 +162,41 @@ class KVBridgeKVSender(CommonKVSender):
         if wait_event is not None:
             wait_event.synchronize()
         aux = mgr.read_aux_row(self.aux_index) if last and self.aux_index is not None else None
-        mgr.kv_sender.send_chunk(self.bootstrap_room, pages, start, start + ntok, last=last, first_token=start, aux=aux)
+        if self._kvb_covered is not None:
+            self._send_rest(pages, start, start + ntok, last, aux)
+        else:
+            mgr.kv_sender.send_chunk(self.bootstrap_room, pages, start, start + ntok, last=last, first_token=start,
+                                     aux=aux)
         self._record_transfer_indices(pages, None)
+
+    def _send_rest(self, pages: np.ndarray, start: int, stop: int, last: bool, aux) -> None:
+        """A chunk of a room that forwards streamed: only its tokens no forward handed over
+        go (whole); the last chunk ends the room, with ``finish`` when nothing is left."""
+        mgr = self.kv_mgr
+        ps = int(mgr.kv_args.page_size)
+        room = self.bootstrap_room
+        rest = max(start, self._kvb_covered)
+        if last:
+            self._kvb_ended = "send" if rest < stop else "finish"
+        if rest < stop:
+            skip = (rest - start) // ps
+            first = start + skip * ps
+            blocks = pages[skip:]
+            self._kvb_whole_tokens += stop - rest
+            self._kvb_covered = stop
+            fn = lambda: mgr.kv_sender.send_chunk(room, blocks, rest, stop, last=last, first_token=first, aux=aux)
+        elif last:
+            fn = lambda: mgr.kv_sender.finish(room, aux)
+        else:
+            return
+        st = mgr.kvb_streamer
+        if st is not None:
+            st.call(lambda: _guarded(mgr, room, fn), on_cuda=str(getattr(mgr.layout, "device", "")).startswith("cuda"))
+        else:
+            fn()
+        if last:
+            log.info("kvbridge: room %s went layer by layer: %d layer piece(s), %d token(s) sent whole; ended by %s",
+                     room, self.kvb_layer_pieces, self._kvb_whole_tokens, self._kvb_ended)
 
     @_fails_the_request(result=KVPoll.Failed)
     def poll(self) -> KVPoll:

@@ -1,6 +1,7 @@
 """Fault injection: prefill and decode in separate OS processes, each fault for both plugins.
 
-Faults: decode killed mid-transfer (SIGKILL), prefill killed mid-transfer, prefill stopped
+Faults: decode killed mid-transfer (SIGKILL), prefill killed mid-transfer (SGLang also with
+layer-wise sends: killed after its first layer went, before its last was computed), prefill stopped
 (SIGSTOP: it hangs) then continued, abort from the prefill side and from the decode side
 mid-transfer, a room that never gets its peer, a bootstrap server (SGLang) / discovery bus
 (TensorRT-LLM) that is down; the link cut between two hosts is here for SGLang and in
@@ -77,8 +78,8 @@ pytestmark = [pytest.mark.timeout(300)]
 FAULTS = ["abort_decode", "abort_prefill", "sigstop_prefill", "never_peer", "bootstrap_down", "kill_decode",
           "kill_prefill"]
 MID_TRANSFER = {"abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"}  # throttled writes
-MATRIX_FAULTS = FAULTS + ["link_cut", "kill_decode_defaults", "kill_prefill_defaults", "link_cut_defaults",
-                          "gate_recompute"]
+MATRIX_FAULTS = FAULTS + ["kill_prefill_mid_layer", "link_cut", "kill_decode_defaults", "kill_prefill_defaults",
+                          "link_cut_defaults", "gate_recompute"]
 RESULTS: list[dict] = []  # one row per (plugin, fault): the matrix printed by conftest
 PEER_TIMEOUT_S = 1.5
 # the transport as shipped: no override, no delay; the first piece submitted marks the transfer under way
@@ -157,8 +158,8 @@ def format_matrix() -> list[str]:
                 cells.append(head + sides + ("" if worst <= 1 else " LATE"))
         rows.append((fault, cells))
     width = max([44] + [len(c) + 2 for _, cells in rows for c in cells])
-    lines = [f"{'fault':<22}" + "".join(f"{p:<{width}}" for p in plugins)]
-    lines += [f"{fault:<22}" + "".join(f"{c:<{width}}" for c in cells) for fault, cells in rows]
+    lines = [f"{'fault':<24}" + "".join(f"{p:<{width}}" for p in plugins)]
+    lines += [f"{fault:<24}" + "".join(f"{c:<{width}}" for c in cells) for fault, cells in rows]
     lines.append("cells: side, state it reports, fault -> terminal s / bound s; every block released once; next request "
                  "byte-exact; GAP: a known gap showed itself (xfail strict)")
     return lines
@@ -166,7 +167,8 @@ def format_matrix() -> list[str]:
 
 # -- SGLang plugin ----------------------------------------------------------------------
 SGL_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3",
-           "KVBRIDGE_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)}
+           "KVBRIDGE_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S), "KVBRIDGE_LAYERWISE": "false"}
+SGL_LAYER_GAP_S = 2.0  # layer-wise row: the prefill's "compute" between two layers (the kill lands in it)
 SGL_DEADLINE_S = 6.0  # the kvbridge room deadline the plugin derives: bootstrap + waiting timeouts
 SGL_HEARTBEAT_S = 1.0  # kvbridge's default (the SGLang plugin keeps it)
 SGL_QUIESCE_S = 1.0
@@ -413,6 +415,73 @@ def test_sglang_fault(sgl_farm, fault):
     row = _sgl_case(sgl_farm, fault)
     _record(row)
     _raise_gap(row)
+
+
+def _sgl_mid_layer_case(farm: SGLangFarm) -> dict:
+    """``kill_prefill_mid_layer``: a layer-wise prefill (``layerwise`` on: each layer goes to
+    the sender from the hooked ``set_kv_buffer`` as the forward writes it) is killed after
+    layer 0 went, while it computes layer 1 (throttled writes; ``SGL_LAYER_GAP_S`` between
+    layers). The decode: Failed within the peer timeout, some of the room's bytes had
+    landed (a partial room) and it was not admitted, nothing lands after Failed, its
+    blocks released once. Then a layer-wise request between the decode and a restarted
+    prefill, byte-exact, and the usual next request."""
+    sw = farm.switch
+    t_case = time.monotonic()
+    sides: list[dict] = []
+    # a fresh case (new bootstrap port: the decode has no record of an earlier prefill there)
+    # whose prefill manager builds the streamer and hooks set_kv_buffer
+    case = farm.new_case()
+    farm.case = dict(case, env=dict(case["env"], KVBRIDGE_LAYERWISE="true"))
+    farm.pre.call("setup", "prefill", farm.case, 0)
+    farm.dec.call("setup", "decode", farm.case, 0)
+    sw.on(SGL_THROTTLED)
+    room, ntok = farm.next_room(), 200
+    pages = [int(x) for x in np.random.default_rng(room).permutation(np.arange(1, 129))[: -(-ntok // 16)]]
+    progress = os.path.join(OUT, f"layers-{room}")
+    farm.pre.conn.send(("serve_layerwise", room, pages, ntok, room % 1000 + 7, 20.0, SGL_LAYER_GAP_S, progress))
+    farm.dec.conn.send(("pull", room, ntok, 0, 20.0, None, 0.5))
+    t_fault = wait_until(sw.started, 30, "the first layer never got under way")
+    farm.kill(farm.pre)
+    with open(progress) as f:
+        written = int(f.read())
+    os.unlink(progress)
+    # the transfer was under way while later layers were still to be computed: mid-layer
+    assert 1 <= written < farm.case["layers"], f"killed after {written} of {farm.case['layers']} layers were written"
+    d = farm.dec.recv()[1]
+    sides.append(_side("decode", _state(d), d.get("reason", ""), d["t_end"] - t_fault, PEER_TIMEOUT_S,
+                       ("unreachable", "failed the room")))
+    assert d["landed_before_fail"], "no byte of layer 0 had landed: the kill was not mid-layer"
+    assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
+    farm.health_ok(farm.dec)
+    farm.pre.stop()
+    farm.pre = farm.take()  # a restarted prefill instance (layer-wise), same bootstrap address
+    farm.pre.call("setup", "prefill", farm.case, 0)
+    sw.off()
+    room = farm.next_room()
+    pages = [int(x) for x in np.random.default_rng(room).permutation(np.arange(1, 129))[: -(-ntok // 16)]]
+    farm.pre.conn.send(("serve_layerwise", room, pages, ntok, room % 1000 + 7, 20.0, 0.0))
+    farm.dec.conn.send(("pull", room, ntok, 0, 20.0))
+    s, d = farm.pre.recv()[1], farm.dec.recv()[1]
+    assert s["state"] == 4 and d["state"] == 4, (s, d)
+    assert s["pieces_after_layer"] == [1, 2, 3] and s["ended_by"] == "finish", s
+    want = farm.pre.call("rows", pages, 0, 0, ntok)
+    assert d["output_id"] == room % 1000 + 7 and d["untouched"]
+    for b, got in enumerate(d["content"]):
+        assert np.array_equal(got, want[b]), f"layer-wise request after the restart: buffer {b} differs"
+    farm.health_ok(farm.pre, farm.dec)
+    dbl = sw.double_releases(t_case)
+    assert not dbl, dbl
+    farm.setup()  # a fresh case for the next rows (layer-wise off, new bootstrap port)
+    next_ok = farm.request_ok()
+    return {"plugin": "sglang", "fault": "kill_prefill_mid_layer", "ok": True, "sides": sides,
+            "double_releases": len(dbl), "blocks_ok": True, "next_ok": next_ok, "transport": "throttled",
+            "layers_written_at_kill": written, "layerwise_after_restart_ok": True, "case_s": round(time.monotonic() - t_case, 2)}
+
+
+@pytest.mark.sglang
+def test_sglang_fault_kill_prefill_mid_layer(sgl_farm):
+    row = _sgl_mid_layer_case(sgl_farm)
+    _record(row)
 
 
 class SGLangNet:

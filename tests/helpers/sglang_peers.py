@@ -271,6 +271,69 @@ def serve(r: Rank, room: int, pages: list, num_tokens: int, chunk_pages: int, fi
     return out
 
 
+def serve_layerwise(r: Rank, room: int, pages: list, num_tokens: int, first_token: int, timeout: float,
+                    layer_gap_s: float = 0.0, progress_path: str | None = None):
+    """Prefill side of one request with ``layerwise`` on, as the real scheduler runs it
+    (tests/test_sglang_layerwise.py runs the server): one forward computes the prompt; the
+    prefill manager's streamer is armed with its tokens (what the ``run_batch`` hook does),
+    then each layer's K and V go into the REAL pool through ``MHATokenToKVPool.set_kv_buffer``
+    (the hooked method; ``RadixAttention`` as the attention layer passes itself), which hands
+    the layer to the sender; ``layer_gap_s`` between layers stands for the next layer's
+    compute; ``progress_path``: a file that holds how many layers the forward has written.
+    Then ``send_kv_chunk``'s last send, which ends the room with ``finish``."""
+    import numpy as np
+    import torch
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    st = r.mgr.kvb_streamer
+    assert st is not None, "the prefill manager has no layer-wise streamer (KVBRIDGE_LAYERWISE unset?)"
+    addr = bootstrap_addr(r.case)
+    sender = r.sender_cls(mgr=r.mgr, bootstrap_addr=addr, bootstrap_room=room, req_has_disagg_prefill_dp_rank=False)
+    st_ = _poll_until(sender, (KVPoll.WaitingForInput,), timeout)
+    if st_ != KVPoll.WaitingForInput:
+        return {"state": int(st_), "phase": "bootstrap", "reason": failure_reason(sender), "t_end": time.monotonic()}
+    prefix = sender.pop_decode_prefix_len()
+    ps = r.page_size
+    num_pages = -(-(num_tokens - prefix) // ps)
+    aux_idx = 3
+    sender.init(num_pages, aux_idx)
+    pg = np.asarray(pages, dtype=np.int64)
+
+    def slots_of(lo, hi):
+        t = np.arange(lo, hi)
+        return torch.as_tensor(pg[t // ps] * ps + t % ps)
+
+    a = st.arm_request(sender, prefix, num_tokens, ps, slots_of, num_tokens)
+    assert a is not None, "the room does not stream"
+    st.begin_forward(r.pool, [a])
+    loc = slots_of(prefix, num_tokens)
+    g = torch.Generator().manual_seed(room)
+    heads, dim = r.pool.head_num, r.pool.head_dim
+    pieces = []
+    for layer in range(r.case["layers"]):
+        if layer and layer_gap_s:
+            time.sleep(layer_gap_s)
+        k, v = (torch.randn(len(loc), heads, dim, generator=g).to(r.pool.dtype) for _ in range(2))
+        attn = RadixAttention(heads, dim, 1.0, heads, layer_id=layer)
+        r.pool.set_kv_buffer(attn, loc, k, v)  # the attention backend's write; the hook streams the layer
+        pieces.append(sender.kvb_layer_pieces)
+        if progress_path:
+            with open(progress_path + ".tmp", "w") as f:
+                f.write(str(layer + 1))
+            os.replace(progress_path + ".tmp", progress_path)
+    st.disarm()
+    r.meta.output_ids[aux_idx][0] = first_token
+    r.meta.cached_tokens[aux_idx][0] = prefix
+    r.meta.bootstrap_room[aux_idx, 0] = room
+    sender.send(np.asarray(pages[prefix // ps:], dtype=np.int32), None, num_kv_tokens=num_tokens - prefix)
+    st_ = _poll_until(sender, (KVPoll.Success,), timeout)
+    out = {"state": int(st_), "prefix": prefix, "reason": failure_reason(sender) if st_ != KVPoll.Success else "",
+           "t_end": time.monotonic(), "pieces_after_layer": pieces, "ended_by": sender._kvb_ended}
+    sender.clear()
+    return out
+
+
 def _abort_on(obj, when, timeout: float) -> float | None:
     """Abort ``obj`` after ``when`` seconds, or once the file ``when`` names exists; returns
     when it aborted (monotonic), or None."""
@@ -337,6 +400,12 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
         out["changed_slots"] = sorted(diff)[:8]
     else:
         out["reason"] = failure_reason(recv)
+        import torch
+
+        # whether any byte landed in the request's pages before it failed (a partial room)
+        t = np.arange(num_tokens - prefix)
+        idx = torch.as_tensor(np.asarray(pages, dtype=np.int64)[t // ps] * ps + t % ps)
+        out["landed_before_fail"] = any(bool((a[idx] != b[idx]).any()) for a, b in zip(before, r.raw()))
         if settle_s:
             at_fail = r.pages_content(pages)
             time.sleep(settle_s)
@@ -407,6 +476,8 @@ def main(conn) -> None:
                 conn.send(("ok", _metrics()))
             elif op == "serve":
                 conn.send(("ok", serve(ranks[0], *args)))
+            elif op == "serve_layerwise":
+                conn.send(("ok", serve_layerwise(ranks[0], *args)))
             elif op == "pull":
                 conn.send(("ok", pull(ranks[0], *args)))
             elif op == "health":

@@ -95,6 +95,17 @@ def test_trtllm_layerwise_prefill_to_sglang_decode(tiny_llama_dir):
     assert r["sender_layer_pieces"] == 2 and r["sender_ended_by"] == "finish", r["record"]
 
 
+def test_sglang_layerwise_prefill_to_trtllm_decode(tiny_llama_dir):
+    """SGLang's real prefill with layer-wise sends on (issue 20): each layer of the prompt goes
+    from the hooked ``set_kv_buffer`` while the next computes, the first token follows with
+    the sender's ``finish``; the TensorRT-LLM stand-in's decode continues from it."""
+    r = _run(tiny_llama_dir, trtllm_version="main", sglang_settings={"layerwise": True})
+    assert (r["prefill_engine"], r["decode_engine"]) == ("sglang", "trtllm")
+    _check(r, tiny_llama_dir)
+    assert r["context_tokens_computed"] == 1, "the decode computes only the last prompt token"
+    assert r["sender_layer_pieces"] == 2 and r["sender_ended_by"] == "finish", r["record"]
+
+
 def test_demo_command_json(tiny_llama_dir):
     """``kvbridge demo --json`` as a user runs it: one JSON object on stdout, exit code 0
     when it matched; its tokens checked here against transformers."""
