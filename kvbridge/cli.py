@@ -7,10 +7,14 @@
   (``kvbridge.bench``); ``all`` runs every one of them, ``--plot DIR`` draws charts.
 - ``kvbridge bench route``: a load through ``kvbridge route`` with a prefill killed part-way
   (not part of ``all``).
+- ``kvbridge bench layerwise``: first-token time with the KV sent layer by layer during the
+  prefill vs whole after it (not part of ``all``).
 - ``kvbridge report``: regenerate the reliability report (``docs/reliability.md``).
 - ``kvbridge plan``: is moving a request's KV worth it, and sending it layer by layer
   during the prefill (the cost model).
 - ``kvbridge announce``: a router's handoff announcement to a TensorRT-LLM server.
+- ``kvbridge doctor``: what this machine imposes on kvbridge's copies (THP policy, CPUs,
+  governor, threads, load).
 - ``kvbridge route``: the OpenAI-compatible front of a mixed disaggregated deployment
   (``--check``: probe it and exit).
 
