@@ -7,7 +7,7 @@ from .copyspec import CopySpec, TokenRuns
 from .geometry import KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype, check_compatible, dtype_itemsize
 from .heads import HeadMap, tp_head_slice
 from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer, refused_kinds
-from .pools import allocate_pool
+from .pools import alias_memory, allocate_pool
 from .repack import repack
 from .segments import Segments, block_ranges, check_segments_inside, coalesce, compile_segments, count_segments
 from .sglang_pool import sglang_layout_from_buffers, sglang_mha_layout, sglang_mla_layout
@@ -16,6 +16,7 @@ from .vllm_pool import VLLM_CPU_ISAS, vllm_cpu_layout, vllm_cpu_layout_from_geom
 
 __all__ = [
     "allocate_pool",
+    "alias_memory",
     "CopySpec",
     "HeadMap",
     "KVLayout",

@@ -14,6 +14,9 @@ uint8. ``seed`` fills every byte deterministically (same seed, same bytes).
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 
 from .geometry import KVLayout, LayoutError, dtype_itemsize
@@ -22,7 +25,25 @@ from .sglang_pool import sglang_layout_from_buffers
 from .trtllm_pool import trtllm_pool_layout
 from .vllm_pool import vllm_cpu_layout, vllm_cpu_mla_layout
 
-__all__ = ["allocate_pool"]
+__all__ = ["allocate_pool", "alias_memory"]
+
+
+class _CudaSpan:
+    """``__cuda_array_interface__`` of ``nbytes`` device bytes at ``addr`` (for a zero-copy alias)."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+def alias_memory(addr: int, nbytes: int, device: "torch.device | str" = "cpu") -> torch.Tensor:
+    """A uint8 tensor ``[nbytes]`` over the memory at ``addr`` on ``device`` (host or CUDA),
+    no copy. The caller keeps whatever owns that memory alive while the alias is used."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(int(addr))))
+    if dev.type == "cuda":
+        return torch.as_tensor(_CudaSpan(int(addr), int(nbytes)), device=dev)
+    raise LayoutError(f"cannot alias memory on a {dev.type} device")
 
 _STORE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
 

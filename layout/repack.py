@@ -31,7 +31,6 @@ and boxes that cross a pool block boundary use the row index (the fallback).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +39,7 @@ import torch
 
 from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
+from .pools import alias_memory
 from .segments import SideBoxes, side_boxes
 
 __all__ = ["Gather", "Scatter", "row_addresses", "repack"]
@@ -132,13 +132,6 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
     return src, dst
 
 
-class _CudaSpan:
-    """Minimal ``__cuda_array_interface__`` exporter for a zero-copy device alias."""
-
-    def __init__(self, addr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
-
-
 @dataclass
 class _RowSpace:
     """Every row-start of one layout's memory as rows of ``row_units`` elements; for a
@@ -162,12 +155,8 @@ def _row_space(lay: KVLayout, row_bytes: int, unit: int) -> _RowSpace:
     if len(lay.tensors) == 1 and lay.tensors[0].data_ptr() == lo:
         flat = lay.tensors[0].reshape(-1).view(torch.uint8)[: hi - lo]
         keep = lay.tensors
-    elif dev.type == "cpu":
-        arr = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
-        flat = torch.from_numpy(arr)
-        keep = (arr, lay.tensors)
     else:
-        flat = torch.as_tensor(_CudaSpan(lo, hi - lo), device=dev)
+        flat = alias_memory(lo, hi - lo, dev)
         keep = lay.tensors
     flat = flat.view(_UNITS[unit])
     ru = row_bytes // unit

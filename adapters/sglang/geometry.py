@@ -5,17 +5,15 @@ Called by the manager (``manager.KVBridgeKVManager``) when it is built, on both 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from sglang.srt.disaggregation.base.conn import KVArgs
 
-from kvbridge.layout import KVLayout, LayoutError, canonical_dtype, sglang_layout_from_buffers
+from kvbridge.layout import KVLayout, LayoutError, alias_memory, canonical_dtype, sglang_layout_from_buffers
 
 __all__ = ["layout_from_kv_args", "resolve_kv_dtype", "served_model_config", "names_kv_dtype"]
 
@@ -91,21 +89,12 @@ def layout_from_kv_args(kv_args: KVArgs, *, is_mla: bool, dtype: str, tp_rank: i
     return lay.with_tensors(_alias_regions(lay, getattr(kv_args, "gpu_id", None)))
 
 
-class _CudaSpan:
-    def __init__(self, addr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
-
-
 def _alias_regions(lay: KVLayout, gpu_id: Optional[int]) -> list[torch.Tensor]:
     """uint8 tensors over the layout's regions (no copy), on the pool's device."""
     out = []
     on_gpu = torch.cuda.is_available() and gpu_id is not None and _is_device_ptr(lay.regions[0].addr)
     for r in lay.regions:
-        if on_gpu:
-            out.append(torch.as_tensor(_CudaSpan(r.addr, r.nbytes), device=f"cuda:{gpu_id}"))
-        else:
-            arr = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
-            out.append(torch.from_numpy(arr))
+        out.append(alias_memory(r.addr, r.nbytes, f"cuda:{gpu_id}" if on_gpu else "cpu"))
     return out
 
 

@@ -371,3 +371,20 @@ def test_bench_layout_repack_read_back_by_each_engines_indexing():
     untouched[torch.as_tensor(dblocks)] = False
     assert (pool.view(torch.int16)[untouched] == -1).all(), "bytes outside the destination blocks changed"
     assert res["repack_bytes_verified"] is True and res["repack_bytes"] == stage.numel() == want.numel() * 2
+
+
+def test_alias_memory_is_the_memory_itself():
+    """``alias_memory``: a uint8 view of host memory at an address (no copy): writes through
+    either side are seen by the other; a device it cannot alias is named."""
+    from kvbridge.layout import LayoutError, alias_memory
+
+    t = torch.arange(64, dtype=torch.int32)
+    a = alias_memory(t.data_ptr() + 16, 32)
+    assert a.dtype == torch.uint8 and a.shape == (32,)
+    assert a.view(torch.int32).tolist() == list(range(4, 12))
+    a.view(torch.int32)[0] = -7
+    assert int(t[4]) == -7
+    t[11] = 99
+    assert int(a.view(torch.int32)[7]) == 99
+    with pytest.raises(LayoutError, match="meta"):
+        alias_memory(t.data_ptr(), 4, "meta")
