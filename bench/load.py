@@ -34,6 +34,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvbridge.bench.freelist import BlockFreeList
+
 __all__ = ["bench_load", "GEOM", "read_room", "schedule", "token_bytes", "write_room"]
 
 GEOM = dict(layers=2, total_heads=2, head_dim=64, dtype="bf16")
@@ -107,36 +109,6 @@ def read_room(lay, blocks: np.ndarray, n: int) -> torch.Tensor:
     return got.reshape(lay.num_layers, lay.kv_factor, -1, lay.num_heads, lay.head_bytes)[:, :, :n]
 
 
-class _Free:
-    """A free list of block ids (thread-safe) with a count of double frees."""
-
-    def __init__(self, first: int, end: int):
-        self._free = list(range(first, end))
-        self.total = end - first
-        self.double_frees = 0
-        self._lock = threading.Condition()
-
-    def alloc(self, n: int, timeout: float) -> np.ndarray | None:
-        with self._lock:
-            if not self._lock.wait_for(lambda: len(self._free) >= n, timeout):
-                return None
-            out, self._free = self._free[:n], self._free[n:]
-            return np.array(out, dtype=np.int64)
-
-    def free(self, blocks) -> None:
-        with self._lock:
-            ids = [int(b) for b in blocks]
-            if set(ids) & set(self._free):
-                self.double_frees += 1
-            self._free.extend(ids)
-            self._lock.notify_all()
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return len(self._free)
-
-
 def _pool(engine: str, inflight: int, max_tokens: int, seed: int | None):
     from kvbridge.layout import allocate_pool
 
@@ -168,7 +140,7 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("sglang", inflight, max_tokens, 1)
-    free = _Free(lay.first_block, lay.num_blocks)
+    free = BlockFreeList(lay.first_block, lay.num_blocks)
     transport = MooncakeTransport("127.0.0.1")
     sender = KVSender(lay, transport, config=HandoffConfig(**cfg), workers=2)
     noise = _noise(max_tokens, seed)
@@ -234,7 +206,7 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
                     finished += 1
                     if not ok:
                         failures[sender.failure_reason(room)[:200]] += 1
-                conn.send(("report", {"rooms_finished": finished, "free_blocks": free.count, "total_blocks": free.total,
+                conn.send(("report", {"rooms_finished": finished, "free_blocks": free.free_count, "total_blocks": free.total,
                                       "double_frees": free.double_frees, "failures": dict(failures),
                                       "peak_rss_mb": _rss_mb(), "rss_ready_mb": rss0, "rss_mid_mb": rss_mid,
                                       "rss_end_mb": _rss_now_mb()}))
@@ -252,7 +224,7 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
 
     lay = _pool("trtllm", inflight, max_tokens, None)
     lay.tensors[0].zero_()  # touch every page now, so RSS growth during the run is kvbridge's, not the pool's
-    free = _Free(lay.first_block, lay.num_blocks)
+    free = BlockFreeList(lay.first_block, lay.num_blocks)
     transport = MooncakeTransport("127.0.0.1")
     recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
     noise = _noise(max_tokens, seed)
@@ -324,7 +296,7 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
     conn.send(("report", {"succeeded": succeeded, "corrupted": corrupted, "failed": failed, "lost": lost,
                           "failures": dict(failures), "latencies_s": lat, "bytes": nbytes, "wall_s": wall,
                           "max_inflight": max_out, "mean_inflight": area / wall if wall > 0 else 0.0,
-                          "free_blocks": free.count + sum(b.size for _, b, _ in started.values()),
+                          "free_blocks": free.free_count + sum(b.size for _, b, _ in started.values()),
                           "total_blocks": free.total, "double_frees": free.double_frees, "peak_rss_mb": _rss_mb(),
                           "rss_ready_mb": rss0, "rss_mid_mb": rss_mid, "rss_end_mb": _rss_now_mb()}))
     recv.close()

@@ -16,6 +16,8 @@ import traceback
 
 import numpy as np
 
+from kvbridge.bench.freelist import BlockFreeList
+
 def build_pool(spec: dict):
     """(layout, tensors) of a pool of ``spec``'s geometry filled from ``spec['seed']``."""
     from kvbridge.layout.pools import allocate_pool
@@ -44,41 +46,6 @@ def engine_read(spec: dict, tensors: list, blocks, positions) -> np.ndarray:
     else:
         raise ValueError(f"no indexing rule for engine {eng!r}")
     return kv.contiguous().view(torch.uint8).numpy().copy()
-
-
-class BlockAllocator:
-    """A free list of block ids handing out scattered blocks; counts what is free."""
-
-    def __init__(self, first: int, end: int, seed: int):
-        self._free = list(np.random.default_rng(seed).permutation(np.arange(first, end)))
-        self.total = end - first
-        self.double_frees = 0
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise RuntimeError(f"out of blocks: want {n}, have {len(self._free)}")
-        out, self._free = self._free[:n], self._free[n:]
-        return np.array(out, dtype=np.int64)
-
-    def alloc_every_other(self, n: int) -> np.ndarray:
-        """n blocks with a gap between each (scattered destinations)."""
-        pool = sorted(self._free)
-        out = pool[: 2 * n : 2]
-        if len(out) < n:
-            raise RuntimeError("out of blocks")
-        keep = set(out)
-        self._free = [b for b in self._free if b not in keep]
-        return np.array(out, dtype=np.int64)
-
-    def free(self, blocks) -> None:
-        ids = [int(b) for b in blocks]
-        if set(ids) & set(self._free):
-            self.double_frees += 1
-        self._free.extend(ids)
 
 
 def _config(cfg: dict, receiver: bool = False):
@@ -129,7 +96,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
     from kvbridge.common.transport import MooncakeTransport
 
     lay, tensors = build_pool(spec)
-    alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 7)
+    alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 7)
     transport = MooncakeTransport("127.0.0.1")
     sender = KVSender(lay, transport, config=_config(cfg))
     released: set[int] = set()
@@ -238,7 +205,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
 
     lay, tensors = build_pool(spec)
-    alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 11)
+    alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 11)
     transport = MooncakeTransport("127.0.0.1")
     recv = KVReceiver(lay, transport, config=_config(cfg, receiver=True))
     conn.send(("ready", transport.session_id, alloc.free_count))

@@ -16,7 +16,9 @@ import time
 
 import numpy as np
 
-from tests.helpers.handoff_peers import BlockAllocator, _config, _serve, build_pool
+from kvbridge.bench.freelist import BlockFreeList
+
+from tests.helpers.handoff_peers import _config, _serve, build_pool
 
 
 class _Keep(logging.Handler):
@@ -56,7 +58,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
     from kvbridge.common.transport import MooncakeTransport
 
     lay, _ = build_pool(spec)
-    alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 7)
+    alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 7)
     transport = MooncakeTransport("127.0.0.1")
     sender = KVSender(lay, transport, config=_config(cfg))
     rooms: dict[int, tuple] = {}
@@ -116,7 +118,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets
 
     lay, _ = build_pool(spec)
-    alloc = BlockAllocator(lay.first_block, lay.num_blocks, spec["seed"] + 11)
+    alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 11)
     transport = MooncakeTransport("127.0.0.1")
     recv = KVReceiver(lay, transport, config=_config(cfg))
     snaps: dict[str, list[np.ndarray]] = {}
