@@ -16,21 +16,7 @@ import pytest
 import zmq
 
 from kvbridge.common import protocol as P
-from tests.core.test_handoff import CFG, Peer, check_ok, spec
-
-
-@pytest.fixture
-def peers():
-    started = []
-
-    def make(role, s, cfg=None):
-        p = Peer(role, s, cfg)
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        p.stop()
+from tests.core.test_handoff import CFG, Peer, check_ok, peers, spec  # noqa: F401 (peers: the fixture)
 
 
 def _start_pull(decode, room, prefills, start, stop, sources, receivers=1, **opts):
