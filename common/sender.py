@@ -20,7 +20,6 @@ from typing import Callable, Sequence
 
 import msgspec
 import numpy as np
-import torch
 
 from kvbridge.layout import KVLayout, LayoutError, TransferPlan, block_ranges, check_compatible
 
@@ -200,10 +199,8 @@ class KVSender(ControlSide, SendPipeline):
             layers = None if (a, b) == (0, nl) else (a, b)
         a, b = layers or (0, nl)
         with self._lock:
-            r = self._rooms.get(room)
+            r = self._live_room(room)
             if r is None:
-                raise KeyError(f"room {room} is not on this sender")
-            if r.state in TERMINAL:
                 return
             if r.chunks and r.chunks[-1].last:
                 raise ValueError(f"room {room}: chunk after the last one")
@@ -219,16 +216,22 @@ class KVSender(ControlSide, SendPipeline):
                                    aux if done else None, layers))
         self._kick(r)
 
+    def _live_room(self, room: int) -> "_SendRoom | None":
+        """The room a piece is given for (caller holds ``_lock``): None once it ended (the
+        piece is dropped); KeyError when it is not on this sender."""
+        r = self._rooms.get(room)
+        if r is None:
+            raise KeyError(f"room {room} is not on this sender")
+        return None if r.state in TERMINAL else r
+
     def finish(self, room: int, aux: dict | None = None) -> None:
         """Prefill engine, after a layer-wise prefill whose pieces were all given without
         ``last`` (e.g. the first token is sampled after the forward): the token range given
         last is the room's last; ``aux`` rides with the final TransferDone, which goes out
         once every piece has landed. Raises ValueError while a range misses layers."""
         with self._lock:
-            r = self._rooms.get(room)
+            r = self._live_room(room)
             if r is None:
-                raise KeyError(f"room {room} is not on this sender")
-            if r.state in TERMINAL:
                 return
             if not r.chunks or r.chunks[-1].last:
                 raise ValueError(f"room {room}: finish {'before any chunk' if not r.chunks else 'after the last chunk'}")
