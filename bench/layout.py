@@ -118,6 +118,7 @@ def bench_layout(
 
     parts = parts_of(gathers)
     rows_only = parts_of([Gather(c.spec, tiles=False).prepare() for c in chunks])  # the fallback, same bytes
+    torch_tiles = parts_of([Gather(c.spec, native=False).prepare() for c in chunks])  # box path, torch's copies
     whole = rplan.gather()
     whole_stage = torch.empty(nbytes, dtype=torch.uint8)
     a = torch.empty(nbytes, dtype=torch.uint8)
@@ -133,6 +134,7 @@ def bench_layout(
     cases = {"memcpy": lambda: a.copy_(b), "repack": lambda: chunked(parallel=None),  # KVSender's default
              "repack_team": chunked,  # HandoffConfig.gather_team
              "repack_rows": lambda: chunked(ps=rows_only, parallel=None),
+             "repack_torch": lambda: chunked(ps=torch_tiles, parallel=None),
              "repack_inline": lambda: chunked(inline=True, parallel=None), "repack_whole": lambda: whole.run(whole_stage)}
     warmup = max(1, reps // 5)
     for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
@@ -198,9 +200,14 @@ def bench_layout(
                         f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
                         "parts over 1 MiB through torch's OpenMP pool (KVSender's default); "
                         "repack_team: each part shared by the calling thread and a copy team's helpers (gather_team); "
-                        "repack_rows: the row-index fallback; repack_inline: the calling thread only (inline_gather); "
+                        "repack_rows: the row-index fallback; repack_torch: the box path with torch's copies "
+                        "(no C tile copy); repack_inline: the calling thread only (inline_gather); "
                         "repack_whole: the whole request in one gather"),
         "repack_path": "box tiles" if gathers[0].box_path else "row index",
+        # who copies the tiles: the C tile copy (one thread, pool address order, streamed stores) or torch
+        "repack_copy": "C tile copy" if gathers[0].native else "torch",
+        "repack_torch_gbps": round(nbytes / statistics.median(t["repack_torch"]) / 1e9, 3),  # box path, torch's copies
+        "repack_torch_ratio_spread": ratios["repack_torch"],
         "repack_gbps": round(nbytes / rep_s / 1e9, 3),
         "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
         # each ratio: the median over repetitions of (memcpy time / repack time) in the same repetition

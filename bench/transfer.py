@@ -178,6 +178,7 @@ def bench_transfer(
     sweep: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384),
     link_only: bool = False,
     gather_team: bool = False,
+    inline_gather: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict.
@@ -189,7 +190,8 @@ def bench_transfer(
     say = progress or (lambda _m: None)
     ctx = mp.get_context("spawn")
     cap = max([tokens, small_tokens] + ([] if link_only else list(sweep)))
-    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, gather_team=gather_team)
+    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, gather_team=gather_team,
+               inline_gather=inline_gather)
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
     say("starting peers")
@@ -358,6 +360,7 @@ def bench_transfer(
             "model_check": per_len,
             "reps": reps,
             "gather_team": gather_team,
+            "inline_gather": inline_gather,
             "small_reps": len(big["small"]),
             # medians with p10-p90 over the interleaved repetitions (ratios: per-repetition pairs;
             # small_overhead_ms: each small handoff minus the raw write just before it)

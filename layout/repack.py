@@ -27,6 +27,15 @@ fewer than rows for a 64-token x 8-head box; built in microseconds), and moves e
 tile with one strided copy (one memcpy where the tile is contiguous on both sides). A
 part whose row range cuts a box copies the cut ends row by row. Element-strided pools
 and boxes that cross a pool block boundary use the row index (the fallback).
+
+On CPU the tiles are copied by a small C kernel (``_tilecopy``, built with the package)
+when it is there: it walks each tile in the POOL's address order (the source rows are
+read as one stream, the staging written as A streams) and streams its stores past the
+cache for copies of ``STREAM_MIN_BYTES`` or more, on the calling thread with the GIL
+released. On the 2-core CI host that moved 512 MiB at 0.83-0.88 of a two-thread memcpy on
+ONE thread, where torch's strided copy (which walks the staging's order) reached 0.5-0.6
+on two (docs/benchmarks.md). Without it (no compiler at install time, or
+``native=False``), torch's copies do the same work.
 """
 
 from __future__ import annotations
@@ -42,11 +51,22 @@ from .geometry import KVLayout, LayoutError
 from .pools import alias_memory
 from .segments import SideBoxes, side_boxes
 
+try:  # the C tile copy, built with the package (optional: pyproject's ext-modules)
+    from . import _tilecopy
+except ImportError:  # no compiler at install time: torch's copies do the same work
+    _tilecopy = None
+
 __all__ = ["Gather", "Scatter", "row_addresses", "repack"]
 
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 CPU_COPY_ELEMENTS = 32768  # ATen's GRAIN_SIZE: a CPU copy this small runs on the calling thread (_PoolRows._copies)
 CPU_INLINE_BYTES = 1 << 20  # CPU copies up to this size are kept on the calling thread (_PoolRows._copies)
+STREAM_MIN_BYTES = 256 << 10  # C tile copies this large store past the cache (smaller ones are read back soon)
+
+
+def native_tile_copy() -> bool:
+    """Whether the C tile copy was built (CPU box-path copies use it unless told not to)."""
+    return _tilecopy is not None
 
 
 def row_addresses(spec: CopySpec, order: str, want: str = "both"):
@@ -192,7 +212,8 @@ class _PoolRows:
     The index is computed on first use (``addr``, when given, is every row's address);
     a row range asked for before that computes only the boxes that hold it."""
 
-    def __init__(self, spec: CopySpec, pool: str, order: str, addr: np.ndarray | None = None, tiles: bool = True):
+    def __init__(self, spec: CopySpec, pool: str, order: str, addr: np.ndarray | None = None, tiles: bool = True,
+                 native: bool | None = None):
         lay = spec.src if pool == "src" else spec.dst
         self.spec, self._pool, self._order = spec, pool, order
         self.row_bytes = lay.head_bytes
@@ -209,6 +230,15 @@ class _PoolRows:
         self.nbytes = self.rows * self.row_bytes
         self._index = None if addr is None else self._to_index(addr)
         self._tiles = _BoxTiles.of(spec, pool, order, self._boxes, self._space) if tiles else None
+        if native and _tilecopy is None:
+            raise LayoutError("native=True: kvbridge.layout._tilecopy was not built (no C compiler at install time?)")
+        self._native = (self._tiles is not None and self._device.type == "cpu" and _tilecopy is not None
+                        and native is not False)
+
+    @property
+    def native(self) -> bool:
+        """Whether whole tiles are copied by the C tile copy (else by torch)."""
+        return self._native
 
     @property
     def box_path(self) -> bool:
@@ -278,6 +308,9 @@ class _PoolRows:
 
     def _scatter_from(self, staging: torch.Tensor) -> int:
         src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
+        if self._native:
+            self._tiles.native_copy(0, self._tiles.count, src, scatter=True)
+            return self.nbytes
         if self._tiles is not None:
             t = self._tiles
             for i, j in self._box_copies(0, t.count, None):
@@ -303,6 +336,9 @@ class _PoolRows:
         if i0 >= i1:  # inside one box (or across one boundary, no whole box)
             return self._rows_pieces(out, a, b, inline)
         pieces = self._rows_pieces(out[: i0 * t.rows - a], a, i0 * t.rows, inline)
+        if self._native:  # one call, on whichever thread runs it (the GIL released)
+            pieces.append(lambda: t.native_copy(i0, i1, out[i0 * t.rows - a:], scatter=False))
+            return pieces + self._rows_pieces(out[i1 * t.rows - a:], i1 * t.rows, b, inline)
         for i, j in self._box_copies(i0, i1, inline):
             pieces.append(lambda i=i, j=j: torch.index_select(
                 t.view, 0, t.index[i:j], out=out[i * t.rows - a: j * t.rows - a].view(j - i, *t.shape)))
@@ -373,6 +409,32 @@ class _BoxTiles:
     shape: tuple[int, int, int]
     rows: int
     count: int
+    strides: tuple[int, int]  # (sA, sC) in units
+    unit: int  # bytes per unit
+
+    @property
+    def pointers(self) -> np.ndarray:
+        """int64 ``[boxes]``: each box's first byte in memory (CPU pools), for the C tile copy."""
+        p = self.__dict__.get("_pointers")
+        if p is None:
+            p = self.__dict__["_pointers"] = self.view.data_ptr() + self.index.numpy() * self.unit
+        return p
+
+    def native_copy(self, i: int, j: int, dense: torch.Tensor, *, scatter: bool) -> None:
+        """Boxes ``[i, j)`` to (``scatter``: from) ``dense``, whose row 0 is box ``i``'s first
+        row, through the C tile copy: each box in the pool's address order, stores past
+        the cache from ``STREAM_MIN_BYTES`` on."""
+        if j <= i:
+            return
+        A, C, ru = self.shape
+        u, (sA, sC) = self.unit, self.strides
+        nbytes = (j - i) * self.rows * ru * u
+        if dense.numel() * dense.element_size() < nbytes:
+            raise LayoutError(f"dense buffer of {dense.numel() * dense.element_size()} B is smaller than the {nbytes} B "
+                              f"of boxes [{i}, {j})")
+        ptrs = self.pointers[i:j]
+        _tilecopy.tile_copy(ptrs.ctypes.data, j - i, dense.data_ptr(), A, C, ru * u, sA * u, sC * u, scatter,
+                            nbytes >= STREAM_MIN_BYTES)
 
     @classmethod
     def of(cls, spec: CopySpec, pool: str, order: str, bx: SideBoxes, space: _RowSpace) -> "_BoxTiles | None":
@@ -412,7 +474,7 @@ class _BoxTiles:
         else:
             view = flat.as_strided((flat.numel() - span + 1, A, C, ru), (1, sA, sC, 1))
         index = torch.from_numpy((addr - space.base) // u).to(space.rows.device)
-        return cls(view, index, (A, C, ru), A * C, int(addr.size))
+        return cls(view, index, (A, C, ru), A * C, int(addr.size), (sA, sC), u)
 
 
 class Gather(_PoolRows):
@@ -426,8 +488,9 @@ class Gather(_PoolRows):
     ``i``-th row of the destination in increasing address order.
     """
 
-    def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None, *, tiles: bool = True):
-        super().__init__(spec, "src", "dst", src_addr, tiles)
+    def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None, *, tiles: bool = True,
+                 native: bool | None = None):
+        super().__init__(spec, "src", "dst", src_addr, tiles, native)
 
     def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None,
             parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
@@ -451,8 +514,9 @@ class Scatter(_PoolRows):
     address order (what ``side_runs(spec, 'src')`` put on the wire).
     """
 
-    def __init__(self, spec: CopySpec, dst_addr: np.ndarray | None = None, *, tiles: bool = True):
-        super().__init__(spec, "dst", "src", dst_addr, tiles)
+    def __init__(self, spec: CopySpec, dst_addr: np.ndarray | None = None, *, tiles: bool = True,
+                 native: bool | None = None):
+        super().__init__(spec, "dst", "src", dst_addr, tiles, native)
 
     def run(self, staging: torch.Tensor) -> int:
         """Write ``staging``'s rows into the destination pool; returns bytes once they are in place."""

@@ -2,9 +2,12 @@
 independent reference: staging row i must hold the source row that lands at the
 destination's i-th row in address order, computed here from block ids, slots and
 strides with numpy (kvhelpers), without repack code. Each case also says which path ran:
-the box path where pages map regularly, the row-index fallback where they do not."""
+the box path where pages map regularly, the row-index fallback where they do not; and on
+the box path, which copy moved the tiles: the C tile copy (``native``) or torch's."""
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from kvbridge.layout import CopySpec, allocate_pool
 from kvbridge.layout.repack import Gather, Scatter
 from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
 
+repack = importlib.import_module("kvbridge.layout.repack")  # the module (the package exports a function of that name)
 GEOM = dict(layers=2, total_heads=4, head_dim=8, dtype="bf16")
 
 
@@ -55,12 +59,22 @@ def _pools(name):
     return src, sb, dst, db, start, stop, tiled
 
 
+NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="torch")]
+
+
+def test_the_c_tile_copy_is_built():
+    """``make`` builds it (pyproject's ext-modules, optional): a machine with a compiler
+    that silently fell back to torch's copies would lose the gather's speed."""
+    assert repack.native_tile_copy(), "kvbridge.layout._tilecopy did not import: was the package built without gcc?"
+
+
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gather_matches_reference_on_the_expected_path(name):
+def test_gather_matches_reference_on_the_expected_path(name, native):
     src, sb, dst, db, start, stop, tiled = _pools(name)
     spec = CopySpec.build(src, sb, dst, db, (start, stop))
-    g = Gather(spec)
-    assert g.box_path is tiled
+    g = Gather(spec, native=native)
+    assert g.box_path is tiled and g.native is (tiled and native)
     want = _staged_rows(src, sb, dst, db, start, stop, "dst")
     out = torch.full((g.nbytes,), 0xAB, dtype=torch.uint8)
     assert g.run(out) == want.size
@@ -71,13 +85,14 @@ def test_gather_matches_reference_on_the_expected_path(name):
     assert torch.equal(rows, out)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("name", ["sglang64_to_trtllm32", "sglang32_to_sglang16"])
 @pytest.mark.parametrize("part", [1, 7, 37, 64, 200])
-def test_gather_in_parts_that_cut_boxes(name, part):
+def test_gather_in_parts_that_cut_boxes(name, part, native):
     """Parts of any row count (cutting boxes at both ends, or inside one box) and CPU copies
     cut small: the concatenated parts are the reference's rows."""
     src, sb, dst, db, start, stop, _ = _pools(name)
-    g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)))
+    g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)), native=native)
     assert g.box_path
     want = _staged_rows(src, sb, dst, db, start, stop, "dst")
     rb = g.row_bytes
@@ -91,17 +106,19 @@ def test_gather_in_parts_that_cut_boxes(name, part):
     assert np.array_equal(out.numpy().reshape(want.shape), want)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("name,tiled", [("trtllm32_to_sglang64", True), ("sglang16_to_trtllm32", True),
                                         ("sglang64_to_trtllm32", False), ("partial_blocks", False)])
-def test_scatter_writes_exactly_the_request(name, tiled):
+def test_scatter_writes_exactly_the_request(name, tiled, native):
     """Receiver side: staging in the source's address order (built here from the reference)
     scattered into the destination: the request's bytes land, nothing else changes."""
     src, sb, dst, db, start, stop, _ = _pools(name)
     spec = CopySpec.build(src, sb, dst, db, (start, stop))
     staging = torch.from_numpy(_staged_rows(src, sb, dst, db, start, stop, "src").reshape(-1).copy())
     before = snapshot(dst)
-    s = Scatter(spec)
+    s = Scatter(spec, native=native)
     assert s.box_path is tiled  # a source box inside one destination block: written as one tile
+    assert s.native is (tiled and native)
     assert s.run(staging) == spec.nbytes
     heads = range(src.num_heads)
     so, do = unit_offsets(src, sb, 0, start, stop, heads), unit_offsets(dst, db, 0, start, stop, heads)
@@ -149,3 +166,24 @@ def test_copy_team_raises_a_piece_error_in_the_caller_and_runs_every_piece():
     finally:
         team.close()
     assert not team._threads
+
+
+@pytest.mark.parametrize("offset", [0, 8], ids=["aligned", "staging-8-bytes-off"])
+@pytest.mark.parametrize("name", ["sglang64_to_trtllm32", "sglang32_to_sglang16", "trtllm32_to_sglang16"])
+def test_c_tile_copy_streamed_stores_both_ways(name, offset, monkeypatch):
+    """Every C tile copy streams its stores (``STREAM_MIN_BYTES`` 0), into staging that is
+    16-byte aligned or not (then plain stores): the gather gives the reference's rows, and
+    a scatter of them back into a zeroed copy of the source pool restores exactly its
+    request's bytes and nothing else."""
+    monkeypatch.setattr(repack, "STREAM_MIN_BYTES", 0)
+    src, sb, dst, db, start, stop, tiled = _pools(name)
+    assert tiled
+    spec = CopySpec.build(src, sb, dst, db, (start, stop))
+    g = Gather(spec, native=True)
+    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
+    buf = torch.full((g.nbytes + 64,), 0x5A, dtype=torch.uint8)
+    base = (-buf.data_ptr()) % 64 + offset  # 64-aligned, then shifted
+    out = buf[base: base + g.nbytes]
+    assert g.run(out) == want.size
+    assert np.array_equal(out.numpy().reshape(want.shape), want)
+    assert (buf[:base] == 0x5A).all() and (buf[base + g.nbytes:] == 0x5A).all()  # nothing around it written

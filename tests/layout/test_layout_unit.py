@@ -240,6 +240,8 @@ def test_wheel_contains_every_subpackage(tmp_path):
                 "kvbridge/bench/route.py", "kvbridge/bench/vllm.py", "kvbridge/bench/plots.py",
                 "kvbridge/bench/report.py", "kvbridge/bench/report_faults.py"):
         assert mod in names, mod
+    # the C tile copy, built for this interpreter (the gather's CPU path; kvbridge.layout.repack)
+    assert [n for n in names if n.startswith("kvbridge/layout/_tilecopy") and n.endswith(".so")], sorted(names)[:20]
     core = [n for n in names if n.startswith(("kvbridge/common/", "kvbridge/layout/", "kvbridge/adapters/"))]
     assert core and not [n for n in core if any(w in n.rsplit("/", 1)[-1] for w in ("bench", "report", "plot"))]
 

@@ -1,0 +1,112 @@
+/* Tile copies between a pool and a dense staging buffer, in the pool's address order.
+ *
+ * A tile is A x C rows of R bytes in a pool: row (a, c) at tile + a*sA + c*sC (bytes).
+ * Its dense image is the rows back to back, a-major: row (a, c) at dense + (a*C + c)*R.
+ * Tile i of a call is at tiles[i]; its dense image at dense + i*A*C*R.
+ *
+ * gather: pool tiles -> dense; scatter: dense -> pool tiles. Both walk each tile in the
+ * pool's address order (the smaller of sA, sC inner), so the pool side is read or written
+ * as one stream, and the dense side as A (or C) streams. With `stream`, stores go around
+ * the cache (x86-64 non-temporal stores, 16-byte aligned rows of a multiple of 16 bytes):
+ * a staging buffer that goes to the wire next, or a pool the engine reads much later,
+ * does not need to be read into the cache before it is written. The GIL is released.
+ *
+ * Python: tile_copy(tiles_ptr, count, dense_ptr, A, C, R, sA, sC, scatter, stream).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static void rows_nt512(char *d, const char *s, int64_t R) {
+    int64_t k = 0;
+    for (; k + 64 <= R; k += 64)
+        _mm512_stream_si512((__m512i *)(d + k), _mm512_loadu_si512((const void *)(s + k)));
+    for (; k < R; k += 16)
+        _mm_stream_si128((__m128i *)(d + k), _mm_loadu_si128((const __m128i *)(s + k)));
+}
+
+static void rows_nt128(char *d, const char *s, int64_t R) {
+    for (int64_t k = 0; k < R; k += 16)
+        _mm_stream_si128((__m128i *)(d + k), _mm_loadu_si128((const __m128i *)(s + k)));
+}
+#endif
+
+typedef void (*row_fn)(char *, const char *, int64_t);
+
+static void rows_plain(char *d, const char *s, int64_t R) { memcpy(d, s, (size_t)R); }
+
+static void copy_tiles(const int64_t *tiles, int64_t count, char *dense, int64_t A, int64_t C, int64_t R,
+                       int64_t sA, int64_t sC, int scatter, row_fn row) {
+    const int64_t box = A * C * R;
+    const int c_inner = sC <= sA;
+    for (int64_t i = 0; i < count; i++) {
+        char *t = (char *)(intptr_t)tiles[i];
+        char *b = dense + i * box;
+        if (sC == R && sA == C * R) { /* the tile is contiguous: one copy */
+            if (scatter) row(t, b, box); else row(b, t, box);
+            continue;
+        }
+        const int64_t outer = c_inner ? A : C, inner = c_inner ? C : A;
+        for (int64_t o = 0; o < outer; o++) {
+            for (int64_t n = 0; n < inner; n++) {
+                const int64_t a = c_inner ? o : n, c = c_inner ? n : o;
+                char *p = t + a * sA + c * sC, *q = b + (a * C + c) * R;
+                if (scatter) row(p, q, R); else row(q, p, R);
+            }
+        }
+    }
+}
+
+static PyObject *tile_copy(PyObject *self, PyObject *args) {
+    long long tiles, count, dense, A, C, R, sA, sC;
+    int scatter, stream;
+    if (!PyArg_ParseTuple(args, "LLLLLLLLpp", &tiles, &count, &dense, &A, &C, &R, &sA, &sC, &scatter, &stream))
+        return NULL;
+    if (count < 0 || A < 1 || C < 1 || R < 1 || sA < 0 || sC < 0) {
+        PyErr_Format(PyExc_ValueError, "tile_copy: bad shape (count %lld, A %lld, C %lld, R %lld, sA %lld, sC %lld)",
+                     count, A, C, R, sA, sC);
+        return NULL;
+    }
+    row_fn row = rows_plain;
+#if defined(__x86_64__)
+    if (stream && R % 16 == 0 && dense % 16 == 0) {
+        /* every row start is 16-byte aligned on the side written: rows of R bytes from an aligned base,
+           tile addresses and strides checked here when the pool side is written */
+        int aligned = 1;
+        if (scatter) {
+            const int64_t *tp = (const int64_t *)(intptr_t)tiles;
+            aligned = (sA % 16 == 0) && (sC % 16 == 0);
+            for (int64_t i = 0; aligned && i < count; i++) aligned = tp[i] % 16 == 0;
+        }
+        if (aligned) {
+            __builtin_cpu_init();
+            row = __builtin_cpu_supports("avx512f") ? rows_nt512 : rows_nt128;
+        }
+    }
+#else
+    (void)stream;
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    copy_tiles((const int64_t *)(intptr_t)tiles, count, (char *)(intptr_t)dense, A, C, R, sA, sC, scatter, row);
+#if defined(__x86_64__)
+    if (row != rows_plain) _mm_sfence(); /* streamed stores visible before the caller hands the buffer on */
+#endif
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"tile_copy", tile_copy, METH_VARARGS,
+     "tile_copy(tiles_ptr, count, dense_ptr, A, C, R, sA, sC, scatter, stream): copy `count` tiles of A x C rows "
+     "of R bytes (pool strides sA, sC) to (scatter: from) a dense buffer, in the pool's address order."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tilecopy", "Tile copies for kvbridge.layout.repack.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__tilecopy(void) { return PyModule_Create(&module); }
