@@ -278,9 +278,12 @@ def bench_transfer(
             big["handoff"].append(dt)
         # the small request is cheap and one 16 MiB write here takes 5-25 ms from one try to
         # the next: many interleaved pairs, so that the medians hold still
+        small_parts = []  # the sender's record of each small handoff: where its time went
         for i in range(25 * reps):
             big["small_raw"].append(raw(small_tokens))
-            big["small"].append(handoff(small_tokens)[0])
+            dt, sinfo = handoff(small_tokens)
+            big["small"].append(dt)
+            small_parts.append((dt, sinfo))
         med = {k: statistics.median(v) for k, v in big.items()}
         nbytes = tokens * bytes_per_token
         # spreads: each ratio from the pair measured in the same repetition
@@ -292,6 +295,17 @@ def bench_transfer(
             "small_handoff_ms": spread([h * 1e3 for h in big["small"]]),
             "small_raw_ms": spread([r * 1e3 for r in big["small_raw"]]),
         }
+        # the small request stage by stage (medians): the sender's plan, its gathers (the
+        # first one before any byte is on the wire), its writes (submitting and waiting for
+        # them), and the rest of the decode's measured time: its request reaching the
+        # sender, the TransferDone coming back, the threads in between
+        small_stages = {k: [] for k in ("plan", "gather", "wire", "control")}
+        for dt, si in small_parts:
+            small_stages["plan"].append(si["plan_s"])
+            small_stages["gather"].append(si["repack_s"])
+            small_stages["wire"].append(si["transfer_s"])
+            small_stages["control"].append(dt - si["plan_s"] - si["repack_s"] - si["transfer_s"])
+        small_breakdown = {k: round(statistics.median(v) * 1e3, 3) for k, v in small_stages.items()}
         cpu_gib = {k: spread([x * (1 << 30) / nbytes for x in v]) for k, v in cpu.items() if v}
         machine = machine_notes()
         warnings = [f"{k}: p10-p90 {v['p10']}-{v['p90']} is wider than the effect it reports "
@@ -346,6 +360,7 @@ def bench_transfer(
             "small_tokens": small_tokens,
             "small_handoff_ms": round(med["small"] * 1e3, 3),
             "small_raw_ms": round(med["small_raw"] * 1e3, 3),
+            "small_breakdown_ms": small_breakdown,
             "small_overhead_ms": round((med["small"] - med["small_raw"]) * 1e3, 3),
             # the same from each handoff and the raw write just before it (drift cancels)
             "small_overhead_paired_ms": round(statistics.median(

@@ -25,6 +25,10 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     assert res["link"]["bandwidth_bytes_per_s"] > 0
     for p in res["model_check"]:
         assert set(p["breakdown_ms"]) == {"plan", "repack", "transfer", "notify"}
+    # the small request stage by stage: the sender's own figures, and the rest of the decode's time
+    st = res["small_breakdown_ms"]
+    assert set(st) == {"plan", "gather", "wire", "control"} and st["gather"] > 0 and st["wire"] > 0
+    assert res["inline_gather"] is False and res["gather_team"] is False
     names = sorted(os.path.basename(f) for f in res["plots"])
     assert names == ["break_even_llama3-8b.png", "transfer_breakdown.png", "transfer_gbps.png"]
     for f in res["plots"]:
