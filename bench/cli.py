@@ -308,7 +308,7 @@ def _bench_route(args: argparse.Namespace) -> int:
 
 def _add_layerwise_bench(bsub) -> None:
     b = bsub.add_parser("layerwise", help="first-token time with KV sent layer by layer during the prefill vs whole "
-                                          "after it (not part of `bench all`: it starts three servers)")
+                                          "after it (not part of `bench all`: it starts three or four servers)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--plot", metavar="DIR", help="write a PNG chart into DIR")
     b.add_argument("--prompt-lens", default="1024,4096", help="prompt lengths (comma-separated; default 1024,4096)")
@@ -319,7 +319,8 @@ def _add_layerwise_bench(bsub) -> None:
     b.add_argument("--head-dim", type=int, default=None, help="head size: sets the KV bytes per token (default 256)")
     b.add_argument("--kv-heads", type=int, default=None, help="KV heads = attention heads (default 2)")
     b.add_argument("--hidden", type=int, default=None, help="residual stream width (default 32; intermediate: twice it)")
-    b.add_argument("--engine", default="trtllm", help="trtllm (the stand-in); sglang once its prefill has the hook")
+    b.add_argument("--engine", default="trtllm", choices=("trtllm", "sglang"),
+                   help="trtllm: the stand-in (three servers); sglang: SGLang's real servers (four)")
     b.add_argument("--model-dir", help="write the model here and keep it (default: a temporary folder)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=_bench_layerwise)

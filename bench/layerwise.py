@@ -20,8 +20,8 @@ median of the runs' paired ``ttft_ratio``, the bound (``setup-free``: about
 ``max(prefill, transfer) + one layer's transfer + decode_step`` against
 ``prefill + transfer + decode_step``), and each run's outputs, bytes and layer pieces.
 
-The SGLang pair (``kvbridge.demo.sglang_server``) plugs in as another ``_Pair`` once its
-prefill has the per-layer hook (issue 20, item 1); ``engine="sglang"`` says so until then.
+``engine="sglang"``: the same runs on SGLang's real servers (``kvbridge.bench.layerwise_sglang``:
+two prefills, one decode, and an aggregated server that times the prefill alone).
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class _Run:
 
 class _TrtPair:
     """Two TensorRT-LLM stand-in prefill servers (``layerwise`` off, on) and one decode."""
+
+    engine = "trtllm stand-in (main), TP 1 -> TP 1, Mooncake TCP 127.0.0.1"
 
     def __init__(self, model_dir: str, num_blocks: int, max_len: int):
         from kvbridge.demo.trtllm.server import StandInServer
@@ -157,9 +159,8 @@ def bench_layerwise(
     ``LlamaConfig`` fields over ``GEOMETRY``; ``model_dir``: where the model is written
     (default: a temporary folder, removed). Prompt ``i`` is ``random_prompt(n, seed=seed +
     i)``."""
-    if engine != "trtllm":
-        raise ValueError(f"bench layerwise: engine {engine!r} not available: the SGLang pair needs the SGLang prefill's "
-                         "per-layer hook (issue 20, item 1), not on this branch; engines: trtllm")
+    if engine not in ("trtllm", "sglang"):
+        raise ValueError(f"bench layerwise: engine {engine!r}: engines are trtllm (the stand-in) and sglang (real servers)")
     if reps < 1 or warmup < 0 or max_new < 1 or not prompt_lens or min(prompt_lens) < 2:
         raise ValueError(f"bench layerwise: reps >= 1, warmup >= 0, max_new >= 1 and prompt lengths >= 2 needed "
                          f"(got reps={reps}, warmup={warmup}, max_new={max_new}, prompt_lens={prompt_lens})")
@@ -185,7 +186,13 @@ def bench_layerwise(
         ref = {n: reference_generate(model_dir, p, max_new).token_ids for n, p in prompts.items()}
         num_blocks = -(-max_len // TOKENS_PER_BLOCK) + 4
         say("starting the servers")
-        pair = _TrtPair(model_dir, num_blocks, max_len)
+        if engine == "sglang":
+            from kvbridge.bench.layerwise_sglang import SglangPair
+
+            pair = SglangPair(model_dir, max_len, token_bytes(geo))
+        else:
+            pair = _TrtPair(model_dir, num_blocks, max_len)
+        engine_line = pair.engine
         try:
             runs: dict[int, list[_Run]] = {n: [] for n in prompt_lens}
             k = 0
@@ -202,7 +209,7 @@ def bench_layerwise(
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return _report(runs, ref, geo, prompt_lens, reps, warmup, max_new, seed)
+    return _report(runs, ref, geo, prompt_lens, reps, warmup, max_new, seed, engine_line)
 
 
 def _predicted(geo: dict, n: int, prefill_ms: float) -> dict:
@@ -217,10 +224,11 @@ def _predicted(geo: dict, n: int, prefill_ms: float) -> dict:
             "ttft_layerwise_ms": round(e.ttft_layerwise_s * 1e3, 2), "transfer_ms": round(e.transfer_whole_s * 1e3, 2)}
 
 
-def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: int, max_new: int, seed: int) -> dict:
+def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: int, max_new: int, seed: int,
+            engine: str) -> dict:
     layers = geo["num_hidden_layers"]
     out: dict[str, Any] = {
-        "engine": "trtllm stand-in (main), TP 1 -> TP 1, Mooncake TCP 127.0.0.1",
+        "engine": engine,
         "geometry": {**geo, "token_bytes": token_bytes(geo), "tokens_per_block": TOKENS_PER_BLOCK, "dtype": "float32"},
         "reps": reps, "warmup": warmup, "max_new": max_new, "seed": seed, "order": "interleaved: whole, layer-wise, ...",
         "lengths": [], "warnings": [],
