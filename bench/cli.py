@@ -318,6 +318,9 @@ def _add_layerwise_bench(bsub) -> None:
     b.add_argument("--layers", type=int, default=None, help="decoder layers of the model (default 8)")
     b.add_argument("--head-dim", type=int, default=None, help="head size: sets the KV bytes per token (default 256)")
     b.add_argument("--kv-heads", type=int, default=None, help="KV heads = attention heads (default 2)")
+    b.add_argument("--attention-heads", type=int, default=None,
+                   help="query heads, a multiple of the KV heads (default: as many): the prefill's attention work "
+                        "grows with them, the KV bytes do not")
     b.add_argument("--hidden", type=int, default=None, help="residual stream width (default 32; intermediate: twice it)")
     b.add_argument("--engine", default="trtllm", choices=("trtllm", "sglang"),
                    help="trtllm: the stand-in (three servers); sglang: SGLang's real servers (four)")
@@ -331,7 +334,8 @@ def _bench_layerwise(args: argparse.Namespace) -> int:
 
     lens = _lengths(args.prompt_lens, "--prompt-lens")
     geo = {k: v for k, v in (("num_hidden_layers", args.layers), ("head_dim", args.head_dim),
-                             ("num_key_value_heads", args.kv_heads), ("num_attention_heads", args.kv_heads),
+                             ("num_key_value_heads", args.kv_heads),
+                             ("num_attention_heads", args.attention_heads or args.kv_heads),
                              ("hidden_size", args.hidden), ("intermediate_size", args.hidden and 2 * args.hidden))
            if v is not None}
     try:

@@ -11,7 +11,9 @@ decode's first own token; then on to the last token. The first token time
 (``ttft``) is from the requests' submission to the end of the decode step that produced
 it; ``prefill`` is the prefill's step that ran the forward (whole mode), ``decode_step``
 the decode's step that produced the first token, and ``transfer`` the rest of the whole
-mode's first-token time (the send after the forward, its landing, the steps between).
+mode's first-token time (the send after the forward, its landing, the steps between);
+on SGLang, where the prefill logs when its send after the forward ended, ``transfer`` is
+that tail (whole mode) instead.
 
 Modes run interleaved (whole, layer-wise, whole, ...) after ``warmup`` unmeasured pairs;
 every run uses its own cache salt, so no device cache holds its prompt. Reported per
@@ -77,6 +79,8 @@ class _Run:
     bytes: int
     layer_pieces: int
     ended_by: str
+    tail_ms: float | None = None  # the prefill's room success after its forward's last chunk (SGLang's timeline)
+    prefill_alone_ms: float | None = None  # the prompt's prefill on an aggregated server, nothing else running
 
 
 class _TrtPair:
@@ -180,7 +184,7 @@ def bench_layerwise(
     os.makedirs(model_dir, exist_ok=True)
     try:
         say("building the model")
-        build_tiny_llama(model_dir, max_position_embeddings=max(2048, max_len), **geo)
+        build_tiny_llama(model_dir, max_position_embeddings=max(2048, max_len + 64), **geo)
         prompts = {n: random_prompt(n, seed=seed + i) for i, n in enumerate(prompt_lens)}
         say("reference outputs (transformers' generate)")
         ref = {n: reference_generate(model_dir, p, max_new).token_ids for n, p in prompts.items()}
@@ -189,7 +193,7 @@ def bench_layerwise(
         if engine == "sglang":
             from kvbridge.bench.layerwise_sglang import SglangPair
 
-            pair = SglangPair(model_dir, max_len, token_bytes(geo))
+            pair = SglangPair(model_dir, max_len, token_bytes(geo), page_size=TOKENS_PER_BLOCK)
         else:
             pair = _TrtPair(model_dir, num_blocks, max_len)
         engine_line = pair.engine
@@ -224,6 +228,19 @@ def _predicted(geo: dict, n: int, prefill_ms: float) -> dict:
             "ttft_layerwise_ms": round(e.ttft_layerwise_s * 1e3, 2), "transfer_ms": round(e.transfer_whole_s * 1e3, 2)}
 
 
+def _tails(whole: list, lw: list) -> dict:
+    """Where the engine reports it: the send after the forward in each mode (medians), and
+    the prefill alone on an idle host."""
+    out: dict[str, Any] = {}
+    if all(r.tail_ms is not None for r in whole + lw):
+        out["tail_after_forward_ms"] = {"whole": _spread([r.tail_ms for r in whole]),
+                                        "layerwise": _spread([r.tail_ms for r in lw])}
+    alone = [r.prefill_alone_ms for r in whole if r.prefill_alone_ms is not None]
+    if alone:
+        out["prefill_alone_ms"] = _spread(alone)
+    return out
+
+
 def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: int, max_new: int, seed: int,
             engine: str) -> dict:
     layers = geo["num_hidden_layers"]
@@ -240,7 +257,10 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
         ratios = [b / a for a, b in zip(tw, tl)]
         prefill = float(np.median([r.prefill_ms for r in whole]))
         dstep = float(np.median([r.decode_step_ms for r in whole]))
-        transfer = max(0.0, float(np.median(tw)) - prefill - dstep)
+        if all(r.tail_ms is not None for r in whole):  # the engine says when its send after the forward ended
+            transfer = float(np.median([r.tail_ms for r in whole]))
+        else:
+            transfer = max(0.0, float(np.median(tw)) - prefill - dstep)
         bound_whole = prefill + transfer + dstep
         bound_lw = max(prefill, transfer) + transfer / layers + dstep
         row = {
@@ -264,7 +284,8 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
             "layer_pieces": {"whole": [r.layer_pieces for r in whole], "layerwise": [r.layer_pieces for r in lw]},
             "ended_by": {"whole": [r.ended_by for r in whole], "layerwise": [r.ended_by for r in lw]},
             "outputs_equal": all(r.output == ref[n] for r in whole + lw),
-            "cost_model": _predicted(geo, n, prefill),  # its verdict on the tcp preset, given the measured prefill
+            "cost_model": _predicted(geo, n, prefill),
+            **_tails(whole, lw),  # its verdict on the tcp preset, given the measured prefill
         }
         spread = max(row["ttft_ratio"]["p90"] - row["ttft_ratio"]["p10"], 0.0)
         effect = abs(1.0 - row["ttft_ratio"]["median"])

@@ -10,8 +10,13 @@ prefill chunk.
 A run sends the request to a prefill and, streamed, to the decode at once (the
 bootstrap room naming the prefill), as a router would. ``ttft``: from the requests'
 submission to the decode's first streamed token; ``decode_step``: from its first token to
-its second; ``prefill``: the aggregated server's answer time for the same prompt with one
-new token (measured in the whole runs, right before each). Layer pieces and how the room
+its second; ``prefill``: from the submission to the prefill's last chunk handed to
+kvbridge (its forward done: the bootstrap handshake, the queue and the forward, beside the
+decode server on the same cores), read from the prefill's timeline log line
+(``time.monotonic()`` is one clock for every process); ``tail``: from there to the room's
+success on the prefill (the send after the forward). ``prefill_alone``: the aggregated
+server's answer time for the same prompt with one new token, nothing else running
+(measured in the whole runs, right before each). Layer pieces and how the room
 ended come from the layer-wise prefill's log line for the room. Bytes are the prompt's
 KV by geometry (the servers do not report them).
 """
@@ -28,6 +33,9 @@ from kvbridge.demo.sglang_server import ServerError, generate_body, generate_out
 __all__ = ["SglangPair"]
 
 _LINE = re.compile(r"room (\d+) went layer by layer: (\d+) layer piece\(s\), (\d+) token\(s\) sent whole; ended by (\w+)")
+# the sender's timeline line (adapters/sglang/sender.py _log_timeline): time.monotonic() of the
+# decode's request, the last chunk handed over (its forward done) and the room's success
+_TIMELINE = re.compile(r"room (\d+) timeline: .*\(monotonic ([\d.]+) ([\d.]+) ([\d.]+)\)")
 
 
 class SglangPair:
@@ -35,13 +43,13 @@ class SglangPair:
 
     engine = "sglang 0.5.23 real servers (CPU), TP 1 -> TP 1, Mooncake TCP 127.0.0.1"
 
-    def __init__(self, model_dir: str, max_len: int, token_bytes: int, log_dir: str | None = None):
-        total = max(4096, 2 * max_len + 256)
+    def __init__(self, model_dir: str, max_len: int, token_bytes: int, page_size: int = 64, log_dir: str | None = None):
+        total = max(4096, 2 * max_len + 256)  # two rooms of the longest prompt at once, and some
         common = ["--disable-radix-cache", "--chunked-prefill-size", str(max(8192, max_len)),
                   "--max-prefill-tokens", str(max(16384, max_len))]
         self.servers = []
         self.token_bytes = token_bytes
-        kw = dict(max_total_tokens=total, log_dir=log_dir)
+        kw = dict(max_total_tokens=total, log_dir=log_dir, page_size=page_size)
         starts = {
             "whole": lambda: start_server(model_dir, "prefill", extra_env={"KVBRIDGE_LAYERWISE": "false"},
                                           extra_args=common, **kw),
@@ -110,13 +118,31 @@ class SglangPair:
                         stamps += [time.perf_counter()] * len(new)
                         out += new
         th.join(timeout_s)
+        t_first = stamps[0] if stamps else time.perf_counter()
+        _, last_chunk, done = self._timeline(pre, room)
+        # time.monotonic() is one clock for every process of this host: the prefill's
+        # forward ended (last_chunk) and its room succeeded (done) on the bench's time line
+        mono0 = time.monotonic() - (time.perf_counter() - t0)
         generate_output(answer.get("r", TimeoutError("no prefill answer")), pre, f"{mode} prefill")
         if len(out) < max_new:
             raise ServerError(f"{mode} run of {len(prompt)} tokens: {len(out)} of {max_new} tokens from the decode")
         pieces, ended = self._room_line(pre, room) if mode == "layerwise" else (0, "send")
         dstep = (stamps[1] - stamps[0]) * 1e3 if len(stamps) > 1 else 0.0
-        return _Run(mode, len(prompt), (stamps[0] - t0) * 1e3, prefill_ms, dstep, out, len(prompt) * self.token_bytes,
-                    pieces, ended)
+        return _Run(mode, len(prompt), (t_first - t0) * 1e3, (last_chunk - mono0) * 1e3, dstep, out,
+                    len(prompt) * self.token_bytes, pieces, ended, tail_ms=(done - last_chunk) * 1e3,
+                    prefill_alone_ms=prefill_ms or None)
+
+    @staticmethod
+    def _timeline(srv, room: int, timeout_s: float = 10.0) -> tuple[float, float, float]:
+        """(asked, last chunk, done), time.monotonic() in the prefill, from its log line for ``room``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            for m in _TIMELINE.finditer(srv.log_path.read_text(errors="replace")):
+                if int(m.group(1)) == room:
+                    return float(m.group(2)), float(m.group(3)), float(m.group(4))
+            if time.monotonic() > end:
+                raise ServerError(f"no timeline line for room {room} in {srv.log_path}:\n{srv.log_tail(30)}")
+            time.sleep(0.05)
 
     @staticmethod
     def _room_line(srv, room: int, timeout_s: float = 10.0) -> tuple[int, str]:

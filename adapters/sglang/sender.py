@@ -66,6 +66,9 @@ class KVBridgeKVSender(CommonKVSender):
         self._kvb_ended = ""  # layer-wise: how the room's last chunk went ("finish" or "send")
         self._kvb_whole_tokens = 0  # layer-wise: tokens sent whole (not streamed by a forward)
         self.kvb_layer_pieces = 0  # layer-wise pieces handed to the sender
+        # the room's timeline (time.monotonic()): the decode asked (init), the last chunk was
+        # handed over (the forward that computed it is done), the room succeeded; logged once
+        self._kvb_t: dict[str, float] = {}
         if self.conclude_state is None and not mgr.is_dummy_cp_rank:
             kvs = mgr.kv_sender
             kvs.forget(bootstrap_room)  # a finished room of the same id from an earlier request
@@ -105,6 +108,7 @@ class KVBridgeKVSender(CommonKVSender):
         page count past the prefix ``pop_decode_prefix_len`` returned, and its metadata row."""
         super().init(num_kv_indices, aux_index)
         self._kvb_inited = True
+        self._kvb_t["asked"] = time.monotonic()
 
     # -- layer-wise (kvbridge.adapters.sglang.layerwise, on the scheduler's thread) ---------
     def kvb_streamable(self) -> bool:
@@ -151,6 +155,8 @@ class KVBridgeKVSender(CommonKVSender):
         self._tokens_sent += ntok
         self.curr_idx = self._pages_sent
         last = self._pages_sent >= self.num_kv_indices
+        if last:
+            self._kvb_t.setdefault("last_chunk", time.monotonic())
         if not self._added:
             if last and mgr.is_dummy_cp_rank:  # as CommonKVSender: a dummy CP rank sends nothing
                 mgr.update_status(self.bootstrap_room, KVPoll.Success)
@@ -207,6 +213,8 @@ class KVBridgeKVSender(CommonKVSender):
         mgr = self.kv_mgr
         if self._added:
             st = mgr.kv_sender.poll(self.bootstrap_room)
+            if st is RoomState.SUCCESS and "done" not in self._kvb_t:
+                self._log_timeline()
             if st is RoomState.FAILED:
                 mgr.record_failure(self.bootstrap_room, mgr.kv_sender.failure_reason(self.bootstrap_room))
             if self.bootstrap_room in mgr.request_status:
@@ -218,6 +226,17 @@ class KVBridgeKVSender(CommonKVSender):
             # telling any decode rank, rather than holding it open to its deadline
             mgr.kv_sender.abort(self.bootstrap_room, f"the prefill engine failed the request: {_recorded_failure(self)}")
         return out
+
+    def _log_timeline(self) -> None:
+        """One line per room that succeeded: from the decode's request to the last chunk
+        handed over (the prefill's queue and forward), and from there to the room's
+        success (the send after the forward: ~0 when every layer streamed during it)."""
+        t = self._kvb_t
+        t["done"] = time.monotonic()
+        if "asked" in t and "last_chunk" in t:
+            log.info("kvbridge: room %s timeline: last chunk %.1f ms after the decode asked, done %.1f ms after it "
+                     "(monotonic %.6f %.6f %.6f)", self.bootstrap_room, (t["last_chunk"] - t["asked"]) * 1e3,
+                     (t["done"] - t["last_chunk"]) * 1e3, t["asked"], t["last_chunk"], t["done"])
 
     def get_transfer_metric(self):
         m = super().get_transfer_metric()

@@ -68,6 +68,9 @@ def test_bench_layerwise_on_sglang_real_servers(tmp_path):
     assert r["outputs"] == {"whole": [want], "layerwise": [want]}
     assert r["layer_pieces"] == {"whole": [0], "layerwise": [3]} and r["ended_by"]["layerwise"] == ["finish"]
     assert r["prefill_ms"] > 0 and r["ttft_whole_ms"]["n"] == 1
+    # the prefill's own timeline: its send after the forward, in each mode, and the prefill alone
+    assert set(r["tail_after_forward_ms"]) == {"whole", "layerwise"} and r["prefill_alone_ms"]["n"] == 1
+    assert r["transfer_ms"] == r["tail_after_forward_ms"]["whole"]["median"]
 
 
 def test_bench_layerwise_refuses_what_it_cannot_run():
