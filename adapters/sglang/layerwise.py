@@ -14,6 +14,9 @@ only) through SGLang's own ``HookRegistry``; SGLang's files are not touched:
 - ``MHATokenToKVPool.set_kv_buffer`` (mem_cache/memory_pool.py:2891): called by the
   attention backend inside ``RadixAttention.forward`` (e.g. torch_native_backend.py:299,
   flashinfer_backend.py:1400) once per layer with the K and V of every token of the batch.
+  For MLA models, the same hook on ``MLATokenToKVPool.set_kv_buffer`` (:4942, the latent
+  row the torch_native backend writes) and ``set_mla_kv_buffer`` (:5026, the nope and rope
+  parts the MLA backends write); a layer written twice is handed over once.
   When it returns for the armed pool, layer ``layer_id - start_layer`` of the armed tokens
   is in the pool: it is handed to the sender (``send_chunk(..., layers=(i, i + 1))``), which
   writes it while later layers compute (queued pieces of one range coalesce in the sender).
@@ -30,8 +33,9 @@ dispatcher thread that waits for it; the forward stream never waits on the netwo
 pools (and the tests here) hand pieces over directly.
 
 Where the hook point is missing (no ``Scheduler.run_batch`` / ``set_kv_buffer`` to wrap, or
-a pool type whose writes do not go through ``MHATokenToKVPool.set_kv_buffer``: MLA, FP4,
-MXFP8, page-major, hybrid pools) requests go whole, said once in the log.
+a pool type whose writes do not go through those methods as SGLang defines them: FP4,
+MXFP8, page-major, hybrid pools, subclasses that override them) requests go whole, said
+once in the log.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ __all__ = ["LayerStreamer", "install_prefill_hooks", "layerwise_wanted", "active
 
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
+# MLA pools (optional: without them an MLA server's requests go whole)
+SET_MLA_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_kv_buffer"
+SET_MLA_LATENT = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_mla_kv_buffer"
 
 _lock = threading.Lock()
 _ACTIVE: list["LayerStreamer"] = []  # the prefill rank's streamer (one per scheduler process)
@@ -166,9 +173,9 @@ class LayerStreamer:
         alloc = scheduler.token_to_kv_pool_allocator
         pool = alloc.get_kvcache()
         if not _supported_pool(pool):
-            self.say_once("pool", "kvbridge: layer-wise sends need SGLang's MHATokenToKVPool (its set_kv_buffer is "
-                          "the per-layer hook); this server's %s is not supported: requests go whole",
-                          type(pool).__name__)
+            self.say_once("pool", "kvbridge: layer-wise sends need SGLang's MHATokenToKVPool or MLATokenToKVPool "
+                          "(their set_kv_buffer is the per-layer hook); this server's %s is not supported: "
+                          "requests go whole", type(pool).__name__)
             return
         dev = str(getattr(self.mgr.layout, "device", "") or "cpu")
         if not dev.startswith(("cpu", "cuda")):
@@ -287,13 +294,22 @@ class LayerStreamer:
 
 
 def _supported_pool(pool: Any) -> bool:
-    """Whether ``pool``'s KV writes go through ``MHATokenToKVPool.set_kv_buffer`` as it is
-    (subclasses that override it, and other pool types, do not)."""
+    """Whether ``pool``'s KV writes go through a hooked method as SGLang defines it:
+    ``MHATokenToKVPool.set_kv_buffer``, or (once hooked) both of ``MLATokenToKVPool``'s
+    (subclasses that override them, and other pool types, do not)."""
     try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     except ImportError:
         return False
-    return isinstance(pool, MHATokenToKVPool) and type(pool).set_kv_buffer is MHATokenToKVPool.set_kv_buffer
+    if isinstance(pool, MHATokenToKVPool):
+        return type(pool).set_kv_buffer is MHATokenToKVPool.set_kv_buffer
+    if isinstance(pool, MLATokenToKVPool):
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        return (SET_MLA_KV_BUFFER in HookRegistry._patched and SET_MLA_LATENT in HookRegistry._patched
+                and type(pool).set_kv_buffer is MLATokenToKVPool.set_kv_buffer
+                and type(pool).set_mla_kv_buffer is MLATokenToKVPool.set_mla_kv_buffer)
+    return False
 
 
 def _slots(alloc: Any, req_to_token: Any, req: Any, lo: int, hi: int):
@@ -366,7 +382,8 @@ def kvbridge_run_batch(original, *args, **kwargs):
 
 def kvbridge_set_kv_buffer(original, *args, **kwargs):
     """AROUND hook on ``MHATokenToKVPool.set_kv_buffer(self, layer, loc, k, v, ...,
-    layer_id_override=None)``: after the write, a streaming forward's layer goes to the
+    layer_id_override=None)`` (and MLA's ``set_kv_buffer`` / ``set_mla_kv_buffer``, the same
+    ``(self, layer, ...)`` shape): after the write, a streaming forward's layer goes to the
     sender. Any other pool or call passes through untouched; this hook never raises
     after the write."""
     out = original(*args, **kwargs)
@@ -395,7 +412,8 @@ def install_prefill_hooks(mgr: Any) -> "LayerStreamer | None":
         log.warning("kvbridge: layerwise is on but SGLang has no plugin hook registry (%s): requests go whole", e)
         return None
     with _lock:
-        for target, fn in ((RUN_BATCH, kvbridge_run_batch), (SET_KV_BUFFER, kvbridge_set_kv_buffer)):
+        for target, fn in ((RUN_BATCH, kvbridge_run_batch), (SET_KV_BUFFER, kvbridge_set_kv_buffer),
+                           (SET_MLA_KV_BUFFER, kvbridge_set_kv_buffer), (SET_MLA_LATENT, kvbridge_set_kv_buffer)):
             if not any(h is fn for _, h, _ in HookRegistry._hooks.get(target, ())):
                 HookRegistry.register(target, fn, HookType.AROUND)
         HookRegistry.apply_hooks()
@@ -406,5 +424,6 @@ def install_prefill_hooks(mgr: Any) -> "LayerStreamer | None":
             return None
         st = LayerStreamer(mgr)
         _ACTIVE.append(st)
-    log.info("kvbridge: layer-wise sends on (hooks on Scheduler.run_batch and MHATokenToKVPool.set_kv_buffer)")
+    log.info("kvbridge: layer-wise sends on (hooks on Scheduler.run_batch and MHATokenToKVPool.set_kv_buffer%s)",
+             "" if SET_MLA_LATENT in HookRegistry._patched else "; MLA pools not hooked: their requests go whole")
     return st

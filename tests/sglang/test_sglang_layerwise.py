@@ -88,9 +88,30 @@ def test_layerwise_prefix_cached_on_prefill_goes_whole_first(layerwise_pair, tin
     assert 0 < whole < len(second), f"the cached prefix went whole: {whole} tokens"
 
 
+def test_layerwise_mla_pair_matches_transformers(sglang_pair_factory, tiny_mla_dir):
+    """A DeepSeek-style MLA model (one latent row per token and layer, kv_factor 1): the
+    hook on ``MLATokenToKVPool``'s writes streams every layer of every forward, greedy
+    outputs equal transformers' ``generate()``, nothing went whole after a forward."""
+    pair = sglang_pair_factory("kvbridge", model_dir=tiny_mla_dir,
+                               extra_env={"SGLANG_PLUGINS": "kvbridge", "KVBRIDGE_LAYERWISE": "true"},
+                               prefill_args=["--chunked-prefill-size", str(CHUNK)], timeout=600)
+    layers = 2  # the tiny MLA model's
+    lens = (9, 2 * CHUNK + 5)
+    for i, n in enumerate(lens):
+        prompt = random_prompt(n, seed=950 + n)
+        room = 7_200_000 + i
+        assert _gen(pair, prompt, room) == reference_generate(tiny_mla_dir, prompt, MAX_NEW).token_ids, n
+        pieces, whole, ended = _room_line(pair, room)
+        forwards = -(-n // CHUNK)
+        assert pieces == layers * forwards, f"{n}-token MLA prompt: {pieces} layer pieces, want {layers} x {forwards}"
+        assert whole == 0 and ended == "finish", f"{n}-token MLA prompt: {whole} tokens sent whole, ended by {ended}"
+
+
 def test_unsupported_pool_falls_back_to_whole_sends_once(sglang_pools, caplog):
-    """A pool whose KV writes do not go through ``MHATokenToKVPool.set_kv_buffer`` (SGLang's
-    real MLA pool here) is not armed: its requests go whole, said once in the log."""
+    """A pool whose KV writes do not go through a hooked method is not armed: its requests
+    go whole, said once in the log. Here: SGLang's real MHA pool with its own
+    ``set_kv_buffer`` (a subclass, as FP4/MXFP8 pools are), and SGLang's real MLA pool in a
+    process where MLA's methods are not hooked (this test process)."""
     import logging
     from types import SimpleNamespace
 
@@ -103,17 +124,24 @@ def test_unsupported_pool_falls_back_to_whole_sends_once(sglang_pools, caplog):
                   enable_memory_saver=False)
     mla = mla_cls(size=64, page_size=16, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=2,
                   device="cpu", enable_memory_saver=False)
-    assert _supported_pool(mha) and not _supported_pool(mla)
+
+    class OwnWrites(mha_cls):
+        def set_kv_buffer(self, *args, **kwargs):  # writes KV its own way, past the hook
+            return super().set_kv_buffer(*args, **kwargs)
+
+    own = OwnWrites(size=64, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=8, layer_num=2, device="cpu",
+                    enable_memory_saver=False)
+    assert _supported_pool(mha) and not _supported_pool(own) and not _supported_pool(mla)
     mgr = SimpleNamespace(layout=SimpleNamespace(num_layers=2, device="cpu"), kvb_settings=SimpleNamespace(layerwise=True))
     st = LayerStreamer(mgr)
-    sched = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: mla, page_size=16))
+    sched = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: own, page_size=16))
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), reqs=[object()])
     with caplog.at_level(logging.WARNING, logger="kvbridge.adapters.sglang.layerwise"):
         for _ in range(3):
             st.arm_batch(sched, batch)
     assert not st.armed and st.pool is None
     said = [r for r in caplog.records if "not supported: requests go whole" in r.getMessage()]
-    assert len(said) == 1 and "MLATokenToKVPool" in said[0].getMessage()
+    assert len(said) == 1 and "OwnWrites" in said[0].getMessage()
 
 
 def test_auto_decides_per_prompt_length_from_the_cost_model(tiny_llama_dir):
