@@ -148,6 +148,21 @@ class BridgeSettings:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def sends_layerwise(self, prompt_tokens: int | None = None, chooser: Any = None) -> tuple[bool, str]:
+        """Whether a request of ``prompt_tokens`` goes layer by layer, and why: the one
+        decision every plugin asks (the SGLang prefill per armed request, the TensorRT-LLM
+        scheduler per room). ``layerwise`` true or false forces it; "auto" asks ``chooser``
+        (``layerwise_chooser()``'s answer) per prompt length, and sends whole without one.
+        ``prompt_tokens`` None: may any request go layer by layer (the hooks' question)?"""
+        if self.layerwise != LAYERWISE_AUTO:
+            return bool(self.layerwise), f"layerwise={str(self.layerwise).lower()}"
+        if prompt_tokens is None:
+            return True, "layerwise=auto: decided per request"
+        if chooser is None:
+            return False, "layerwise=auto without a cost model: whole"
+        est = chooser.choose(int(prompt_tokens))
+        return bool(est.layerwise), est.reason
+
     def layerwise_chooser(self, default_model: str | Mapping[str, Any] | None = None):
         """The per-request layer-wise decision (``kvbridge.common.gate.LayerwiseChooser``)
         when ``layerwise`` is "auto", else None (``layerwise`` itself is the answer).

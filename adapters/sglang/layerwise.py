@@ -63,19 +63,12 @@ _ACTIVE: list["LayerStreamer"] = []  # the prefill rank's streamer (one per sche
 
 
 def layerwise_wanted(settings: Any, prompt_tokens: int | None = None, chooser: Any = None) -> bool:
-    """The one decision point: does this request (of ``prompt_tokens``; None: may any
-    request?) go layer by layer? ``layerwise`` true or false forces it; "auto" asks
-    ``chooser`` (``kvbridge.common.gate.LayerwiseChooser``) per prompt length."""
-    mode = getattr(settings, "layerwise", False)
-    if mode != "auto":
-        return bool(mode)
-    if prompt_tokens is None:
-        return True
-    if chooser is None:
-        return False
-    est = chooser.choose(int(prompt_tokens))
-    log.debug("kvbridge: %d-token prompt: %s", prompt_tokens, est.reason)
-    return bool(est.layerwise)
+    """Does this request (of ``prompt_tokens``; None: may any request?) go layer by layer?
+    ``BridgeSettings.sends_layerwise``, the decision the TensorRT-LLM plugin asks too."""
+    go, why = settings.sends_layerwise(prompt_tokens, chooser)
+    if prompt_tokens is not None:
+        log.debug("kvbridge: %d-token prompt: %s", prompt_tokens, why)
+    return go
 
 
 def active_streamer() -> "LayerStreamer | None":

@@ -238,12 +238,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
     def _layerwise(self, rid: int, h: Handle, prompt_len: int) -> bool:
         """Whether prefill half ``rid`` sends layer by layer: the ``layerwise`` setting, or
         with "auto" the cost model's decision for its prompt length."""
-        if self.layerwise_chooser is None:
-            go = bool(self.cfg.layerwise)
-        else:
-            est = self.layerwise_chooser.choose(prompt_len)
-            go = est.layerwise
-            log.debug("kvbridge: room %s (request %s): %s", h.room, rid, est.reason)
+        go, why = self.cfg.sends_layerwise(prompt_len, self.layerwise_chooser)  # as the SGLang prefill decides
+        log.debug("kvbridge: room %s (request %s): %s", h.room, rid, why)
         with self._lock:
             self.layerwise_decisions[rid] = go
             while len(self.layerwise_decisions) > _LOG_KEEP:

@@ -159,3 +159,26 @@ def test_plan_cli_shows_the_layerwise_decision():
     assert "LAYER-WISE" in line and f"{got['tcp']['ttft_layerwise_s'] * 1e3:.2f} ms" in line
     short = _plan("--prompt-len", "128", "--link", "tcp")
     assert "WHOLE:" in next(x for x in short.stdout.splitlines() if x.startswith("layer-wise sends"))
+
+
+def test_both_plugins_ask_one_decision():
+    """The SGLang prefill (``layerwise_wanted``) and the TensorRT-LLM scheduler (its
+    ``_layerwise``) both ask ``BridgeSettings.sends_layerwise``: the same settings and
+    chooser give the same answer in each, for every mode and length, reference computed
+    here from the chooser and the mode alone."""
+    from kvbridge.adapters.sglang.config import SglangBridgeConfig
+    from kvbridge.adapters.trtllm.config import BridgeConfig
+
+    lens = (16, 128, 1024, 4096)
+    for mode in ("auto", "true", "false"):
+        env = {"KVBRIDGE_LAYERWISE": mode, "KVBRIDGE_LINK": "tcp", "KVBRIDGE_COST_MODEL": "llama3-8b"}
+        sgl = SglangBridgeConfig.load(environ=env)
+        trt = BridgeConfig.load(environ=env)
+        chooser = trt.layerwise_chooser_for(None)
+        assert (chooser is None) is (mode != "auto")
+        for n in lens:
+            want = chooser.choose(n).layerwise if mode == "auto" else mode == "true"
+            assert sgl.sends_layerwise(n, chooser)[0] is want and trt.sends_layerwise(n, chooser)[0] is want, (mode, n)
+        assert sgl.sends_layerwise(None, chooser)[0] is (mode != "false")  # may any request? (auto: some may)
+    auto = BridgeConfig.load(environ={"KVBRIDGE_LAYERWISE": "auto"})
+    assert auto.sends_layerwise(4096, None) == (False, "layerwise=auto without a cost model: whole")
