@@ -417,7 +417,12 @@ class _BoxTiles:
         """int64 ``[boxes]``: each box's first byte in memory (CPU pools), for the C tile copy."""
         p = self.__dict__.get("_pointers")
         if p is None:
-            p = self.__dict__["_pointers"] = self.view.data_ptr() + self.index.numpy() * self.unit
+            idx = self.index.numpy()
+            # what index_select would refuse, refused here: the C copy does not check addresses
+            if idx.size and (idx.min() < 0 or idx.max() >= self.view.shape[0]):
+                raise LayoutError(f"box tiles reach outside the pool's memory (units {idx.min()}..{idx.max()}, "
+                                  f"{self.view.shape[0]} tile starts)")
+            p = self.__dict__["_pointers"] = self.view.data_ptr() + idx * self.unit
         return p
 
     def native_copy(self, i: int, j: int, dense: torch.Tensor, *, scatter: bool) -> None:

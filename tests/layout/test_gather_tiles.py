@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.layout import CopySpec, allocate_pool
+from kvbridge.layout import CopySpec, LayoutError, allocate_pool
 from kvbridge.layout.repack import Gather, Scatter
 from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
 
@@ -187,3 +187,17 @@ def test_c_tile_copy_streamed_stores_both_ways(name, offset, monkeypatch):
     assert g.run(out) == want.size
     assert np.array_equal(out.numpy().reshape(want.shape), want)
     assert (buf[:base] == 0x5A).all() and (buf[base + g.nbytes:] == 0x5A).all()  # nothing around it written
+
+
+def test_c_tile_copy_refuses_tiles_outside_the_pool():
+    """The C copy does not check addresses: a box whose tile reaches past the pool's memory
+    (a block id out of range that slipped past the plan) is refused before any copy, as
+    torch's index_select would refuse it."""
+    src, sb, dst, db, start, stop, _ = _pools("sglang64_to_trtllm32")
+    g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)), native=True)
+    t = g._tiles
+    t.index[-1] = t.view.shape[0]  # one tile start past the last one the memory holds
+    out = torch.zeros(g.nbytes, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="outside the pool's memory"):
+        g.run(out)
+    assert not out.any()
