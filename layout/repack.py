@@ -28,8 +28,8 @@ tile with one strided copy (one memcpy where the tile is contiguous on both side
 part whose row range cuts a box copies the cut ends row by row. Element-strided pools
 and boxes that cross a pool block boundary use the row index (the fallback).
 
-On CPU the tiles are copied by a small C kernel (``_tilecopy``, built with the package)
-when it is there: it walks each tile in the POOL's address order (the source rows are
+On CPU the tiles are copied by a small C kernel (``tiles``: ``_tilecopy``, built with the
+package) when it is there: it walks each tile in the POOL's address order (the source rows are
 read as one stream, the staging written as A streams) and streams its stores past the
 cache for copies of ``STREAM_MIN_BYTES`` or more, on the calling thread with the GIL
 released. On the 2-core CI host that moved 512 MiB at 0.83-0.88 of a two-thread memcpy on
@@ -50,23 +50,13 @@ from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
 from .pools import alias_memory
 from .segments import SideBoxes, side_boxes
-
-try:  # the C tile copy, built with the package (optional: pyproject's ext-modules)
-    from . import _tilecopy
-except ImportError:  # no compiler at install time: torch's copies do the same work
-    _tilecopy = None
+from .tiles import BoxTiles, native_tile_copy
 
 __all__ = ["Gather", "Scatter", "row_addresses", "repack"]
 
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 CPU_COPY_ELEMENTS = 32768  # ATen's GRAIN_SIZE: a CPU copy this small runs on the calling thread (_PoolRows._copies)
 CPU_INLINE_BYTES = 1 << 20  # CPU copies up to this size are kept on the calling thread (_PoolRows._copies)
-STREAM_MIN_BYTES = 256 << 10  # C tile copies this large store past the cache (smaller ones are read back soon)
-
-
-def native_tile_copy() -> bool:
-    """Whether the C tile copy was built (CPU box-path copies use it unless told not to)."""
-    return _tilecopy is not None
 
 
 def row_addresses(spec: CopySpec, order: str, want: str = "both"):
@@ -229,10 +219,10 @@ class _PoolRows:
         self.rows = int(self._box_end[-1]) if self._box_end.size else 0
         self.nbytes = self.rows * self.row_bytes
         self._index = None if addr is None else self._to_index(addr)
-        self._tiles = _BoxTiles.of(spec, pool, order, self._boxes, self._space) if tiles else None
-        if native and _tilecopy is None:
+        self._tiles = BoxTiles.of(spec, pool, order, self._boxes, self._space) if tiles else None
+        if native and not native_tile_copy():
             raise LayoutError("native=True: kvbridge.layout._tilecopy was not built (no C compiler at install time?)")
-        self._native = (self._tiles is not None and self._device.type == "cpu" and _tilecopy is not None
+        self._native = (self._tiles is not None and self._device.type == "cpu" and native_tile_copy()
                         and native is not False)
 
     @property
@@ -396,90 +386,6 @@ class _PoolRows:
             return [(0, rows)]
         step = max(1, CPU_COPY_ELEMENTS // (self.row_bytes // self._space.unit))
         return [(i, min(rows, i + step)) for i in range(0, rows, step)]
-
-
-@dataclass
-class _BoxTiles:
-    """The boxes of a copy as tiles of the pool: box ``i`` (in the staging's order) is
-    ``view[index[i]]``, ``shape = (A, C, row_units)`` = its ``rows = A * C`` staging rows
-    (A: the order side's outer dim, heads or tokens; C: the inner one)."""
-
-    view: torch.Tensor  # [n, A, C, row_units] over the pool's memory, stride (1, sA, sC, 1) in units
-    index: torch.Tensor  # int64 [boxes]: each box's first unit, on the pool's device
-    shape: tuple[int, int, int]
-    rows: int
-    count: int
-    strides: tuple[int, int]  # (sA, sC) in units
-    unit: int  # bytes per unit
-
-    @property
-    def pointers(self) -> np.ndarray:
-        """int64 ``[boxes]``: each box's first byte in memory (CPU pools), for the C tile copy."""
-        p = self.__dict__.get("_pointers")
-        if p is None:
-            idx = self.index.numpy()
-            # what index_select would refuse, refused here: the C copy does not check addresses
-            if idx.size and (idx.min() < 0 or idx.max() >= self.view.shape[0]):
-                raise LayoutError(f"box tiles reach outside the pool's memory (units {idx.min()}..{idx.max()}, "
-                                  f"{self.view.shape[0]} tile starts)")
-            p = self.__dict__["_pointers"] = self.view.data_ptr() + idx * self.unit
-        return p
-
-    def native_copy(self, i: int, j: int, dense: torch.Tensor, *, scatter: bool) -> None:
-        """Boxes ``[i, j)`` to (``scatter``: from) ``dense``, whose row 0 is box ``i``'s first
-        row, through the C tile copy: each box in the pool's address order, stores past
-        the cache from ``STREAM_MIN_BYTES`` on."""
-        if j <= i:
-            return
-        A, C, ru = self.shape
-        u, (sA, sC) = self.unit, self.strides
-        nbytes = (j - i) * self.rows * ru * u
-        if dense.numel() * dense.element_size() < nbytes:
-            raise LayoutError(f"dense buffer of {dense.numel() * dense.element_size()} B is smaller than the {nbytes} B "
-                              f"of boxes [{i}, {j})")
-        ptrs = self.pointers[i:j]
-        _tilecopy.tile_copy(ptrs.ctypes.data, j - i, dense.data_ptr(), A, C, ru * u, sA * u, sC * u, scatter,
-                            nbytes >= STREAM_MIN_BYTES)
-
-    @classmethod
-    def of(cls, spec: CopySpec, pool: str, order: str, bx: SideBoxes, space: _RowSpace) -> "_BoxTiles | None":
-        """Tiles for ``spec``'s rows on ``pool`` in ``order``'s address order, or None where
-        boxes differ in size, cross a pool block, or rows are element-strided."""
-        P, O = (spec.src, spec.dst) if pool == "src" else (spec.dst, spec.src)
-        if not (P.rows_contiguous and O.rows_contiguous) or not bx.ntok.size:
-            return None
-        classes = bx.by_length()
-        if len(classes) != 1:
-            return None
-        n, nh = classes[0][0], spec.heads.count
-        o_first, p_first = ((spec.dst_first_token, spec.src_first_token) if pool == "src"
-                            else (spec.src_first_token, spec.dst_first_token))
-        p_blocks = spec.src_blocks if pool == "src" else spec.dst_blocks
-        p_head0 = spec.heads.src_start if pool == "src" else spec.heads.dst_start
-        rel = o_first + bx.block_pos * O.tokens_per_block + bx.slot - p_first
-        slot = rel % P.tokens_per_block
-        if (slot + n > P.tokens_per_block).any():
-            return None  # a box spans two pool blocks: rows of one box are not one tile
-        addr = (P.base.reshape(-1)[bx.lk] + p_blocks[rel // P.tokens_per_block] * P.block_stride
-                + slot * P.token_stride + p_head0 * P.head_stride)
-        u = space.unit
-        ru = P.head_bytes // u
-        if O.head_stride > O.token_stride:  # the order side enumerates heads outside tokens
-            (A, sA), (C, sC) = (nh, P.head_stride // u), (n, P.token_stride // u)
-        else:
-            (A, sA), (C, sC) = (n, P.token_stride // u), (nh, P.head_stride // u)
-        if A == 1:
-            sA = C * ru
-        if C == 1:
-            sC = ru
-        flat = space.rows.as_strided((space.rows.shape[0] + ru - 1,), (1,))
-        span = (A - 1) * sA + (C - 1) * sC + ru
-        if sC == ru and sA == C * ru:  # a tile is contiguous: one memcpy per box
-            view = flat.as_strided((flat.numel() - span + 1, A * C * ru), (1, 1)).view(-1, A, C, ru)
-        else:
-            view = flat.as_strided((flat.numel() - span + 1, A, C, ru), (1, sA, sC, 1))
-        index = torch.from_numpy((addr - space.base) // u).to(space.rows.device)
-        return cls(view, index, (A, C, ru), A * C, int(addr.size), (sA, sC), u)
 
 
 class Gather(_PoolRows):

@@ -175,7 +175,7 @@ def test_c_tile_copy_streamed_stores_both_ways(name, offset, monkeypatch):
     16-byte aligned or not (then plain stores): the gather gives the reference's rows, and
     a scatter of them back into a zeroed copy of the source pool restores exactly its
     request's bytes and nothing else."""
-    monkeypatch.setattr(repack, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(importlib.import_module("kvbridge.layout.tiles"), "STREAM_MIN_BYTES", 0)
     src, sb, dst, db, start, stop, tiled = _pools(name)
     assert tiled
     spec = CopySpec.build(src, sb, dst, db, (start, stop))
