@@ -133,28 +133,26 @@ class SglangPair:
                     prefill_alone_ms=prefill_ms or None)
 
     @staticmethod
-    def _timeline(srv, room: int, timeout_s: float = 10.0) -> tuple[float, float, float]:
-        """(asked, last chunk, done), time.monotonic() in the prefill, from its log line for ``room``."""
+    def _logged(srv, pattern: "re.Pattern", room: int, what: str, timeout_s: float = 10.0) -> "re.Match":
+        """The prefill's log line ``pattern`` for ``room`` (its group 1), waited for up to ``timeout_s``."""
         end = time.monotonic() + timeout_s
         while True:
-            for m in _TIMELINE.finditer(srv.log_path.read_text(errors="replace")):
+            for m in pattern.finditer(srv.log_path.read_text(errors="replace")):
                 if int(m.group(1)) == room:
-                    return float(m.group(2)), float(m.group(3)), float(m.group(4))
+                    return m
             if time.monotonic() > end:
-                raise ServerError(f"no timeline line for room {room} in {srv.log_path}:\n{srv.log_tail(30)}")
+                raise ServerError(f"no {what} line for room {room} in {srv.log_path}:\n{srv.log_tail(30)}")
             time.sleep(0.05)
 
-    @staticmethod
-    def _room_line(srv, room: int, timeout_s: float = 10.0) -> tuple[int, str]:
+    def _timeline(self, srv, room: int) -> tuple[float, float, float]:
+        """(asked, last chunk, done), time.monotonic() in the prefill, from its log line for ``room``."""
+        m = self._logged(srv, _TIMELINE, room, "timeline")
+        return float(m.group(2)), float(m.group(3)), float(m.group(4))
+
+    def _room_line(self, srv, room: int) -> tuple[int, str]:
         """(layer pieces, how the room ended) from the prefill's log line for ``room``."""
-        end = time.monotonic() + timeout_s
-        while True:
-            for m in _LINE.finditer(srv.log_path.read_text(errors="replace")):
-                if int(m.group(1)) == room:
-                    return int(m.group(2)), m.group(4)
-            if time.monotonic() > end:
-                raise ServerError(f"no layer-wise line for room {room} in {srv.log_path}:\n{srv.log_tail(30)}")
-            time.sleep(0.05)
+        m = self._logged(srv, _LINE, room, "layer-wise")
+        return int(m.group(2)), m.group(4)
 
     def close(self) -> None:
         for s in self.servers:
