@@ -63,11 +63,15 @@ class Open(_Order, tag="open", frozen=True, kw_only=True):
 
 class Send(_Order, tag="send", frozen=True, kw_only=True):
     """Prefill half finished: send tokens ``[0, stop)`` from ``blocks``; ``first_token``
-    (the sampled one) rides with the final TransferDone."""
+    (the sampled one) rides with the final TransferDone. ``layered_to``: tokens
+    ``[0, layered_to)`` were given to forwards as ``SendLayers`` (layer-wise); a worker
+    whose own forward has not streamed them yet (a rank that lags rank 0, which issued
+    this order when its forward was done) applies it after that forward."""
 
     blocks: BlockIds
     stop: Token
     first_token: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
+    layered_to: Token = 0
 
 
 class SendLayers(_Order, tag="send_layers", frozen=True, kw_only=True):

@@ -258,7 +258,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self._matched.pop(rid, None)
             self._answers.pop(rid, None)
             h = self._sending.pop(rid, None)
-            self._streams.pop(rid, None)
+            st = self._streams.pop(rid, None)
         if h is None:
             return False
         prompt_len = int(request.prompt_len)
@@ -271,7 +271,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         first = int(tokens[prompt_len]) if len(tokens) > prompt_len else -1
         with self._lock:
             self._issue(B.Send(req=rid, room=h.room, blocks=[int(b) for b in cache_block_ids], stop=prompt_len,
-                               first_token=first))
+                               first_token=first, layered_to=max(st.sent_to, 0) if st is not None else 0))
         return True
 
     # -- announced handles -----------------------------------------------------------------

@@ -62,7 +62,8 @@ class _Saving:
     streamed_to: int = 0  # layer-wise: tokens [0, streamed_to) handed to the sender, every layer
     layer_pieces: int = 0  # layer-wise pieces handed to the sender
     ended_by: str = ""  # how the room's last chunk was given: "finish" (every layer streamed) or "send"
-    pending_send: Any = None  # a Send order that came while this forward still streams the room's layers
+    pending_send: Any = None  # a Send that came before this rank's forward streamed the layers it expects
+    layers_off: bool = False  # layer-wise streaming of this room gave up (the rest goes by Send)
 
 
 @dataclass
@@ -236,18 +237,24 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
     def _arm_layer_sends(self, orders: list) -> None:
         """This forward's ``SendLayers`` (from the metadata): the requests whose room is open
         here and whose tokens it computes."""
-        armed = []
+        armed, unblocked = [], []
         with self._lock:
             for o in orders:
                 s = self._sends.get(o.req)
-                if s is None or not s.opened or s.released.is_set() or s.ended_by:
+                if s is None or not s.opened or s.released.is_set() or s.ended_by or s.layers_off:
                     continue
                 if o.start != s.streamed_to:
                     log.error("kvbridge worker rank %d: request %s: layer-wise tokens [%d, %d) after %d were streamed; "
                               "its room is sent whole", self.rank, o.req, o.start, o.stop, s.streamed_to)
+                    s.layers_off = True
+                    if s.pending_send is not None:  # it waited for these layers: they will not come
+                        unblocked.append(s.pending_send)
+                        s.pending_send = None
                     continue
                 armed.append(_LayerSend(s, np.asarray(o.blocks, dtype=np.int64), o.start, o.stop))
             self._forward = armed
+        for o in unblocked:
+            self._send(o)
 
     def _send_layers(self, upto: int) -> None:
         """Hand layers ``[next, upto)`` of every armed request to the sender."""
@@ -263,6 +270,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                 log.error("kvbridge worker rank %d: request %s: layer-wise send of room %s failed: %s", self.rank,
                           s.req, s.room, e)
                 self.sender.abort(s.room, f"layer-wise send failed: {e}")
+                s.ended_by = "abort"  # a Send for it (now or pending) sends nothing more
                 ls.next_layer = nl
                 continue
             s.layer_pieces += 1
@@ -397,7 +405,10 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         if s is None or not s.opened or s.ended_by:
             return
         with self._lock:
-            if any(ls.saving is s for ls in self._forward):  # its layers are still being streamed (the bus was quick)
+            # Rank 0 issues the Send once its own forward is done; this rank may still be
+            # streaming that forward's layers, or not have started it (it lags rank 0): the
+            # Send waits for them and is applied at the end of that forward (wait_for_save).
+            if any(ls.saving is s for ls in self._forward) or (s.streamed_to < o.layered_to and not s.layers_off):
                 s.pending_send = o
                 return
         aux = {"output_ids": [o.first_token]} if o.first_token >= 0 else None

@@ -11,7 +11,7 @@ import torch
 from tests.helpers.engine_kv import as_float, assert_kv_close, transformers_kv, trtllm_kv
 from kvbridge.demo.trtllm.server import StandInServer, run_until
 
-__all__ = ["PLUGIN", "VERSION_PAIRS", "run_until", "check_clean", "server_kv", "wait_done"]
+__all__ = ["PLUGIN", "VERSION_PAIRS", "run_until", "check_clean", "lag_layerwise_ranks", "server_kv", "wait_done"]
 
 # short timeouts: failure cases end in seconds
 PLUGIN = dict(host="127.0.0.1", deadline_s=8.0, heartbeat_s=0.2, peer_timeout_s=1.0, quiesce_s=0.5, chunk_bytes=1 << 20)
@@ -66,3 +66,22 @@ def assert_matches_transformers(server: StandInServer, model_dir, prompt: Sequen
     """The server's KV of ``prompt`` (in ``blocks``) is what transformers' forward computes."""
     got = server_kv(server, blocks, head_dim, range(len(prompt)), fp8, block_order)
     assert_kv_close(got, transformers_kv(model_dir, prompt), what, fp8)
+
+
+def lag_layerwise_ranks(seconds: float) -> None:
+    """A stand-in rank's ``setup`` hook (``("tests.helpers.trtllm_servers:lag_layerwise_ranks",
+    s)``): every rank but 0 starts each forward that streams layers ``seconds`` late, as a
+    rank of a loaded host does; rank 0 runs ahead, samples and orders the ``Send`` first."""
+    import time
+
+    from kvbridge.adapters.trtllm.worker import KVBridgeConnectorWorker
+
+    start = KVBridgeConnectorWorker.start_load_kv
+
+    def late_start_load_kv(self, stream):
+        meta = self.get_connector_meta()
+        if self.rank != 0 and getattr(meta, "layers", None):
+            time.sleep(seconds)
+        return start(self, stream)
+
+    KVBridgeConnectorWorker.start_load_kv = late_start_load_kv

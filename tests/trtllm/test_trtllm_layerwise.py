@@ -35,10 +35,13 @@ def test_layerwise_prefill_tp2_chunked_to_decode(trt_servers, tiny_llama_dir, pv
     prompt of which the prefill's device cache holds 64 tokens: its first forward also
     sends those (and the decode, whose device cache holds them too, pulls only the rest).
     Every layer of every chunk went from ``save_kv_layer``, the room ended by
-    ``finish`` with the first token."""
+    ``finish`` with the first token. Rank 1 starts each such forward late (as on a loaded
+    host): rank 0 orders the ``Send`` before rank 1 streamed the last chunk's layers, which
+    must still go layer by layer (CI once saw rank 1 send such a room whole)."""
     plugin = {"layerwise": True}
     pre = trt_servers(pv, tiny_llama_dir, tp=2, tokens_per_block=16, num_blocks=64, enable_chunked_prefill=True,
-                      max_num_tokens=64, disable_overlap_scheduler=not overlap, plugin=plugin)
+                      max_num_tokens=64, disable_overlap_scheduler=not overlap, plugin=plugin,
+                      setup=("tests.helpers.trtllm_servers:lag_layerwise_ranks", 0.3))
     dec = trt_servers(dv, tiny_llama_dir, tp=1, tokens_per_block=32, num_blocks=48)
     p1 = random_prompt(150, seed=61)
     p2 = p1[:64] + random_prompt(40, seed=62)
