@@ -99,6 +99,10 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     )
     if res["cpu_s_per_gib"]:
         print("CPU s per GiB (both peers): " + ", ".join(f"{k} {v}" for k, v in res["cpu_s_per_gib"].items()))
+    if res.get("small_timeline_ms"):
+        print(f"small request ({res['small_tokens']} tokens), its critical path in ms (median [p10-p90]): "
+              + ", ".join(f"{k} {v['median']} [{v['p10']}-{v['p90']}]" for k, v in res["small_timeline_ms"].items())
+              + f"; the raw write {res['small_raw_ms']}")
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
     for f in res.get("plots", []):

@@ -50,6 +50,18 @@ def _bytes_per_token() -> int:
     return GEOM["layers"] * 2 * GEOM["total_heads"] * GEOM["head_dim"] * 2
 
 
+def _timeline(recv: dict, send: dict) -> dict:
+    """One handoff's critical path from both sides' records (``time.monotonic()`` is
+    host-wide, so the two processes' marks compare), in seconds: ``request`` (the decode's
+    request call until the sender took it), ``first_write`` (accepting it, the send
+    worker, the plan and the first gather), ``writes`` (every part on the wire, later
+    gathers beside them), ``done`` (the TransferDone until the decode settled the room),
+    ``wake`` (until the waiting thread ran)."""
+    return {"request": send["asked_at"] - recv["asked"], "first_write": send["wrote_at"] - send["asked_at"],
+            "writes": send["done_at"] - send["wrote_at"], "done": recv["settled"] - send["done_at"],
+            "wake": recv["woke"] - recv["settled"]}
+
+
 def _serve(conn, handle) -> None:
     """Answer the parent's commands until "stop"; an exception goes back as ("error", text)."""
     while True:
@@ -138,11 +150,12 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         t0 = time.perf_counter()
         recv.request(room, endpoint, blocks, 0, n)
         state = recv.wait(room, 120)
-        dt = time.perf_counter() - t0
+        dt, woke = time.perf_counter() - t0, time.monotonic()
         rec = recv.record(room)
         reason = recv.failure_reason(room)  # before forget: after it the room is unknown
         recv.forget(room)
-        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}")
+        return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}",
+                {"asked": rec.started, "settled": rec.finished or 0.0, "woke": woke})
 
     _serve(conn, handle)
     for recv in receivers.values():
@@ -224,13 +237,15 @@ def bench_transfer(
             r = next(room)
             pc.send(("serve", r, n))
             _recv(pc, pre)
-            _, ok, dt, nbytes, segs, plan, reason = ask(dc, dec, ("pull", r, endpoint, n, scattered, same_layout), cpu_into)
+            _, ok, dt, nbytes, segs, plan, reason, recv_t = ask(dc, dec, ("pull", r, endpoint, n, scattered, same_layout),
+                                                                cpu_into)
             if not ok:
                 raise RuntimeError(f"handoff failed: {reason}")
             pc.send(("record", r))
             rec = _recv(pc, pre)[1]
             return dt, {"bytes": nbytes, "segments": segs, "plan": plan, "repack_s": rec["repack_s"], "chunks": rec["chunks"],
-                        "plan_s": rec["plan_s"], "transfer_s": rec["transfer_s"]}
+                        "plan_s": rec["plan_s"], "transfer_s": rec["transfer_s"],
+                        "timeline": _timeline(recv_t, rec)}
 
         def raw(n: int, cpu_into: list | None = None) -> float:
             return ask(pc, pre, ("raw", session, dst_base, n * bytes_per_token, 4 << 20), cpu_into)[1]
@@ -306,6 +321,8 @@ def bench_transfer(
             small_stages["wire"].append(si["transfer_s"])
             small_stages["control"].append(dt - si["plan_s"] - si["repack_s"] - si["transfer_s"])
         small_breakdown = {k: round(statistics.median(v) * 1e3, 3) for k, v in small_stages.items()}
+        small_timeline = {k: spread([si["timeline"][k] * 1e3 for _, si in small_parts])
+                          for k in small_parts[0][1]["timeline"]} if small_parts else {}
         cpu_gib = {k: spread([x * (1 << 30) / nbytes for x in v]) for k, v in cpu.items() if v}
         machine = machine_notes()
         warnings = [f"{k}: p10-p90 {v['p10']}-{v['p90']} is wider than the effect it reports "
@@ -361,6 +378,7 @@ def bench_transfer(
             "small_handoff_ms": round(med["small"] * 1e3, 3),
             "small_raw_ms": round(med["small_raw"] * 1e3, 3),
             "small_breakdown_ms": small_breakdown,
+            "small_timeline_ms": small_timeline,
             "small_overhead_ms": round((med["small"] - med["small_raw"]) * 1e3, 3),
             # the same from each handoff and the raw write just before it (drift cancels)
             "small_overhead_paired_ms": round(statistics.median(

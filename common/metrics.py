@@ -43,6 +43,12 @@ class HandoffRecord:
     plan_s: float = 0.0
     repack_s: float = 0.0
     transfer_s: float = 0.0
+    # the handoff's timeline (time.monotonic(), host-wide; 0.0: not reached). Sender: the
+    # first decode request arrived, the first piece went to the transport, the last
+    # TransferDone was handed to the control channel. Receiver: ``started`` is its request.
+    asked_at: float = 0.0
+    wrote_at: float = 0.0
+    done_at: float = 0.0
 
     @property
     def seconds(self) -> float:

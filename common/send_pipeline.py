@@ -191,6 +191,7 @@ class SendPipeline:
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if done is not None:  # the decode side waits on it: out before our own bookkeeping
+                    r.record.done_at = time.monotonic()
                     self._send(target.peer, done)
                 if complete:
                     self._succeed(r)
@@ -256,6 +257,7 @@ class SendPipeline:
         else:
             self._drop_prestage(r, used=False)
             t0 = time.perf_counter()
+            rec.wrote_at = rec.wrote_at or time.monotonic()
             h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline,
                                            guard=functools.partial(self._stop_reason, r, t.peer))
             try:
@@ -313,6 +315,7 @@ class SendPipeline:
                     pre = None
                 if i == 0 and pre is not None:
                     t0 = time.perf_counter()
+                    rec.wrote_at = rec.wrote_at or time.monotonic()
                     pre_bytes = pre.rows * pre.gather.row_bytes
                     w = chunk.wire.window(0, pre_bytes).shifted(src_by=pre.addr)
                     inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
@@ -342,6 +345,7 @@ class SendPipeline:
                                parallel=None if cfg.inline_gather else self._team)
                     rec.repack_s += time.perf_counter() - t0
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
+                    rec.wrote_at = rec.wrote_at or time.monotonic()
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
                     inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
                                                                guard=guard))

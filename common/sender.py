@@ -371,6 +371,7 @@ class KVSender(ControlSide, SendPipeline):
             r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks), blocks,
                                       layer_bytes=np.zeros(self.layout.num_layers, dtype=np.int64))
             r.expected = max(r.expected, req.receivers)
+            r.record.asked_at = r.record.asked_at or time.monotonic()
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING
         self._kick(r)

@@ -28,6 +28,11 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     # the small request stage by stage: the sender's own figures, and the rest of the decode's time
     st = res["small_breakdown_ms"]
     assert set(st) == {"plan", "gather", "wire", "control"} and st["gather"] > 0 and st["wire"] > 0
+    # and its critical path from both processes' records, in the order things happen
+    tl = res["small_timeline_ms"]
+    assert list(tl) == ["request", "first_write", "writes", "done", "wake"], tl
+    assert all(v["p10"] >= 0 for v in tl.values()), tl
+    assert tl["writes"]["median"] > 0 and sum(v["median"] for v in tl.values()) <= 1.5 * res["small_handoff_ms"], tl
     assert res["inline_gather"] is False and res["gather_team"] is False
     names = sorted(os.path.basename(f) for f in res["plots"])
     assert names == ["break_even_llama3-8b.png", "transfer_breakdown.png", "transfer_gbps.png"]
