@@ -21,7 +21,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-__attribute__((target("avx512f"))) static void rows_nt512(char *d, const char *s, int64_t R) {
+__attribute__((target("avx512f"))) static inline void row_nt512(char *d, const char *s, int64_t R) {
     int64_t k = 0;
     for (; k + 64 <= R; k += 64)
         _mm512_stream_si512((__m512i *)(d + k), _mm512_loadu_si512((const void *)(s + k)));
@@ -29,10 +29,35 @@ __attribute__((target("avx512f"))) static void rows_nt512(char *d, const char *s
         _mm_stream_si128((__m128i *)(d + k), _mm_loadu_si128((const __m128i *)(s + k)));
 }
 
-static void rows_nt128(char *d, const char *s, int64_t R) {
+static inline void row_nt128(char *d, const char *s, int64_t R) {
     for (int64_t k = 0; k < R; k += 16)
         _mm_stream_si128((__m128i *)(d + k), _mm_loadu_si128((const __m128i *)(s + k)));
 }
+
+/* The tile walk of copy_tiles (below) with a streamed row copy inlined: no call per row,
+   which costs a tenth of the copy's time for 256-byte rows. */
+#define STREAMED_WALK(NAME, ATTR, ROW)                                                                  \
+    ATTR static void NAME(const int64_t *tiles, int64_t count, char *dense, int64_t A, int64_t C,      \
+                          int64_t R, int64_t sA, int64_t sC, int scatter) {                            \
+        const int c_inner = sC <= sA;                                                                  \
+        const int64_t outer = c_inner ? A : C, inner = c_inner ? C : A;                                \
+        const int64_t pool_o = c_inner ? sA : sC, pool_i = c_inner ? sC : sA; /* pool strides */       \
+        const int64_t dense_o = c_inner ? C * R : R, dense_i = c_inner ? R : C * R;                    \
+        for (int64_t i = 0; i < count; i++) {                                                          \
+            char *t = (char *)(intptr_t)tiles[i], *b = dense + i * A * C * R;                          \
+            for (int64_t o = 0; o < outer; o++) {                                                      \
+                char *p = t + o * pool_o, *q = b + o * dense_o;                                        \
+                for (int64_t n = 0; n < inner; n++, p += pool_i, q += dense_i) {                       \
+                    if (scatter) ROW(p, q, R); else ROW(q, p, R);                                      \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }
+STREAMED_WALK(walk_nt512, __attribute__((target("avx512f"))), row_nt512)
+STREAMED_WALK(walk_nt128, , row_nt128)
+
+__attribute__((target("avx512f"))) static void rows_nt512(char *d, const char *s, int64_t R) { row_nt512(d, s, R); }
+static void rows_nt128(char *d, const char *s, int64_t R) { row_nt128(d, s, R); }
 #endif
 
 typedef void (*row_fn)(char *, const char *, int64_t);
@@ -78,9 +103,9 @@ static PyObject *tile_copy(PyObject *self, PyObject *args) {
            tile addresses and strides checked here when the pool side is written */
         int aligned = 1;
         if (scatter) {
-            const int64_t *tp = (const int64_t *)(intptr_t)tiles;
+            const int64_t *tq = (const int64_t *)(intptr_t)tiles;
             aligned = (sA % 16 == 0) && (sC % 16 == 0);
-            for (int64_t i = 0; aligned && i < count; i++) aligned = tp[i] % 16 == 0;
+            for (int64_t i = 0; aligned && i < count; i++) aligned = tq[i] % 16 == 0;
         }
         if (aligned) {
             __builtin_cpu_init();
@@ -90,8 +115,18 @@ static PyObject *tile_copy(PyObject *self, PyObject *args) {
 #else
     (void)stream;
 #endif
+    const int64_t *tp = (const int64_t *)(intptr_t)tiles;
+    char *dp = (char *)(intptr_t)dense;
+    const int contiguous = sC == R && sA == C * R; /* a tile is one run: one copy per tile */
     Py_BEGIN_ALLOW_THREADS
-    copy_tiles((const int64_t *)(intptr_t)tiles, count, (char *)(intptr_t)dense, A, C, R, sA, sC, scatter, row);
+#if defined(__x86_64__)
+    if (row == rows_nt512 && !contiguous)
+        walk_nt512(tp, count, dp, A, C, R, sA, sC, scatter);
+    else if (row == rows_nt128 && !contiguous)
+        walk_nt128(tp, count, dp, A, C, R, sA, sC, scatter);
+    else
+#endif
+        copy_tiles(tp, count, dp, A, C, R, sA, sC, scatter, row);
 #if defined(__x86_64__)
     if (row != rows_plain) _mm_sfence(); /* streamed stores visible before the caller hands the buffer on */
 #endif

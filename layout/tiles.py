@@ -72,8 +72,12 @@ class BoxTiles:
         if dense.numel() * dense.element_size() < nbytes:
             raise LayoutError(f"dense buffer of {dense.numel() * dense.element_size()} B is smaller than the {nbytes} B "
                               f"of boxes [{i}, {j})")
-        ptrs = self.pointers[i:j]
-        _tilecopy.tile_copy(ptrs.ctypes.data, j - i, dense.data_ptr(), A, C, ru * u, sA * u, sC * u, scatter,
+        if not 0 <= i < j <= self.count:
+            raise LayoutError(f"boxes [{i}, {j}) outside the {self.count} of these tiles")
+        base = self.__dict__.get("_pointers_addr")
+        if base is None:  # the pointer array's address, once: a pipeline calls this per part
+            base = self.__dict__["_pointers_addr"] = self.pointers.ctypes.data
+        _tilecopy.tile_copy(base + 8 * i, j - i, dense.data_ptr(), A, C, ru * u, sA * u, sC * u, scatter,
                             nbytes >= STREAM_MIN_BYTES)
 
     @classmethod

@@ -143,12 +143,13 @@ def test_gather_shared_with_a_copy_team_is_exact(name, monkeypatch):
         for tiles in (True, False):
             g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)), tiles=tiles)
             assert g.box_path is (tiled and tiles)
-            out = torch.full((g.nbytes,), 0xEE, dtype=torch.uint8)
-            rb, step = g.row_bytes, 45
-            for a in range(0, g.rows, step):
-                b = min(g.rows, a + step)
-                g.run(out[a * rb:], rows=(a, b), parallel=team)
-            assert np.array_equal(out.numpy().reshape(want.shape), want)
+            for step in (45, 1000):  # parts inside boxes; parts of whole boxes the team's threads share
+                out = torch.full((g.nbytes,), 0xEE, dtype=torch.uint8)
+                rb = g.row_bytes
+                for a in range(0, g.rows, step):
+                    b = min(g.rows, a + step)
+                    g.run(out[a * rb:], rows=(a, b), parallel=team)
+                assert np.array_equal(out.numpy().reshape(want.shape), want), (tiles, step)
     finally:
         team.close()
 
