@@ -1,7 +1,7 @@
 """What the machine imposes on the benchmarks' figures: read, printed, never changed.
 
 ``machine_notes()`` reads the transparent huge page policy, the CPUs this process may
-run on, the frequency governor (when readable), torch's intra-op (OpenMP) threads and
+run on and the cores under them, the last-level cache, the frequency governor (when readable), torch's intra-op (OpenMP) threads and
 the load average (other jobs sharing the cores), and says which of them bound or blur
 a figure. ``spread`` gives a sample's median and p10-p90 and flags a spread wider than
 the effect it is about. Used by ``kvbridge bench ...`` and ``kvbridge doctor``.
@@ -33,6 +33,26 @@ def _bracketed(text: str | None) -> str | None:
     return text
 
 
+def _cores_and_llc(cpus: set[int]) -> tuple[int | None, str | None]:
+    """Physical cores under the CPUs ``cpus`` (SMT siblings counted once) and the size
+    of the last-level cache, from sysfs (None where unreadable)."""
+    cores = set()
+    for c in cpus:
+        core = _read(f"/sys/devices/system/cpu/cpu{c}/topology/core_id")
+        pkg = _read(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id")
+        if core is None:
+            return None, None
+        cores.add((pkg, core))
+    llc, level = None, -1
+    for i in range(8):
+        lv, size = (_read(f"/sys/devices/system/cpu/cpu{min(cpus)}/cache/index{i}/{k}") for k in ("level", "size"))
+        if lv is None or size is None:
+            break
+        if int(lv) > level:
+            level, llc = int(lv), f"L{lv} {size}"
+    return len(cores), llc
+
+
 def machine_notes() -> dict:
     """The machine's settings that bound kvbridge's copies, and ``warnings`` (plain
     sentences) for each one that does here."""
@@ -41,9 +61,11 @@ def machine_notes() -> dict:
     thp = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/enabled"))
     defrag = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/defrag"))
     try:
-        cpus = len(os.sched_getaffinity(0))
+        allowed = set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+        allowed = set(range(os.cpu_count() or 1))
+    cpus = len(allowed)
+    cores, llc = _cores_and_llc(allowed)
     gov = _bracketed(_read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"))
     try:
         load = [round(x, 2) for x in os.getloadavg()]
@@ -54,6 +76,8 @@ def machine_notes() -> dict:
         "thp": thp or "unreadable",
         "thp_defrag": defrag or "unreadable",
         "cpus": cpus,
+        "cores": cores if cores is not None else "unreadable",
+        "llc": llc or "unreadable",
         "governor": gov or "unreadable",
         "torch_threads": threads,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
@@ -65,6 +89,9 @@ def machine_notes() -> dict:
     if cpus <= 2:
         warn.append(f"{cpus} CPU(s): a gather and a transfer compete for the same cores; torch's {threads} "
                     "intra-op thread(s) share them with the transport's")
+    if cores is not None and cores < cpus:
+        warn.append(f"{cpus} CPU(s) on {cores} core(s): SMT siblings share a core, so a second copy thread "
+                    "may slow a gather down instead of helping it")
     if load is not None and load[0] > cpus:
         warn.append(f"load average {load[0]} on {cpus} CPU(s): other jobs are running; timings vary with them")
     if gov is not None and gov not in ("performance",):
@@ -77,7 +104,8 @@ def machine_line(notes: dict | None = None) -> str:
     """``machine_notes`` as one line."""
     n = notes or machine_notes()
     load = "/".join(str(x) for x in n["loadavg"]) if n["loadavg"] else "unreadable"
-    return (f"machine: THP {n['thp']} (defrag {n['thp_defrag']}), {n['cpus']} CPU(s), governor {n['governor']}, "
+    return (f"machine: THP {n['thp']} (defrag {n['thp_defrag']}), {n['cpus']} CPU(s) on {n['cores']} core(s), "
+            f"last-level cache {n['llc']}, governor {n['governor']}, "
             f"torch threads {n['torch_threads']} (OMP_NUM_THREADS {n['omp_num_threads']}), load {load}")
 
 

@@ -150,3 +150,24 @@ def test_bench_load_rooms_read_back_by_each_engines_indexing(tmp_path):
         got = trtllm_kv(dec["data"], range(dec["data"].shape[0]), DST_BLOCK, hb, positions)
         assert torch.equal(got, want), f"room {room} ({n} tokens): the decode holds other bytes than the prefill sent"
         assert want.reshape(-1).unique().numel() > 16, f"room {room}: the prefill's KV is not the bench's noise"
+
+
+def test_machine_notes_name_smt_siblings_and_the_last_level_cache(monkeypatch):
+    """Four CPUs that sysfs says are two cores with two threads each: the notes count two
+    cores, name the largest cache level, and warn that a second copy thread may not help."""
+    import kvbridge.bench.machine as M
+
+    fake = {f"/sys/devices/system/cpu/cpu{c}/topology/core_id": str(c // 2) for c in range(4)}
+    fake.update({f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id": "0" for c in range(4)})
+    fake.update({"/sys/devices/system/cpu/cpu0/cache/index0/level": "1", "/sys/devices/system/cpu/cpu0/cache/index0/size": "48K",
+                 "/sys/devices/system/cpu/cpu0/cache/index1/level": "3", "/sys/devices/system/cpu/cpu0/cache/index1/size": "32768K",
+                 "/sys/devices/system/cpu/cpu0/cache/index2/level": "2", "/sys/devices/system/cpu/cpu0/cache/index2/size": "2048K"})
+    monkeypatch.setattr(M, "_read", fake.get)
+    monkeypatch.setattr(M.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    n = M.machine_notes()
+    assert (n["cpus"], n["cores"], n["llc"]) == (4, 2, "L3 32768K"), n
+    assert any("4 CPU(s) on 2 core(s)" in w for w in n["warnings"]), n["warnings"]
+    assert "4 CPU(s) on 2 core(s), last-level cache L3 32768K" in M.machine_line(n)
+    fake.pop("/sys/devices/system/cpu/cpu3/topology/core_id")  # a topology sysfs does not show: unreadable, no warning
+    n = M.machine_notes()
+    assert n["cores"] == "unreadable" and not any("core(s)" in w for w in n["warnings"]), n
