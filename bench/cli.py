@@ -330,6 +330,10 @@ def _add_layerwise_bench(bsub) -> None:
                    help="trtllm: the stand-in (three servers); sglang: SGLang's real servers (four)")
     b.add_argument("--model-dir", help="write the model here and keep it (default: a temporary folder)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--link-rate", metavar="MBIT|auto", default=None,
+                   help="the KV crosses a loopback shaped with tc to MBIT Mbit/s (root; the host's loopback, for the "
+                        "run only), or 'auto': per length, the rate at which moving its KV takes as long as its "
+                        "prefill (default: unshaped)")
     b.set_defaults(func=_bench_layerwise)
 
 
@@ -342,11 +346,20 @@ def _bench_layerwise(args: argparse.Namespace) -> int:
                              ("num_attention_heads", args.attention_heads or args.kv_heads),
                              ("hidden_size", args.hidden), ("intermediate_size", args.hidden and 2 * args.hidden))
            if v is not None}
+    from kvbridge.bench.link import LinkShapingError
+
+    rate = args.link_rate
+    if rate is not None and rate != "auto":
+        try:
+            rate = float(rate)
+        except ValueError:
+            raise SystemExit(f"kvbridge bench layerwise: --link-rate {rate!r}: Mbit/s (a number) or 'auto'") from None
     try:
         res = run_with_bar("kvbridge bench layerwise", lambda say: bench_layerwise(
             lens, reps=args.reps, warmup=args.warmup, max_new=args.max_new, geometry=geo, engine=args.engine,
-            model_dir=args.model_dir, seed=args.seed, progress=say), args.json, layerwise_steps(lens, args.reps, args.warmup))
-    except ValueError as e:
+            model_dir=args.model_dir, seed=args.seed, link_mbit=rate, progress=say), args.json,
+            layerwise_steps(lens, args.reps, args.warmup))
+    except (ValueError, LinkShapingError) as e:
         raise SystemExit(f"kvbridge bench layerwise: {e}") from None
     if args.plot:
         from kvbridge.bench.plots import plot_layerwise
@@ -358,10 +371,12 @@ def _bench_layerwise(args: argparse.Namespace) -> int:
     g = res["geometry"]
     print(f"layerwise: {res['engine']}; {g['num_hidden_layers']} layers, {g['num_key_value_heads']} KV heads of "
           f"{g['head_dim']}, {g['token_bytes']:,} B/token; {res['reps']} interleaved pairs after {res['warmup']} warm-up")
+    print(f"  link: {res['link']}")
     for r in res["lengths"]:
         tw, tl, q = r["ttft_whole_ms"], r["ttft_layerwise_ms"], r["ttft_ratio"]
         print(f"  {r['prompt_len']:>6} tokens ({r['bytes'] / 2**20:.1f} MiB): prefill {r['prefill_ms']:.1f} ms, "
-              f"transfer {r['transfer_ms']:.1f} ms, decode step {r['decode_step_ms']:.1f} ms")
+              f"transfer {r['transfer_ms']:.1f} ms, decode step {r['decode_step_ms']:.1f} ms"
+              + (f", link {r['link_rate_mbit']:.0f} Mbit/s" if "link_rate_mbit" in r else ""))
         print(f"         ttft_whole_ms {tw['median']:.1f} [{tw['p10']:.1f}-{tw['p90']:.1f}], ttft_layerwise_ms "
               f"{tl['median']:.1f} [{tl['p10']:.1f}-{tl['p90']:.1f}], ttft_ratio {q['median']:.3f} "
               f"[{q['p10']:.3f}-{q['p90']:.3f}]")

@@ -24,6 +24,15 @@ median of the runs' paired ``ttft_ratio``, the bound (``setup-free``: about
 
 ``engine="sglang"``: the same runs on SGLang's real servers (``kvbridge.bench.layerwise_sglang``:
 two prefills, one decode, and an aggregated server that times the prefill alone).
+
+``link_mbit``: the KV crosses a loopback shaped to that rate with Linux traffic control
+(``kvbridge.bench.link``), ``"auto"`` picking per prompt length the rate that makes its
+transfer take as long as its prefill. On a CPU host an unshaped loopback moves a prompt's
+KV 5-300x faster than the forward computes it (the attention's FLOPs per KV byte grow
+with the prompt), so the regime layer-wise sends are for (transfer ~ prefill, as over a
+datacenter link beside a GPU's forward) is reached by slowing the link, not the model.
+Each length reports the rate and the bytes the kernel's shaped class carried (at least
+the KV bytes moved, or the bench warns).
 """
 
 from __future__ import annotations
@@ -122,17 +131,20 @@ class _TrtPair:
         ttft = None
         prefill_steps: list[float] = []
         dstep = 0.0
+        # the decode steps first: its first step asks the prefill for the room before the
+        # prefill's forward starts, as a decode engine running beside it would (stepping the
+        # prefill first would hold the request back until the forward ended, and every
+        # layer-wise piece with it)
         while ttft is None or d not in dec.responses or not (pre.drained() and dec.drained()):
             if time.perf_counter() > end:
                 raise TimeoutError(f"{mode} run of {len(prompt)} tokens not done after {timeout_s:.0f} s")
             s0 = time.perf_counter()
-            pre.step()
-            s1 = time.perf_counter()
-            prefill_steps.append(s1 - s0)
             dec.step()
-            s2 = time.perf_counter()
+            s1 = time.perf_counter()
             if ttft is None and (dec.last[0]["generated"].get(d, 0) >= 1 or d in dec.responses):
-                ttft, dstep = s2 - t0, s2 - s1
+                ttft, dstep = s1 - t0, s1 - s0
+            pre.step()
+            prefill_steps.append(time.perf_counter() - s1)
         out = dec.responses[d]["output_token_ids"]
         load = dec.state()["finished_loads"].get(d, {})
         save = pre.state()["finished_saves"].get(a, {})
@@ -157,14 +169,24 @@ def bench_layerwise(
     engine: str = "trtllm",
     model_dir: str | None = None,
     seed: int = 0,
+    link_mbit: float | str | None = None,
     progress: Callable[[str], Any] | None = None,
 ) -> dict:
     """Whole against layer-wise first-token times (see the module doc). ``geometry``:
     ``LlamaConfig`` fields over ``GEOMETRY``; ``model_dir``: where the model is written
     (default: a temporary folder, removed). Prompt ``i`` is ``random_prompt(n, seed=seed +
-    i)``."""
+    i)``. ``link_mbit``: the KV crosses a loopback shaped to that many Mbit/s
+    (``kvbridge.bench.link.ShapedLoopback``; needs root), or ``"auto"``: per prompt length,
+    the rate at which its KV takes as long to move as the first warm-up's whole-mode prefill
+    took to compute it (the issue's regime, which an unshaped loopback never reaches on a
+    CPU host)."""
     if engine not in ("trtllm", "sglang"):
         raise ValueError(f"bench layerwise: engine {engine!r}: engines are trtllm (the stand-in) and sglang (real servers)")
+    auto_link = link_mbit == "auto"
+    if link_mbit is not None and not auto_link and not (isinstance(link_mbit, (int, float)) and link_mbit > 0):
+        raise ValueError(f"bench layerwise: link rate {link_mbit!r}: a positive Mbit/s figure or 'auto'")
+    if auto_link and warmup < 1:
+        raise ValueError("bench layerwise: --link-rate auto sets each length's rate from its first warm-up: warmup >= 1")
     if reps < 1 or warmup < 0 or max_new < 1 or not prompt_lens or min(prompt_lens) < 2:
         raise ValueError(f"bench layerwise: reps >= 1, warmup >= 0, max_new >= 1 and prompt lengths >= 2 needed "
                          f"(got reps={reps}, warmup={warmup}, max_new={max_new}, prompt_lens={prompt_lens})")
@@ -197,33 +219,63 @@ def bench_layerwise(
         else:
             pair = _TrtPair(model_dir, num_blocks, max_len)
         engine_line = pair.engine
+        link: dict[int, dict] = {}
         try:
             runs: dict[int, list[_Run]] = {n: [] for n in prompt_lens}
-            k = 0
-            for n in prompt_lens:
-                for rep in range(warmup + reps):
-                    for mode in ("whole", "layerwise"):  # interleaved: A B A B
-                        k += 1
-                        say(f"{n} tokens, {'warm-up' if rep < warmup else f'rep {rep - warmup + 1}/{reps}'}, {mode}")
-                        r = pair.run(mode, prompts[n], max_new, salt=f"lw-{seed}-{k}")
-                        if rep >= warmup:
-                            runs[n].append(r)
+            with _link(link_mbit) as shaper:
+                k = 0
+                for n in prompt_lens:
+                    before = 0
+                    for rep in range(warmup + reps):
+                        for mode in ("whole", "layerwise"):  # interleaved: A B A B
+                            k += 1
+                            say(f"{n} tokens, {'warm-up' if rep < warmup else f'rep {rep - warmup + 1}/{reps}'}, {mode}")
+                            r = pair.run(mode, prompts[n], max_new, salt=f"lw-{seed}-{k}")
+                            if rep >= warmup:
+                                runs[n].append(r)
+                            elif shaper is not None and auto_link and rep == 0 and mode == "whole":
+                                # the rate at which this prompt's KV moves in the time its forward took
+                                shaper.set_rate(max(1.0, r.bytes * 8 / (r.prefill_ms / 1e3) / 1e6))
+                            if shaper is not None and rep == warmup - 1 and mode == "layerwise":
+                                before = shaper.shaped_bytes()
+                    if shaper is not None:
+                        link[n] = {"rate_mbit": round(shaper.rate_mbit, 1),
+                                   "shaped_bytes": shaper.shaped_bytes() - before,
+                                   "kv_bytes": sum(r.bytes for r in runs[n])}
         finally:
             pair.close()
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return _report(runs, ref, geo, prompt_lens, reps, warmup, max_new, seed, engine_line)
+    return _report(runs, ref, geo, prompt_lens, reps, warmup, max_new, seed, engine_line, link)
 
 
-def _predicted(geo: dict, n: int, prefill_ms: float) -> dict:
-    """What the cost model (``decide_layerwise``, the ``tcp`` preset) says for this prompt
-    given the measured prefill time."""
+def _link(link_mbit: float | str | None):
+    """The shaped loopback for ``link_mbit`` (``auto``: unshaped-fast until set), or a
+    context holding None."""
+    import contextlib
+
+    if link_mbit is None:
+        return contextlib.nullcontext()
+    from kvbridge.bench.link import ShapedLoopback
+
+    return ShapedLoopback(100_000.0 if link_mbit == "auto" else float(link_mbit))
+
+
+def _predicted(geo: dict, n: int, prefill_ms: float, rate_mbit: float | None = None) -> dict:
+    """What the cost model (``decide_layerwise``, the ``tcp`` preset, its bandwidth the
+    shaped rate where the link is shaped) says for this prompt given the measured prefill
+    time."""
+    import dataclasses
+
     from kvbridge.common.costmodel import LINK_PRESETS, ModelGeometry, decide_layerwise
     from kvbridge.demo.models import LLAMA_DEFAULTS
 
     g = ModelGeometry.from_hf_dict({**LLAMA_DEFAULTS, **geo}, dtype_bytes=4, name="bench")
-    e = decide_layerwise(g, LINK_PRESETS["tcp"], n, prefill_s=prefill_ms / 1e3)
+    link = LINK_PRESETS["tcp"]
+    if rate_mbit:
+        link = dataclasses.replace(link, name=f"tcp shaped to {rate_mbit:g} Mbit/s", bandwidth_bytes_per_s=rate_mbit * 1e6 / 8)
+    e = decide_layerwise(g, link, n, prefill_s=prefill_ms / 1e3)
     return {"layerwise": e.layerwise, "ttft_whole_ms": round(e.ttft_whole_s * 1e3, 2),
             "ttft_layerwise_ms": round(e.ttft_layerwise_s * 1e3, 2), "transfer_ms": round(e.transfer_whole_s * 1e3, 2)}
 
@@ -242,13 +294,15 @@ def _tails(whole: list, lw: list) -> dict:
 
 
 def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: int, max_new: int, seed: int,
-            engine: str) -> dict:
+            engine: str, link: dict | None = None) -> dict:
     layers = geo["num_hidden_layers"]
     out: dict[str, Any] = {
         "engine": engine,
         "geometry": {**geo, "token_bytes": token_bytes(geo), "tokens_per_block": TOKENS_PER_BLOCK, "dtype": "float32"},
         "reps": reps, "warmup": warmup, "max_new": max_new, "seed": seed, "order": "interleaved: whole, layer-wise, ...",
         "lengths": [], "warnings": [],
+        "link": ("loopback shaped with tc (HTB) on TCP to Mooncake's ports 15000-17000: see each length's link_rate_mbit"
+                 if link else "loopback, unshaped"),
     }
     for n in prompt_lens:
         whole = [r for r in runs[n] if r.mode == "whole"]
@@ -284,7 +338,9 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
             "layer_pieces": {"whole": [r.layer_pieces for r in whole], "layerwise": [r.layer_pieces for r in lw]},
             "ended_by": {"whole": [r.ended_by for r in whole], "layerwise": [r.ended_by for r in lw]},
             "outputs_equal": all(r.output == ref[n] for r in whole + lw),
-            "cost_model": _predicted(geo, n, prefill),
+            "cost_model": _predicted(geo, n, prefill, (link or {}).get(n, {}).get("rate_mbit")),
+            **({"link_rate_mbit": link[n]["rate_mbit"], "shaped_bytes": link[n]["shaped_bytes"],
+                "kv_bytes_moved": link[n]["kv_bytes"]} if link and n in link else {}),
             **_tails(whole, lw),  # its verdict on the tcp preset, given the measured prefill
         }
         spread = max(row["ttft_ratio"]["p90"] - row["ttft_ratio"]["p10"], 0.0)
@@ -295,6 +351,9 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
         if prefill and not 0.5 <= transfer / prefill <= 2.0:
             out["warnings"].append(f"{n} tokens: transfer {transfer:.1f} ms against prefill {prefill:.1f} ms: not "
                                    "balanced, layer-wise can hide at most the shorter of the two")
+        if link and n in link and link[n]["shaped_bytes"] < link[n]["kv_bytes"]:
+            out["warnings"].append(f"{n} tokens: {link[n]['shaped_bytes']} bytes crossed the shaped link, fewer than "
+                                   f"the {link[n]['kv_bytes']} KV bytes moved: the KV did not take the shaped path")
         if not row["outputs_equal"]:
             out["warnings"].append(f"{n} tokens: outputs differ from transformers' generate()")
         out["lengths"].append(row)

@@ -73,6 +73,40 @@ def test_bench_layerwise_on_sglang_real_servers(tmp_path):
     assert r["transfer_ms"] == r["tail_after_forward_ms"]["whole"]["median"]
 
 
+def test_bench_layerwise_over_a_shaped_link(tmp_path):
+    """``--link-rate auto``: the KV crosses the loopback shaped with tc at the rate that
+    makes moving each prompt take as long as its prefill. Checked apart from the bench: the
+    kernel's own counter of the shaped class carried at least the KV bytes of the measured
+    runs (by the model's config), the outputs equal transformers' ``generate()``, and the
+    loopback is left as it was. Skipped where the host cannot shape its loopback."""
+    from kvbridge.bench.link import LinkShapingError, ShapedLoopback
+
+    try:
+        with ShapedLoopback(1000.0):
+            pass
+    except LinkShapingError as e:
+        pytest.skip(f"this host cannot shape its loopback: {e}")
+    before = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    model = tmp_path / "model"
+    n = 96
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--json", "--prompt-lens", str(n),
+                          "--reps", "1", "--warmup", "1", "--max-new", str(MAX_NEW), "--layers", "3", "--head-dim", "32",
+                          "--model-dir", str(model), "--link-rate", "auto"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout == before
+    res = json.loads(out.stdout)
+    (r,) = res["lengths"]
+    cfg = json.loads((model / "config.json").read_text())
+    token_bytes = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    want = reference_generate(model, random_prompt(n, seed=0), MAX_NEW).token_ids
+    assert r["outputs"] == {"whole": [want], "layerwise": [want]}
+    assert r["kv_bytes_moved"] == 2 * n * token_bytes  # one measured run per mode
+    assert r["shaped_bytes"] >= r["kv_bytes_moved"], "the KV did not cross the shaped class"
+    assert r["link_rate_mbit"] > 0 and "shaped with tc" in res["link"]
+    assert not [w for w in res["warnings"] if "shaped path" in w]
+
+
 def test_bench_layerwise_refuses_what_it_cannot_run():
     out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--engine", "vllm"],
                          capture_output=True, text=True, timeout=120)
@@ -83,3 +117,9 @@ def test_bench_layerwise_refuses_what_it_cannot_run():
     out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--hidden", "8", "--kv-heads", "32"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "hidden size 8 must be a multiple of the 32 attention heads" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--link-rate", "fast"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--link-rate 'fast': Mbit/s (a number) or 'auto'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--link-rate", "auto", "--warmup", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "auto sets each length's rate from its first warm-up" in out.stderr
