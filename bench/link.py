@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
+import threading
 
 __all__ = ["MOONCAKE_PORTS", "ShapedLoopback", "LinkShapingError", "port_masks"]
 
@@ -53,6 +55,10 @@ def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 class ShapedLoopback:
     """TCP to ``ports`` on the loopback limited to ``rate_mbit`` megabits per second while
     the context is open; ``set_rate`` changes it in place."""
@@ -63,6 +69,7 @@ class ShapedLoopback:
         self.rate_mbit = float(rate_mbit)
         self.ports = ports
         self._up = False
+        self._sigterm = None
 
     @staticmethod
     def _class_args(rate_mbit: float) -> list[str]:
@@ -88,6 +95,8 @@ class ShapedLoopback:
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        if threading.current_thread() is threading.main_thread():  # a SIGTERM unwinds through __exit__
+            self._sigterm = signal.signal(signal.SIGTERM, _terminated)
         log.info("loopback shaped: TCP to ports %d-%d at %.1f Mbit/s", *self.ports, self.rate_mbit)
         return self
 
@@ -109,6 +118,9 @@ class ShapedLoopback:
         return 0
 
     def __exit__(self, *exc) -> None:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         if self._up:
             _tc("qdisc", "del", "dev", _DEV, "root", check=False)
             self._up = False

@@ -78,3 +78,37 @@ def test_only_the_shaped_ports_cross_the_shaped_class():
     finally:
         shaper.__exit__(None, None, None)
     assert subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout.startswith("qdisc noqueue")
+
+
+def test_a_terminated_bench_unshapes_the_loopback(tmp_path):
+    """SIGTERM to a process holding the shaped loopback: it unwinds and removes the shaping."""
+    import os
+    import signal
+    import sys
+    import time
+
+    try:
+        with ShapedLoopback(400.0, ports=(14500, 14503)):
+            pass
+    except LinkShapingError as e:
+        pytest.skip(f"this host cannot shape its loopback: {e}")
+    ready = tmp_path / "ready"
+    code = ("import time, pathlib\nfrom kvbridge.bench.link import ShapedLoopback\n"
+            f"with ShapedLoopback(400.0, ports=(14500, 14503)):\n    pathlib.Path({str(ready)!r}).touch()\n"
+            "    time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 60
+        while not ready.exists() and p.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert ready.exists(), "the child never shaped the loopback"
+        assert "htb" in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+        shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+        if not shown.startswith("qdisc noqueue"):
+            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    assert shown.startswith("qdisc noqueue")
