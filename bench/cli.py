@@ -99,6 +99,10 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     )
     if res["cpu_s_per_gib"]:
         print("CPU s per GiB (both peers): " + ", ".join(f"{k} {v}" for k, v in res["cpu_s_per_gib"].items()))
+    if res.get("copy_floor"):
+        f = res["copy_floor"]
+        print(f"one copy of every byte here (one thread): {f['cpu_s_per_gib']} CPU s per GiB ({f['gbps']} GB/s); "
+              f"{f['small_ms']} ms for the small request's {f['small_bytes'] / 2**20:g} MiB")
     if res.get("small_timeline_ms"):
         print(f"small request ({res['small_tokens']} tokens), its critical path in ms (median [p10-p90]): "
               + ", ".join(f"{k} {v['median']} [{v['p10']}-{v['p90']}]" for k, v in res["small_timeline_ms"].items())

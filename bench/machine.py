@@ -3,17 +3,19 @@
 ``machine_notes()`` reads the transparent huge page policy, the CPUs this process may
 run on and the cores under them, the last-level cache, the frequency governor (when readable), torch's intra-op (OpenMP) threads and
 the load average (other jobs sharing the cores), and says which of them bound or blur
-a figure. ``spread`` gives a sample's median and p10-p90 and flags a spread wider than
+a figure. ``copy_floor()`` measures what one copy of every byte costs here (the floor
+under any gather) and says where it alone exceeds a margin. ``spread`` gives a sample's median and p10-p90 and flags a spread wider than
 the effect it is about. Used by ``kvbridge bench ...`` and ``kvbridge doctor``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
-__all__ = ["machine_notes", "machine_line", "spread"]
+__all__ = ["machine_notes", "machine_line", "spread", "copy_floor"]
 
 
 def _read(path: str) -> str | None:
@@ -98,6 +100,47 @@ def machine_notes() -> dict:
         warn.append(f"CPU frequency governor '{gov}': clocks may ramp during a measurement")
     notes["warnings"] = warn
     return notes
+
+
+# the issue-21 margins a handoff is held to against a raw write of the same bytes
+HANDOFF_CPU_MARGIN_S_PER_GIB = 0.15
+SMALL_OVERHEAD_MARGIN_MS = 2.0
+
+
+def copy_floor(small_bytes: int = 16 << 20, big_bytes: int = 256 << 20, reps: int = 7) -> dict:
+    """What ONE copy of every byte costs on this machine, on one thread, buffers warm: the
+    floor under a sender's gather, which copies each byte once. ``small_ms``: the wall time
+    of a ``small_bytes`` copy; ``cpu_s_per_gib``: CPU seconds per GiB of a ``big_bytes``
+    copy (``gbps`` its rate); medians of ``reps``. ``warnings``: where the floor alone
+    exceeds a margin kvbridge is held to (a gathering handoff cannot come within it here)."""
+    out: dict = {"small_bytes": int(small_bytes), "big_bytes": int(big_bytes), "reps": reps, "how": "numpy.copyto, one thread"}
+    for key, n in (("small", small_bytes), ("big", big_bytes)):
+        src = np.ones(n, dtype=np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)  # both touched: no page faults inside the timing
+        wall, cpu = [], []
+        for _ in range(reps):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            np.copyto(dst, src)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        if key == "small":
+            out["small_ms"] = round(float(np.median(wall)) * 1e3, 3)
+        else:
+            out["gbps"] = round(n / float(np.median(wall)) / 1e9, 3)
+            out["cpu_s_per_gib"] = round(float(np.median(cpu)) * (1 << 30) / n, 3)
+        del src, dst
+    warn = []
+    if out["cpu_s_per_gib"] > HANDOFF_CPU_MARGIN_S_PER_GIB:
+        warn.append(f"one copy of every byte costs {out['cpu_s_per_gib']} CPU s/GiB on one thread here "
+                    f"({out['gbps']} GB/s): a handoff that gathers (one copy of each byte) cannot stay within "
+                    f"raw + {HANDOFF_CPU_MARGIN_S_PER_GIB} s/GiB on this machine")
+    if out["small_ms"] > SMALL_OVERHEAD_MARGIN_MS:
+        warn.append(f"one copy of {small_bytes / 2**20:g} MiB takes {out['small_ms']} ms on one thread here: "
+                    f"more than the {SMALL_OVERHEAD_MARGIN_MS:g} ms a gathering small request may add to its raw "
+                    "write, before any control path")
+    out["warnings"] = warn
+    return out
 
 
 def machine_line(notes: dict | None = None) -> str:

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvbridge.bench.machine import machine_notes, spread
+from kvbridge.bench.machine import copy_floor, machine_notes, spread
 
 __all__ = ["bench_transfer", "transfer_steps"]
 
@@ -325,6 +325,8 @@ def bench_transfer(
                           for k in small_parts[0][1]["timeline"]} if small_parts else {}
         cpu_gib = {k: spread([x * (1 << 30) / nbytes for x in v]) for k, v in cpu.items() if v}
         machine = machine_notes()
+        # what one copy of every byte costs here (the gather's floor), the peers idle
+        floor = copy_floor(small_tokens * bytes_per_token)
         warnings = [f"{k}: p10-p90 {v['p10']}-{v['p90']} is wider than the effect it reports "
                     f"(median {v['median']}, against {0.0 if k.endswith('_ms') else 1.0})"
                     for k, v in spreads.items() if v.get("wide")]
@@ -402,7 +404,8 @@ def bench_transfer(
             "warmup": ("untimed before anything is measured: 1 raw write and 1 handoff of the small request; "
                        "then the link measurement (raw writes of up to 4096 tokens, small handoffs) runs before the headline"),
             "machine": machine,
-            "warnings": machine["warnings"] + warnings,
+            "copy_floor": floor,
+            "warnings": machine["warnings"] + floor["warnings"] + warnings,
             "samples_s": {k: [round(x, 5) for x in v] for k, v in big.items()},
         }
     finally:

@@ -280,14 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _doctor(args: argparse.Namespace) -> int:
     """``kvbridge doctor``: the machine's settings that bound kvbridge's copies, one line,
-    then one line per setting that does bound them here. Reads only; exit status 0."""
-    from kvbridge.bench.machine import machine_line, machine_notes
+    what one copy of every byte costs here (measured: about a second), then one line per
+    setting or floor that does bound them here. Changes nothing; exit status 0."""
+    from kvbridge.bench.machine import copy_floor, machine_line, machine_notes
 
     notes = machine_notes()
+    floor = copy_floor()
+    notes["copy_floor"] = floor
+    notes["warnings"] = notes["warnings"] + floor["warnings"]
     if args.json:
         print(json.dumps(notes))
         return 0
     print(machine_line(notes))
+    print(f"one copy of every byte (one thread): {floor['cpu_s_per_gib']} CPU s per GiB ({floor['gbps']} GB/s), "
+          f"{floor['small_ms']} ms for {floor['small_bytes'] / 2**20:g} MiB")
     for w in notes["warnings"]:
         print(f"note: {w}")
     if not notes["warnings"]:

@@ -34,6 +34,11 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     assert all(v["p10"] >= 0 for v in tl.values()), tl
     assert tl["writes"]["median"] > 0 and sum(v["median"] for v in tl.values()) <= 1.5 * res["small_handoff_ms"], tl
     assert res["inline_gather"] is False and res["gather_team"] is False
+    # the machine's floor under the gather: one copy of the small request's bytes (64 tokens by
+    # the geometry's bytes per token), and its warnings carried into the result's
+    floor = res["copy_floor"]
+    assert floor["small_bytes"] == 64 * 32 * 2 * 8 * 128 * 2 and floor["small_ms"] > 0 and floor["cpu_s_per_gib"] > 0
+    assert all(w in res["warnings"] for w in floor["warnings"])
     names = sorted(os.path.basename(f) for f in res["plots"])
     assert names == ["break_even_llama3-8b.png", "transfer_breakdown.png", "transfer_gbps.png"]
     for f in res["plots"]:
