@@ -112,19 +112,14 @@ def test_bench_layerwise_over_a_shaped_link(tmp_path):
     assert not [w for w in res["warnings"] if "shaped path" in w]
 
 
-def test_bench_layerwise_refuses_what_it_cannot_run():
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--engine", "vllm"],
+@pytest.mark.parametrize("args, said", [
+    (["--engine", "vllm"], "invalid choice: 'vllm'"),
+    (["--prompt-lens", "64,0"], "--prompt-lens needs positive token counts"),
+    (["--hidden", "8", "--kv-heads", "32"], "hidden size 8 must be a multiple of the 32 attention heads"),
+    (["--link-rate", "fast"], "--link-rate 'fast': Mbit/s (a number) or 'auto'"),
+    (["--link-rate", "auto", "--warmup", "0"], "auto sets each length's rate from its first warm-up"),
+])
+def test_bench_layerwise_refuses_what_it_cannot_run(args, said):
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", *args],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "invalid choice: 'vllm'" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--prompt-lens", "64,0"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--prompt-lens needs positive token counts" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--hidden", "8", "--kv-heads", "32"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "hidden size 8 must be a multiple of the 32 attention heads" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--link-rate", "fast"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--link-rate 'fast': Mbit/s (a number) or 'auto'" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "bench", "layerwise", "--link-rate", "auto", "--warmup", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "auto sets each length's rate from its first warm-up" in out.stderr
+    assert out.returncode != 0 and said in out.stderr
