@@ -47,3 +47,26 @@ def test_mla_between_sglang_and_trtllm(tiny_mla_dir, reverse, version):
                                   MAX_NEW)
     assert also["generated_ids"] == also_ref.token_ids and also["bytes"] == _row_bytes(tiny_mla_dir, ALSO)
     assert r["context_tokens_computed"] == (PROMPT if reverse else 1)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["sglang->trtllm", "trtllm->sglang"])
+def test_mla_layerwise_between_sglang_and_trtllm(tiny_mla_dir, reverse):
+    """Layer-wise sends of MLA latent rows across engines (issue 20): the prefill (SGLang's
+    real server, or the TensorRT-LLM stand-in) hands each layer over as its forward writes
+    it, the first token follows with ``finish``; the other engine decodes. Greedy tokens
+    against transformers' ``generate()``, exactly the prompt's latent rows moved, one piece
+    per layer of the one forward."""
+    pytest.importorskip("sglang")
+    from kvbridge.demo.run import run_demo
+
+    side = {"trtllm_settings" if reverse else "sglang_settings": {"layerwise": True}}
+    r = run_demo(model_dir=tiny_mla_dir, prompt_len=PROMPT, max_new=MAX_NEW, seed=SEED, reverse=reverse,
+                 trtllm_version="main", **side)
+    assert r["model"]["attention"] == "MLA"
+    assert (r["prefill_engine"], r["decode_engine"]) == (("trtllm", "sglang") if reverse else ("sglang", "trtllm"))
+    prompt = random_prompt(PROMPT, seed=SEED + PROMPT, vocab_size=r["model"]["vocab"])
+    ref = reference_generate(tiny_mla_dir, prompt, MAX_NEW)
+    assert r["generated_ids"] == ref.token_ids, (r["generated_ids"], ref.token_ids)
+    assert r["bytes"] == _row_bytes(tiny_mla_dir, PROMPT) and r["record"]["result"] == "success"
+    layers = json.loads((tiny_mla_dir / "config.json").read_text())["num_hidden_layers"]
+    assert r["sender_layer_pieces"] == layers and r["sender_ended_by"] == "finish", r["record"]
