@@ -41,12 +41,13 @@ once in the log.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from kvbridge.common.ordered_calls import OrderedCalls
 
 log = logging.getLogger(__name__)
 
@@ -100,43 +101,6 @@ class _Armed:
         return self._blocks
 
 
-class _Dispatcher:
-    """Hands sender calls over in order. CPU: at once, on the caller's thread. CUDA: each
-    call waits (on this dispatcher's thread) for the event recorded when it was queued."""
-
-    def __init__(self):
-        self._q: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-
-    def call(self, fn: Callable[[], None], event: Any = None) -> None:
-        if event is None and self._q is None:
-            fn()
-            return
-        if self._q is None:
-            self._q = queue.Queue()
-            self._thread = threading.Thread(target=self._run, daemon=True, name="kvbridge-sglang-layers")
-            self._thread.start()
-        self._q.put((fn, event))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, event = item
-            try:
-                for ev in event if isinstance(event, tuple) else (event,):
-                    if ev is not None:
-                        ev.synchronize()  # this thread waits, never the forward stream
-                fn()
-            except Exception:  # each fn fails its own room; nothing may stop the dispatcher
-                log.exception("kvbridge: a layer-wise send failed")
-
-    def close(self) -> None:
-        if self._q is not None:
-            self._q.put(None)
-
-
 class LayerStreamer:
     """A prefill rank's layer-wise sends: armed requests of the forward in progress, fed
     by the two hooks. Built by the prefill manager when ``layerwise`` is on."""
@@ -146,7 +110,7 @@ class LayerStreamer:
         self.num_layers = int(mgr.layout.num_layers)
         self.pool: Any = None  # the pool armed for the forward in progress
         self.armed: list[_Armed] = []
-        self.dispatch = _Dispatcher()
+        self.dispatch = OrderedCalls("kvbridge-sglang-layers")
         self._said: set[str] = set()
 
     def say_once(self, key: str, msg: str, *args) -> None:

@@ -16,6 +16,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, List, Tuple
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from kvbridge.common.bootstrap import rank_record
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import KVReceiver, KVSender
+from kvbridge.common.ordered_calls import OrderedCalls
 
 from . import bus as B
 from ._compat import KvCacheConnectorWorker
@@ -127,11 +129,14 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._forget_sent: set[int] = set()
         self._rewound: set[int] = set()  # requests rewound for recompute whose chunk is still to be widened
         self._forward: list[_LayerSend] = []  # layer-wise sends of the forward in progress
+        # sender calls of layer-wise rooms, in order: at once on CPU; on CUDA each after the
+        # event recorded where its layers were written (and a room's Send after its layers)
+        self._dispatch = OrderedCalls("kvbridge-trtllm-layers")
         self._missing_hook_logged = False
         self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
         self.finished_saves: OrderedDict[int, dict] = OrderedDict()  # request id -> how its send ended (+ record)
         self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
-        self._apply_order = {B.Open: self._open, B.Send: self._send, B.Load: self._load, B.Verdict: self._verdict,
+        self._apply_order = {B.Open: self._open, B.Send: self._send_in_order, B.Load: self._load, B.Verdict: self._verdict,
                              B.Decline: self._decline, B.AbortRoom: self._abort}
 
     # -- KvCacheConnectorWorker (TensorRT-LLM calls these on every rank) ------------------------
@@ -203,14 +208,15 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
 
     def save_kv_layer(self, layer_idx: int, stream: Any):
         """Called by the forward hook after decoder layer ``layer_idx`` wrote its KV (every
-        rank, on the forward's thread). Layer-wise (``layerwise`` on): hands layer
-        ``layer_idx`` of the tokens this forward computes, for every prefill half in the
-        batch whose room is open, to the sender, which writes it while the next layers
-        compute; returns at once. Otherwise nothing: a prompt's KV is sent once its
-        request finished its prefill. (On CUDA the send must be ordered after an event
-        recorded on ``stream``: not done yet, the pools here are host memory.)"""
+        rank, on the forward's thread; ``stream``: the forward's ``torch.cuda.Stream``).
+        Layer-wise (``layerwise`` on): hands layer ``layer_idx`` of the tokens this forward
+        computes, for every prefill half in the batch whose room is open, to the sender,
+        which writes it while the next layers compute; returns at once. On CUDA pools the
+        sender is called on the dispatcher's thread once an event recorded on ``stream``
+        here has completed: the forward stream never waits on the network. Otherwise
+        nothing: a prompt's KV is sent once its request finished its prefill."""
         if self._forward:
-            self._send_layers(int(layer_idx) + 1)
+            self._send_layers(int(layer_idx) + 1, self._event(stream))
 
     def wait_for_save(self, stream: Any):
         """Called at the end of the forward (``_forward_step``, before sampling): nothing
@@ -224,14 +230,14 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             self._missing_hook_logged = True
             log.warning("kvbridge worker rank %d: save_kv_layer did not fire for every layer of a forward; the "
                         "layers it missed are sent after the forward", self.rank)
-        self._send_layers(self.layout.num_layers)
+        self._send_layers(self.layout.num_layers, self._event(stream))
         with self._lock:
             done, self._forward = self._forward, []
             pending = [ls.saving.pending_send for ls in done if ls.saving.pending_send is not None]
             for ls in done:
                 ls.saving.pending_send = None
         for o in pending:
-            self._send(o)
+            self._send_in_order(o)
 
     # -- layer-wise sends -------------------------------------------------------------------
     def _arm_layer_sends(self, orders: list) -> None:
@@ -254,29 +260,49 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                 armed.append(_LayerSend(s, np.asarray(o.blocks, dtype=np.int64), o.start, o.stop))
             self._forward = armed
         for o in unblocked:
-            self._send(o)
+            self._send_in_order(o)
 
-    def _send_layers(self, upto: int) -> None:
-        """Hand layers ``[next, upto)`` of every armed request to the sender."""
+    def _send_layers(self, upto: int, event: Any = None) -> None:
+        """Hand layers ``[next, upto)`` of every armed request to the sender (through the
+        dispatcher: at once, or after ``event`` on CUDA). The bookkeeping is done here and
+        now, so the next hook and the next forward's arming see it at once."""
         nl = self.layout.num_layers
         upto = min(upto, nl)
         for ls in self._forward:
             if ls.next_layer >= upto:
                 continue
-            s = ls.saving
+            s, layers = ls.saving, (ls.next_layer, upto)
+            s.layer_pieces += 1
+            ls.next_layer = upto
+            if upto == nl:
+                s.streamed_to = ls.stop
+            self._dispatch.call(partial(self._send_piece, s, ls.blocks, ls.start, ls.stop, layers), event)
+
+    def _send_piece(self, s: _Saving, blocks: np.ndarray, start: int, stop: int, layers: tuple[int, int]) -> None:
+        """One layer-wise piece to the sender (dispatcher). A failed piece aborts the room,
+        and the pieces after it are not sent."""
+        with self._lock:
+            if s.ended_by == "abort":
+                s.layer_pieces -= 1
+                return
             try:
-                self.sender.send_chunk(s.room, ls.blocks, ls.start, ls.stop, last=False, layers=(ls.next_layer, upto))
+                self.sender.send_chunk(s.room, blocks, start, stop, last=False, layers=layers)
             except (KeyError, ValueError) as e:  # the room ended or a bookkeeping bug: the decode side recomputes
                 log.error("kvbridge worker rank %d: request %s: layer-wise send of room %s failed: %s", self.rank,
                           s.req, s.room, e)
                 self.sender.abort(s.room, f"layer-wise send failed: {e}")
                 s.ended_by = "abort"  # a Send for it (now or pending) sends nothing more
-                ls.next_layer = nl
-                continue
-            s.layer_pieces += 1
-            ls.next_layer = upto
-            if upto == nl:
-                s.streamed_to = ls.stop
+                s.layer_pieces -= 1
+
+    def _event(self, stream: Any) -> Any:
+        """An event recorded now on ``stream`` (the forward's) when the pools are CUDA
+        memory, else None (the layers are in host memory already)."""
+        dev = getattr(self.layout, "device", None)
+        if dev is None or dev.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream())
+        return ev
 
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
@@ -396,6 +422,14 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             log.error("kvbridge worker rank %d: request %s: %s", self.rank, o.req, e)
             s.released.set()
 
+    def _send_in_order(self, o: B.Send) -> None:
+        """A Send, applied after every layer-wise piece handed over before it (on CPU at
+        once; on CUDA its ``finish`` must not overtake layers still waiting on the device)."""
+        def apply(o=o):
+            with self._lock:
+                self._send(o)
+        self._dispatch.call(apply)
+
     def _send(self, o: B.Send) -> None:
         """The prefill half finished (its first token sampled): its room's last chunk. After
         a layer-wise prefill only what no forward streamed is left (usually nothing: the
@@ -504,8 +538,11 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         return None
 
     def close(self) -> None:
-        """Stop the bus, sender, receiver and transport."""
-        for part in (self.bus, self.receiver, self.sender):
+        """Stop the bus, the dispatcher (after what it holds), sender, receiver and transport."""
+        if self.bus is not None:
+            self.bus.close()
+        self._dispatch.close()
+        for part in (self.receiver, self.sender):
             if part is not None:
                 part.close()
         if self.transport is not None:
