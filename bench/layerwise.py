@@ -305,6 +305,7 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
                  if link else "loopback, unshaped"),
     }
     for n in prompt_lens:
+        shaped = (link or {}).get(n)  # this length's shaped link, if any
         whole = [r for r in runs[n] if r.mode == "whole"]
         lw = [r for r in runs[n] if r.mode == "layerwise"]
         tw, tl = [r.ttft_ms for r in whole], [r.ttft_ms for r in lw]
@@ -338,9 +339,9 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
             "layer_pieces": {"whole": [r.layer_pieces for r in whole], "layerwise": [r.layer_pieces for r in lw]},
             "ended_by": {"whole": [r.ended_by for r in whole], "layerwise": [r.ended_by for r in lw]},
             "outputs_equal": all(r.output == ref[n] for r in whole + lw),
-            "cost_model": _predicted(geo, n, prefill, (link or {}).get(n, {}).get("rate_mbit")),
-            **({"link_rate_mbit": link[n]["rate_mbit"], "shaped_bytes": link[n]["shaped_bytes"],
-                "kv_bytes_moved": link[n]["kv_bytes"]} if link and n in link else {}),
+            "cost_model": _predicted(geo, n, prefill, shaped["rate_mbit"] if shaped else None),
+            **({"link_rate_mbit": shaped["rate_mbit"], "shaped_bytes": shaped["shaped_bytes"],
+                "kv_bytes_moved": shaped["kv_bytes"]} if shaped else {}),
             **_tails(whole, lw),  # its verdict on the tcp preset, given the measured prefill
         }
         spread = max(row["ttft_ratio"]["p90"] - row["ttft_ratio"]["p10"], 0.0)
@@ -351,9 +352,9 @@ def _report(runs: dict, ref: dict, geo: dict, prompt_lens, reps: int, warmup: in
         if prefill and not 0.5 <= transfer / prefill <= 2.0:
             out["warnings"].append(f"{n} tokens: transfer {transfer:.1f} ms against prefill {prefill:.1f} ms: not "
                                    "balanced, layer-wise can hide at most the shorter of the two")
-        if link and n in link and link[n]["shaped_bytes"] < link[n]["kv_bytes"]:
-            out["warnings"].append(f"{n} tokens: {link[n]['shaped_bytes']} bytes crossed the shaped link, fewer than "
-                                   f"the {link[n]['kv_bytes']} KV bytes moved: the KV did not take the shaped path")
+        if shaped and shaped["shaped_bytes"] < shaped["kv_bytes"]:
+            out["warnings"].append(f"{n} tokens: {shaped['shaped_bytes']} bytes crossed the shaped link, fewer than "
+                                   f"the {shaped['kv_bytes']} KV bytes moved: the KV did not take the shaped path")
         if not row["outputs_equal"]:
             out["warnings"].append(f"{n} tokens: outputs differ from transformers' generate()")
         out["lengths"].append(row)
