@@ -57,7 +57,9 @@ class BoxTiles:
             if idx.size and (idx.min() < 0 or idx.max() >= self.view.shape[0]):
                 raise LayoutError(f"box tiles reach outside the pool's memory (units {idx.min()}..{idx.max()}, "
                                   f"{self.view.shape[0]} tile starts)")
-            p = self.__dict__["_pointers"] = self.view.data_ptr() + idx * self.unit
+            # setdefault: threads of a copy team that get here at once all keep the first array
+            # (one assigned over another would free it under the thread that took its address)
+            p = self.__dict__.setdefault("_pointers", self.view.data_ptr() + idx * self.unit)
         return p
 
     def native_copy(self, i: int, j: int, dense: torch.Tensor, *, scatter: bool) -> None:
@@ -76,7 +78,7 @@ class BoxTiles:
             raise LayoutError(f"boxes [{i}, {j}) outside the {self.count} of these tiles")
         base = self.__dict__.get("_pointers_addr")
         if base is None:  # the pointer array's address, once: a pipeline calls this per part
-            base = self.__dict__["_pointers_addr"] = self.pointers.ctypes.data
+            base = self.__dict__.setdefault("_pointers_addr", self.pointers.ctypes.data)
         _tilecopy.tile_copy(base + 8 * i, j - i, dense.data_ptr(), A, C, ru * u, sA * u, sC * u, scatter,
                             nbytes >= STREAM_MIN_BYTES)
 
