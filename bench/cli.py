@@ -107,6 +107,10 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         print(f"small request ({res['small_tokens']} tokens), its critical path in ms (median [p10-p90]): "
               + ", ".join(f"{k} {v['median']} [{v['p10']}-{v['p90']}]" for k, v in res["small_timeline_ms"].items())
               + f"; the raw write {res['small_raw_ms']}")
+    for o, v in res.get("small_orders", {}).items():
+        d = v["overhead_ms"]
+        print(f"small request, {o}: overhead {d['median']} ms [{d['p10']}-{d['p90']}] over {d['n']} pairs "
+              f"(handoff {v['handoff_ms']['median']}, raw {v['raw_ms']['median']}): {v['what']}")
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
     for f in res.get("plots", []):

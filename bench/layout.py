@@ -24,6 +24,7 @@ import torch
 
 from kvbridge.bench.machine import machine_notes, spread
 from kvbridge.common.copyteam import CopyTeam
+from kvbridge.common.rooms import HandoffConfig
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
@@ -60,9 +61,9 @@ def bench_layout(
     plan_tokens: int = 32768,
     repack_tokens: int = 4096,
     reps: int = 5,
-    chunk_bytes: int = 16 << 20,
-    part_bytes: int = 4 << 20,
-    ring_parts: int = 8,
+    chunk_bytes: int = HandoffConfig.chunk_bytes,  # the sender's pipeline, as it runs by default
+    part_bytes: int = HandoffConfig.part_bytes,
+    ring_parts: int = HandoffConfig.ring_parts,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     keep: dict | None = None,

@@ -10,7 +10,9 @@ pool (NHD, page 64) and a decode peer with a TensorRT-LLM-format pool (HND, bloc
 - ``scattered``: the handoff into every-other destination block;
 - ``same_layout``: the same tokens into a second SGLang pool of the prefill's own geometry
   (no repack: a direct plan), which shows what the protocol costs apart from the repack;
-- ``small``: a 128-token handoff to a warm peer, against a raw write of its bytes.
+- ``small``: a 128-token handoff to a warm peer, against a raw write of its bytes;
+- ``small_orders``: the same request in each engine's order (``ORDERS``): SGLang's decode
+  asks before the KV is ready, TensorRT-LLM's generation side after the context is over.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ from kvbridge.bench.machine import copy_floor, machine_notes, spread
 __all__ = ["bench_transfer", "transfer_steps"]
 
 GEOM = dict(layers=32, total_heads=8, head_dim=128, dtype="bf16")
+# The small request in the two orders engines produce (``small_orders``), beside the one
+# above (``small``: the KV ready and the request sent at once, a race neither engine runs).
+ORDERS = {
+    "request_first": "SGLang's order: the decode asks first; timed from the KV ready (send_chunk) to the decode's Success",
+    "data_first": "TensorRT-LLM's order: the context is over before the generation side asks (10 ms later here); "
+                  "timed from the request to the decode's Success",
+}
+DATA_FIRST_GAP_S = 0.010
+ORDER_PAIRS = 13  # per repetition: pairs of a raw write and a handoff, each order
 SRC_PAGE, DST_BLOCK = 64, 32
 
 
@@ -97,12 +108,19 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
     conn.send(("ready", sender.endpoint))
 
     def handle(cmd):
-        if cmd[0] == "serve":
+        if cmd[0] in ("serve", "serve_asked"):
             _, room, n = cmd
             pages = np.arange(1, 1 + -(-n // SRC_PAGE))
             sender.add_room(room, pages)
+            if cmd[0] == "serve_asked":  # SGLang's order: the decode's request is here before the KV is
+                end = time.monotonic() + 10
+                while not sender.requests(room):
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"room {room}: no request came within 10 s")
+                    time.sleep(100e-6)
+            ready = time.monotonic()
             sender.send_chunk(room, pages, 0, n, last=True, aux={"output_ids": [1]})
-            return ("ok",)
+            return ("ok", ready)
         if cmd[0] == "raw":
             _, session, dst, nbytes, piece = cmd
             k = -(-nbytes // piece)
@@ -142,13 +160,18 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
                  True: KVReceiver(same, transport, config=HandoffConfig(**cfg))}
     conn.send(("ready", transport.session_id, lay.regions[0].addr))
 
-    def handle(cmd):
-        _, room, endpoint, n, scattered, same_layout = cmd
+    asked: dict = {}  # room -> (receiver, perf_counter when asked): "ask" then "wait"
+
+    def ask(room, endpoint, n, scattered, same_layout):
         recv = receivers[same_layout]
         nblk = -(-n // (SRC_PAGE if same_layout else DST_BLOCK))
         blocks = recv.layout.first_block + (np.arange(0, 2 * nblk, 2) if scattered else np.arange(nblk))
         t0 = time.perf_counter()
         recv.request(room, endpoint, blocks, 0, n)
+        asked[room] = (recv, t0)
+
+    def wait(room):
+        recv, t0 = asked.pop(room)
         state = recv.wait(room, 120)
         dt, woke = time.perf_counter() - t0, time.monotonic()
         rec = recv.record(room)
@@ -156,6 +179,16 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         recv.forget(room)
         return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}",
                 {"asked": rec.started, "settled": rec.finished or 0.0, "woke": woke})
+
+    def handle(cmd):
+        if cmd[0] == "ask":  # SGLang's order: the request goes out before the prefill has the KV
+            ask(*cmd[1:])
+            return ("ok",)
+        if cmd[0] == "wait":
+            return wait(cmd[1])
+        _, room, endpoint, n, scattered, same_layout = cmd
+        ask(room, endpoint, n, scattered, same_layout)
+        return wait(room)
 
     _serve(conn, handle)
     for recv in receivers.values():
@@ -187,7 +220,7 @@ def bench_transfer(
     tokens: int = 8192,
     small_tokens: int = 128,
     reps: int = 3,
-    chunk_bytes: int = 16 << 20,
+    chunk_bytes: int = 64 << 20,
     sweep: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384),
     link_only: bool = False,
     gather_team: bool = False,
@@ -233,12 +266,21 @@ def bench_transfer(
             return answer
 
         def handoff(n: int, scattered: bool = False, same_layout: bool = False,
-                    cpu_into: list | None = None) -> tuple[float, dict]:
+                    cpu_into: list | None = None, order: str = "") -> tuple[float, dict]:
+            """One handoff of ``n`` tokens; its time is the decode's request until its Success,
+            or with ``order="request_first"`` the KV ready until then (see ``ORDERS``)."""
             r = next(room)
-            pc.send(("serve", r, n))
-            _recv(pc, pre)
-            _, ok, dt, nbytes, segs, plan, reason, recv_t = ask(dc, dec, ("pull", r, endpoint, n, scattered, same_layout),
-                                                                cpu_into)
+            if order == "request_first":
+                ask(dc, dec, ("ask", r, endpoint, n, scattered, same_layout))
+                ready = ask(pc, pre, ("serve_asked", r, n))[1]
+                _, ok, dt, nbytes, segs, plan, reason, recv_t = ask(dc, dec, ("wait", r))
+                dt = recv_t["woke"] - ready
+            else:
+                ask(pc, pre, ("serve", r, n))
+                if order == "data_first":
+                    time.sleep(DATA_FIRST_GAP_S)
+                _, ok, dt, nbytes, segs, plan, reason, recv_t = ask(
+                    dc, dec, ("pull", r, endpoint, n, scattered, same_layout), cpu_into)
             if not ok:
                 raise RuntimeError(f"handoff failed: {reason}")
             pc.send(("record", r))
@@ -299,6 +341,16 @@ def bench_transfer(
             dt, sinfo = handoff(small_tokens)
             big["small"].append(dt)
             small_parts.append((dt, sinfo))
+        # the same request in the orders engines produce, each against the raw write just before it
+        ordered = {o: {"handoff": [], "raw": []} for o in ORDERS}
+        for i in range(ORDER_PAIRS * reps):
+            for o, got in ordered.items():
+                got["raw"].append(raw(small_tokens))
+                got["handoff"].append(handoff(small_tokens, order=o)[0])
+        small_orders = {o: {"overhead_ms": spread([(h - r) * 1e3 for h, r in zip(v["handoff"], v["raw"])], 0.0),
+                            "handoff_ms": spread([h * 1e3 for h in v["handoff"]]),
+                            "raw_ms": spread([r * 1e3 for r in v["raw"]]), "what": ORDERS[o]}
+                        for o, v in ordered.items()}
         med = {k: statistics.median(v) for k, v in big.items()}
         nbytes = tokens * bytes_per_token
         # spreads: each ratio from the pair measured in the same repetition
@@ -327,9 +379,10 @@ def bench_transfer(
         machine = machine_notes()
         # what one copy of every byte costs here (the gather's floor), the peers idle
         floor = copy_floor(small_tokens * bytes_per_token)
+        wide = {**spreads, **{f"small_orders.{o}.overhead_ms": v["overhead_ms"] for o, v in small_orders.items()}}
         warnings = [f"{k}: p10-p90 {v['p10']}-{v['p90']} is wider than the effect it reports "
                     f"(median {v['median']}, against {0.0 if k.endswith('_ms') else 1.0})"
-                    for k, v in spreads.items() if v.get("wide")]
+                    for k, v in wide.items() if v.get("wide")]
 
         # -- the cost model against measured handoffs -------------------------------
         per_len = []
@@ -382,6 +435,7 @@ def bench_transfer(
             "small_breakdown_ms": small_breakdown,
             "small_timeline_ms": small_timeline,
             "small_overhead_ms": round((med["small"] - med["small_raw"]) * 1e3, 3),
+            "small_orders": small_orders,
             # the same from each handoff and the raw write just before it (drift cancels)
             "small_overhead_paired_ms": round(statistics.median(
                 h - r for h, r in zip(big["small"], big["small_raw"])) * 1e3, 3),

@@ -82,7 +82,7 @@ class BridgeSettings:
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 10.0
     quiesce_s: float = 1.0
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = 64 << 20
     secret: str = ""
     model: str = ""
     recv_staging_bytes: int = 0

@@ -34,6 +34,12 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     assert all(v["p10"] >= 0 for v in tl.values()), tl
     assert tl["writes"]["median"] > 0 and sum(v["median"] for v in tl.values()) <= 1.5 * res["small_handoff_ms"], tl
     assert res["inline_gather"] is False and res["gather_team"] is False
+    # the same request in each engine's order, each handoff against the raw write before it
+    orders = res["small_orders"]
+    assert set(orders) == {"request_first", "data_first"}, orders
+    for o in orders.values():
+        assert o["overhead_ms"]["n"] == o["handoff_ms"]["n"] == o["raw_ms"]["n"] == 13, o
+        assert o["handoff_ms"]["p10"] > 0 and o["raw_ms"]["p10"] > 0 and o["what"], o
     # the machine's floor under the gather: one copy of the small request's bytes (64 tokens by
     # the geometry's bytes per token), and its warnings carried into the result's
     floor = res["copy_floor"]
