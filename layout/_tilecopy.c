@@ -35,7 +35,12 @@ static inline void row_nt128(char *d, const char *s, int64_t R) {
 }
 
 /* The tile walk of copy_tiles (below) with a streamed row copy inlined: no call per row,
-   which costs a tenth of the copy's time for 256-byte rows. */
+   which costs a tenth of the copy's time for 256-byte rows. A gather also prefetches the pool
+   PREFETCH_BYTES ahead of the row it reads, and the next tile's first PREFETCH_BYTES: a pool
+   the engine did not madvise is in 4 KiB pages (THP madvise-only), and the hardware
+   prefetcher stops at each page's end (2-core host: repack_ratio 0.77-0.82 without, 0.81-0.87
+   with, six interleaved runs each; 4 KiB ahead was slower, 1 KiB no better). */
+#define PREFETCH_BYTES 2048
 #define STREAMED_WALK(NAME, ATTR, ROW)                                                                  \
     ATTR static void NAME(const int64_t *tiles, int64_t count, char *dense, int64_t A, int64_t C,      \
                           int64_t R, int64_t sA, int64_t sC, int scatter) {                            \
@@ -48,9 +53,13 @@ static inline void row_nt128(char *d, const char *s, int64_t R) {
             for (int64_t o = 0; o < outer; o++) {                                                      \
                 char *p = t + o * pool_o, *q = b + o * dense_o;                                        \
                 for (int64_t n = 0; n < inner; n++, p += pool_i, q += dense_i) {                       \
+                    if (!scatter) __builtin_prefetch(p + PREFETCH_BYTES, 0, 0);                        \
                     if (scatter) ROW(p, q, R); else ROW(q, p, R);                                      \
                 }                                                                                      \
             }                                                                                          \
+            if (!scatter && i + 1 < count) /* the next tile's first rows, wherever its page is */      \
+                for (int64_t k = 0; k < PREFETCH_BYTES; k += 64)                                       \
+                    __builtin_prefetch((const char *)(intptr_t)tiles[i + 1] + k, 0, 0);                \
         }                                                                                              \
     }
 STREAMED_WALK(walk_nt512, __attribute__((target("avx512f"))), row_nt512)
