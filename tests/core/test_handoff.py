@@ -96,6 +96,22 @@ def test_staged_plan_overlapped_and_scattered_destination(peers, inline_gather):
     assert w[3]["chunks"] > 1 and w[3]["repack_s"] > 0  # gathered in chunks through the ring
 
 
+def test_staged_send_parts_capped_at_a_quarter_of_the_plan(peers):
+    """An 8 MiB staged send with parts from 1 MiB up to 8 MiB goes as 1, 2, 2, 2, 1 MiB: no
+    part over a quarter of the plan, so the last gather overlaps earlier writes (doubling
+    alone would give 1, 2, 4, 1 MiB). Every byte verified."""
+    ps = spec("sglang", layers=4, total_heads=8, head_dim=64, tpb=64, blocks=20, seed=5)
+    ds = spec("trtllm", layers=4, total_heads=8, head_dim=64, tpb=32, blocks=80, seed=6)
+    cfg = {"chunk_bytes": 16 << 20, "first_part_bytes": 1 << 20, "part_bytes": 8 << 20, "prestage_slots": 0}
+    pre, dec = peers("prefill", ps, cfg), peers("decode", ds)
+    blocks = pre.call_raw("serve", 5, 1024, 1024)[1]  # 4 layers x K,V x 1024 tokens x 8 heads x 128 B = 8 MiB
+    res = pull(dec, 5, [pre], 0, 1024, [(ps, blocks)], scattered=True)
+    w = pre.call_raw("wait", 5, 30)
+    check_ok(res, [w])
+    assert res["record"]["plan"] == "staged_send"
+    assert w[3]["bytes"] == 8 << 20 and w[3]["chunks"] == 5, w[3]
+
+
 def test_first_part_gathered_before_the_request(peers):
     """TensorRT-LLM's order (the prefill is done before the decode side asks): the sender
     gathers a room's first part for the decode layout it served last. A request of the
