@@ -62,7 +62,8 @@ def _bench_layout(args: argparse.Namespace) -> int:
         "layout: SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 32 layers x 8 heads x 128, bf16",
         res,
         ["plan_ms_32k", "plan_kind", "segments_direct", "segments_staged", "segments_staged_contiguous_dst",
-         "repack_bytes", "repack_path", "repack_gbps", "memcpy_gbps", "repack_ratio", "repack_ratio_spread",
+         "repack_bytes", "repack_path", "repack_gbps", "memcpy_one_thread_gbps", "memcpy_gbps", "repack_ratio",
+         "repack_ratio_spread", "repack_all_threads_ratio_spread", "one_thread_copy_share_spread",
          "repack_rows_ratio_spread", "repack_cold_ratio_spread", "warmup_reps", "threads"],
     )
     print(res["plan_reason"])

@@ -3,13 +3,16 @@
 Geometry of the headline case: 32 layers, 8 KV heads, head_dim 128, bf16, SGLang page
 64 (NHD, per-layer K/V tensors) -> TensorRT-LLM tokens_per_block 32 (HND, one pool).
 Plans are compiled over addresses only (no memory needed for 32K tokens); the repack
-runs on real tensors of a smaller request and is compared with a torch copy of the
-same number of bytes, interleaved in the same run (the order rotated each repetition,
-after ``warmup_reps`` untimed ones): every ratio is the median of per-repetition
-ratios, with its p10-p90. The cold ratio: a plan's gathers built on the spot into a
-staging ring never touched, against a memcpy of the same bytes into such a ring. What the
-machine imposes (THP policy, CPUs, governor, threads, load) is in ``machine``; the
-``warnings`` name it, and any ratio whose spread is wider than its effect.
+runs on real tensors of a smaller request and is compared with a memcpy of the same
+bytes by as many threads (the sender's gather, one thread: a one-thread copy of the same
+parts into the same ring; a gather spread over every core: torch's copy on all of them),
+interleaved in the same run (the order rotated each repetition, after ``warmup_reps``
+untimed ones): every ratio is the median of per-repetition ratios, with its p10-p90. The
+cold ratio: a plan's gathers built on the spot into a staging ring never touched, against
+a memcpy of the same bytes into such a ring. What the machine imposes (THP policy, CPUs,
+governor, threads, load, the share of the memory bandwidth one thread gets) is in
+``machine`` and the JSON; the ``warnings`` name it, and any ratio whose spread is wider
+than its effect.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
 from kvbridge.layout.segments import count_segments
 from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
+from kvbridge.layout.tiles import native_tile_copy, streamed_copy
 from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
 
 __all__ = ["bench_layout"]
@@ -132,7 +136,19 @@ def bench_layout(
         for k, (g, a, b) in enumerate(ps):  # as KVSender's pipeline: parts into the regions of its ring in turn
             g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline, parallel=parallel)
 
-    cases = {"memcpy": lambda: a.copy_(b), "repack": lambda: chunked(parallel=None),  # KVSender's default
+    nb = b.numpy()
+
+    def memcpy_one(into=ring) -> None:
+        """The same bytes part by part into the same ring on one thread, with the C copy's
+        streamed stores (as the gather's; numpy's memcpy where it is not built)."""
+        for k, o in enumerate(range(0, nbytes, part_bytes)):
+            n = min(part_bytes, nbytes - o)
+            d = into[(k % ring_parts) * part_bytes:][:n]
+            if not streamed_copy(d, b[o:o + n]):
+                d.numpy()[:] = nb[o:o + n]
+
+    cases = {"memcpy": lambda: a.copy_(b), "memcpy_one": memcpy_one,
+             "repack": lambda: chunked(parallel=None),  # KVSender's default
              "repack_team": chunked,  # HandoffConfig.gather_team
              "repack_rows": lambda: chunked(ps=rows_only, parallel=None),
              "repack_torch": lambda: chunked(ps=torch_tiles, parallel=None),
@@ -152,28 +168,37 @@ def bench_layout(
     cold_reps = max(3, reps // 3)
     t_cold = {"memcpy": [], "repack": []}
     for i in range(cold_reps):
-        def cold_copy():  # the same bytes through a fresh ring of the same size, part by part, shared
-            fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)  # with the team as the gather's
-            for k, o in enumerate(range(0, nbytes, part_bytes)):
-                n = min(part_bytes, nbytes - o) // 8
-                d = fresh[(k % ring_parts) * part_bytes:][: n * 8].view(torch.int64)
-                s = b[o: o + n * 8].view(torch.int64)
-                team([lambda i=i: d[i: i + 32768].copy_(s[i: i + 32768]) for i in range(0, n, 32768)])
+        def cold_copy():  # the same bytes through a fresh ring of the same size, part by part, one thread
+            memcpy_one(into=torch.empty(ring_parts * part_bytes, dtype=torch.uint8))
 
-        def cold_repack():
+        def cold_repack():  # as the sender's: one thread
             fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
-            chunked(ps=parts_of([c.gather() for c in rplan.chunks(chunk_bytes)]), into=fresh)
+            chunked(ps=parts_of([c.gather() for c in rplan.chunks(chunk_bytes)]), into=fresh, parallel=None)
         for k, fn in ((("memcpy", cold_copy), ("repack", cold_repack)) if i % 2 == 0 else
                       (("repack", cold_repack), ("memcpy", cold_copy))):
             t_cold[k].append(_timed(fn))
     team.close()
     copy_s, rep_s, whole_s = (statistics.median(t[k]) for k in ("memcpy", "repack", "repack_whole"))
     inline_s, rows_s = statistics.median(t["repack_inline"]), statistics.median(t["repack_rows"])
-    ratios = {k: spread([c / r for c, r in zip(t["memcpy"], t[k])], 1.0) for k in names[1:]}
+    # each gather against a memcpy by as many threads: the sender's (one thread) and the inline
+    # one against a one-thread copy of the same parts into the same ring; the others, which
+    # spread over every core, against torch's copy on all of them
+    one_thread = ("repack", "repack_inline")
+    ratios = {k: spread([c / r for c, r in zip(t["memcpy_one" if k in one_thread else "memcpy"], t[k])], 1.0)
+              for k in names if not k.startswith("memcpy")}
+    ratios["repack_all_threads"] = spread([c / r for c, r in zip(t["memcpy"], t["repack"])], 1.0)
+    one_s = statistics.median(t["memcpy_one"])
+    one_share = spread([c / o for c, o in zip(t["memcpy"], t["memcpy_one"])], 1.0)  # one thread's share of all
     cold_ratio = spread([c / r for c, r in zip(t_cold["memcpy"], t_cold["repack"])], 1.0)
     warnings = [f"{k}_ratio: p10-p90 {v['p10']}-{v['p90']} is wider than its distance from 1 ({v['median']}): "
                 "noise as large as the effect" for k, v in ratios.items() if v["wide"]]
     machine = machine_notes()
+    if one_share["median"] < 0.8 and torch.get_num_threads() > 1:
+        warnings.append(
+            f"one thread copies at {one_share['median']} of {torch.get_num_threads()} threads' speed here "
+            f"({nbytes / one_s / 1e9:.1f} against {nbytes / copy_s / 1e9:.1f} GB/s): the machine bounds a one-thread "
+            "gather (the sender's) at that share of an all-thread memcpy; repack_ratio holds it to a one-thread "
+            "memcpy, repack_all_threads_ratio to all threads")
     # the bytes are right: staging row i is the destination's i-th row, read from the source
     check = _check_gather(rplan, whole_stage)
     if keep is not None:
@@ -199,7 +224,8 @@ def bench_layout(
         "repack_bytes": nbytes,
         "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
                         f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
-                        "parts over 1 MiB through torch's OpenMP pool (KVSender's default); "
+                        + ("each part one call of the C tile copy on the calling thread (KVSender's default); "
+                           if gathers[0].native else "parts over 1 MiB through torch's OpenMP pool (KVSender's default); ") +
                         "repack_team: each part shared by the calling thread and a copy team's helpers (gather_team); "
                         "repack_rows: the row-index fallback; repack_torch: the box path with torch's copies "
                         "(no C tile copy); repack_inline: the calling thread only (inline_gather); "
@@ -210,10 +236,17 @@ def bench_layout(
         "repack_torch_gbps": round(nbytes / statistics.median(t["repack_torch"]) / 1e9, 3),  # box path, torch's copies
         "repack_torch_ratio_spread": ratios["repack_torch"],
         "repack_gbps": round(nbytes / rep_s / 1e9, 3),
-        "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),
-        # each ratio: the median over repetitions of (memcpy time / repack time) in the same repetition
+        "memcpy_gbps": round(nbytes / copy_s / 1e9, 3),  # torch's copy, all threads
+        # the same parts into the same ring, one thread, streamed stores (numpy's memcpy without the C copy)
+        "memcpy_one_thread_gbps": round(nbytes / one_s / 1e9, 3),
+        "memcpy_one_thread": "C tile copy, streamed stores" if native_tile_copy() else "numpy.copyto",
+        "one_thread_copy_share_spread": one_share,  # memcpy time / one-thread memcpy time: what one core can move
+        # each ratio: the median over repetitions of (memcpy time / repack time) in the same repetition,
+        # against a memcpy by as many threads as the gather uses (see above)
         "repack_ratio": ratios["repack"]["median"],
         "repack_ratio_spread": ratios["repack"],
+        "repack_all_threads_ratio": ratios["repack_all_threads"]["median"],  # the sender's gather against all threads
+        "repack_all_threads_ratio_spread": ratios["repack_all_threads"],
         "repack_rows_gbps": round(nbytes / rows_s / 1e9, 3),  # the row-index fallback on the same bytes
         "repack_rows_ratio_spread": ratios["repack_rows"],
         "repack_team_gbps": round(nbytes / statistics.median(t["repack_team"]) / 1e9, 3),  # parts shared with a copy team
@@ -225,9 +258,9 @@ def bench_layout(
         "repack_whole_ratio": ratios["repack_whole"]["median"],
         "repack_whole_ratio_spread": ratios["repack_whole"],
         "repack_cold_ratio_spread": cold_ratio,
-        "cold": ("first run of a plan's gathers built on the spot into a staging ring never touched, "
-                 "against a memcpy of the same bytes part by part into a ring of the same size never touched, "
-                 "each part shared with the same copy team (pieces below ATen's grain)"),
+        "cold": ("first run of a plan's gathers built on the spot into a staging ring never touched (one thread, "
+                 "as the sender's), against a one-thread memcpy of the same bytes part by part into a ring of the "
+                 "same size never touched"),
         "repack_prepare_ms": round(prepare_s * 1e3, 2),
         "reps": reps,
         "warmup_reps": warmup,

@@ -14,6 +14,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 __all__ = ["machine_notes", "machine_line", "spread", "copy_floor"]
 
@@ -105,6 +106,7 @@ def machine_notes() -> dict:
 # the issue-21 margins a handoff is held to against a raw write of the same bytes
 HANDOFF_CPU_MARGIN_S_PER_GIB = 0.15
 SMALL_OVERHEAD_MARGIN_MS = 2.0
+ONE_THREAD_SHARE_WARN = 0.8  # below it, one thread's copy rate bounds a one-thread gather's ratio to all threads'
 
 
 def copy_floor(small_bytes: int = 16 << 20, big_bytes: int = 256 << 20, reps: int = 7) -> dict:
@@ -113,7 +115,7 @@ def copy_floor(small_bytes: int = 16 << 20, big_bytes: int = 256 << 20, reps: in
     of a ``small_bytes`` copy; ``cpu_s_per_gib``: CPU seconds per GiB of a ``big_bytes``
     copy (``gbps`` its rate); medians of ``reps``. ``warnings``: where the floor alone
     exceeds a margin kvbridge is held to (a gathering handoff cannot come within it here)."""
-    out: dict = {"small_bytes": int(small_bytes), "big_bytes": int(big_bytes), "reps": reps, "how": "numpy.copyto, one thread"}
+    out: dict = {"small_bytes": int(small_bytes), "big_bytes": int(big_bytes), "reps": reps, "how": "numpy.copyto, one thread; one_thread_share: a one-thread copy (streamed stores) against torch's on all threads, the source past the cache"}
     for key, n in (("small", small_bytes), ("big", big_bytes)):
         src = np.ones(n, dtype=np.uint8)
         dst = np.empty_like(src)
@@ -130,6 +132,7 @@ def copy_floor(small_bytes: int = 16 << 20, big_bytes: int = 256 << 20, reps: in
             out["gbps"] = round(n / float(np.median(wall)) / 1e9, 3)
             out["cpu_s_per_gib"] = round(float(np.median(cpu)) * (1 << 30) / n, 3)
         del src, dst
+    out.update(_one_thread_share(reps))
     warn = []
     if out["cpu_s_per_gib"] > HANDOFF_CPU_MARGIN_S_PER_GIB:
         warn.append(f"one copy of every byte costs {out['cpu_s_per_gib']} CPU s/GiB on one thread here "
@@ -139,8 +142,57 @@ def copy_floor(small_bytes: int = 16 << 20, big_bytes: int = 256 << 20, reps: in
         warn.append(f"one copy of {small_bytes / 2**20:g} MiB takes {out['small_ms']} ms on one thread here: "
                     f"more than the {SMALL_OVERHEAD_MARGIN_MS:g} ms a gathering small request may add to its raw "
                     "write, before any control path")
+    if out["threads"] > 1 and out["one_thread_share"] < ONE_THREAD_SHARE_WARN:
+        warn.append(f"one thread copies at {out['one_thread_share']} of {out['threads']} threads' rate here "
+                    f"({out['all_threads_gbps']} GB/s on all): a one-thread gather (the sender's on a CPU pool) "
+                    "cannot come within that share of an all-thread memcpy on this machine")
     out["warnings"] = warn
     return out
+
+
+def _one_thread_share(reps: int, part: int = 16 << 20, ring_parts: int = 4) -> dict:
+    """The share of the machine's copy rate one thread gets: a source twice the last-level
+    cache (256 MiB-1 GiB) copied part by part into a small ring, as a sender's gather reads
+    a pool, on one thread (the C copy's streamed stores, numpy's memcpy without it) and on
+    all of torch's threads, interleaved; medians of ``reps``."""
+    from kvbridge.layout.tiles import streamed_copy
+
+    llc = _llc_bytes(_cores_and_llc(set(os.sched_getaffinity(0)))[1]) if hasattr(os, "sched_getaffinity") else None
+    n = min(1 << 30, max(256 << 20, 2 * (llc or 0))) // part * part
+    src = torch.ones(n, dtype=torch.uint8)
+    ring = torch.ones(ring_parts * part, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+
+    def one() -> None:
+        for k, o in enumerate(range(0, n, part)):
+            d = ring[(k % ring_parts) * part:][:part]
+            if not streamed_copy(d, src[o:o + part]):
+                d.numpy()[:] = src[o:o + part].numpy()
+
+    def every() -> None:
+        for k, o in enumerate(range(0, n, part)):
+            ring[(k % ring_parts) * part:][:part].copy_(src[o:o + part])
+
+    t = {one: [], every: []}
+    for i in range(reps + 1):  # the first pair untimed
+        for fn in (one, every) if i % 2 else (every, one):
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                t[fn].append(time.perf_counter() - t0)
+    return {"share_bytes": n, "threads": threads,
+            "one_thread_gbps": round(n / float(np.median(t[one])) / 1e9, 3),
+            "all_threads_gbps": round(n / float(np.median(t[every])) / 1e9, 3),
+            "one_thread_share": round(float(np.median([e / o for e, o in zip(t[every], t[one])])), 3)}
+
+
+def _llc_bytes(llc: str | None) -> int | None:
+    """Bytes of a cache size as ``machine_notes`` writes it (``"L3 491520K"``); None if unreadable."""
+    try:
+        size = llc.split()[-1]
+        return int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1].upper()] if size[-1].isalpha() else int(size)
+    except (AttributeError, IndexError, KeyError, ValueError):
+        return None
 
 
 def machine_line(notes: dict | None = None) -> str:

@@ -294,6 +294,8 @@ def _doctor(args: argparse.Namespace) -> int:
     print(machine_line(notes))
     print(f"one copy of every byte (one thread): {floor['cpu_s_per_gib']} CPU s per GiB ({floor['gbps']} GB/s), "
           f"{floor['small_ms']} ms for {floor['small_bytes'] / 2**20:g} MiB")
+    print(f"copy rate past the cache, {floor['share_bytes'] >> 20} MiB: one thread {floor['one_thread_gbps']} GB/s, "
+          f"all {floor['threads']} thread(s) {floor['all_threads_gbps']} GB/s (one thread's share {floor['one_thread_share']})")
     for w in notes["warnings"]:
         print(f"note: {w}")
     if not notes["warnings"]:

@@ -36,12 +36,16 @@ static inline void row_nt128(char *d, const char *s, int64_t R) {
 
 /* The tile walk of copy_tiles (below) with a streamed row copy inlined: no call per row,
    which costs a tenth of the copy's time for 256-byte rows. A gather also prefetches the pool
-   PREFETCH_BYTES ahead of the row it reads, and the next tile's first PREFETCH_BYTES: a pool
-   the engine did not madvise is in 4 KiB pages (THP madvise-only), and the hardware
-   prefetcher stops at each page's end (2-core host: repack_ratio 0.77-0.82 without, 0.81-0.87
-   with, six interleaved runs each; 4 KiB ahead was slower, 1 KiB no better). */
-#define PREFETCH_BYTES 2048
-#define STREAMED_WALK(NAME, ATTR, ROW)                                                                  \
+   PF bytes ahead of the row it reads (hint LOC), and the next tile's first 2 KiB: a pool the
+   engine did not madvise is in 4 KiB pages (THP madvise-only), and the hardware prefetcher
+   stops at each page's end. Which prefetch pays differs by vendor, measured one thread, 512 MiB
+   in 16 MiB parts, interleaved in one process:
+   - AMD EPYC (L3 32 MiB, 2026-12-02): non-temporal 2 KiB ahead, repack_ratio 0.77-0.82 without
+     it, 0.81-0.87 with it (six runs each); 4 KiB ahead was slower, 1 KiB no better;
+   - Intel Xeon with AVX-512 (2026-12-03): that prefetch made the gather slower (7.9 against 8.7
+     GB/s without); into L2 (prefetcht2) 4 KiB ahead 10.1 GB/s, 2 KiB 9.8, 8 KiB 9.2. */
+#define NEXT_TILE_BYTES 2048
+#define STREAMED_WALK(NAME, ATTR, ROW, PF, LOC)                                                        \
     ATTR static void NAME(const int64_t *tiles, int64_t count, char *dense, int64_t A, int64_t C,      \
                           int64_t R, int64_t sA, int64_t sC, int scatter) {                            \
         const int c_inner = sC <= sA;                                                                  \
@@ -53,17 +57,19 @@ static inline void row_nt128(char *d, const char *s, int64_t R) {
             for (int64_t o = 0; o < outer; o++) {                                                      \
                 char *p = t + o * pool_o, *q = b + o * dense_o;                                        \
                 for (int64_t n = 0; n < inner; n++, p += pool_i, q += dense_i) {                       \
-                    if (!scatter) __builtin_prefetch(p + PREFETCH_BYTES, 0, 0);                        \
+                    if (!scatter) __builtin_prefetch(p + (PF), 0, LOC);                                \
                     if (scatter) ROW(p, q, R); else ROW(q, p, R);                                      \
                 }                                                                                      \
             }                                                                                          \
             if (!scatter && i + 1 < count) /* the next tile's first rows, wherever its page is */      \
-                for (int64_t k = 0; k < PREFETCH_BYTES; k += 64)                                       \
+                for (int64_t k = 0; k < NEXT_TILE_BYTES; k += 64)                                      \
                     __builtin_prefetch((const char *)(intptr_t)tiles[i + 1] + k, 0, 0);                \
         }                                                                                              \
     }
-STREAMED_WALK(walk_nt512, __attribute__((target("avx512f"))), row_nt512)
-STREAMED_WALK(walk_nt128, , row_nt128)
+STREAMED_WALK(walk_nt512, __attribute__((target("avx512f"))), row_nt512, 2048, 0)
+STREAMED_WALK(walk_nt128, , row_nt128, 2048, 0)
+STREAMED_WALK(walk_nt512_l2, __attribute__((target("avx512f"))), row_nt512, 4096, 1)
+STREAMED_WALK(walk_nt128_l2, , row_nt128, 4096, 1)
 
 __attribute__((target("avx512f"))) static void rows_nt512(char *d, const char *s, int64_t R) { row_nt512(d, s, R); }
 static void rows_nt128(char *d, const char *s, int64_t R) { row_nt128(d, s, R); }
@@ -129,10 +135,11 @@ static PyObject *tile_copy(PyObject *self, PyObject *args) {
     const int contiguous = sC == R && sA == C * R; /* a tile is one run: one copy per tile */
     Py_BEGIN_ALLOW_THREADS
 #if defined(__x86_64__)
+    const int l2 = row != rows_plain && __builtin_cpu_is("intel"); /* the prefetch each vendor ran faster with */
     if (row == rows_nt512 && !contiguous)
-        walk_nt512(tp, count, dp, A, C, R, sA, sC, scatter);
+        (l2 ? walk_nt512_l2 : walk_nt512)(tp, count, dp, A, C, R, sA, sC, scatter);
     else if (row == rows_nt128 && !contiguous)
-        walk_nt128(tp, count, dp, A, C, R, sA, sC, scatter);
+        (l2 ? walk_nt128_l2 : walk_nt128)(tp, count, dp, A, C, R, sA, sC, scatter);
     else
 #endif
         copy_tiles(tp, count, dp, A, C, R, sA, sC, scatter, row);

@@ -36,6 +36,11 @@ def test_doctor_reports_the_machine_as_the_kernel_does():
     assert floor["small_ms"] > 0 and floor["gbps"] > 0 and floor["cpu_s_per_gib"] >= 0
     assert any("CPU s/GiB on one thread here" in w for w in notes["warnings"]) == (floor["cpu_s_per_gib"] > 0.15)
     assert any("one copy of 16 MiB takes" in w for w in notes["warnings"]) == (floor["small_ms"] > 2.0)
+    # one thread's share of the copy rate: a source past the cache, 256 MiB-1 GiB; with torch on one
+    # thread (OMP_NUM_THREADS=1 here) the share cannot bound anything, so no warning
+    assert 256 << 20 <= floor["share_bytes"] <= 1 << 30 and floor["threads"] == 1
+    assert floor["one_thread_gbps"] > 0 and floor["all_threads_gbps"] > 0 and floor["one_thread_share"] > 0
+    assert not any("threads' rate here" in w for w in notes["warnings"])
 
     text = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor"], capture_output=True, text=True,
                           timeout=120, env=env)
@@ -43,4 +48,26 @@ def test_doctor_reports_the_machine_as_the_kernel_does():
     lines = text.stdout.splitlines()
     assert lines[0].startswith(f"machine: THP {thp} ") and f"{notes['cpus']} CPU(s)" in lines[0]
     assert lines[1].startswith("one copy of every byte (one thread): ") and lines[1].endswith("ms for 16 MiB")
-    assert all(line.startswith("note: ") for line in lines[2:]) or lines[2:] == ["nothing here bounds kvbridge's copies"]
+    assert lines[2].startswith("copy rate past the cache, ") and "one thread's share" in lines[2]
+    assert all(line.startswith("note: ") for line in lines[3:]) or lines[3:] == ["nothing here bounds kvbridge's copies"]
+
+
+def test_doctor_warns_where_one_thread_gets_too_little_of_the_copy_rate():
+    """With two copy threads, the warning appears exactly where the measured share is under 0.8."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    notes = json.loads(out.stdout)
+    floor = notes["copy_floor"]
+    assert floor["threads"] == 2
+    assert any("threads' rate here" in w for w in notes["warnings"]) == (floor["one_thread_share"] < 0.8)
+
+
+def test_last_level_cache_sizes_read_as_sysfs_writes_them():
+    from kvbridge.bench.machine import _llc_bytes
+
+    assert _llc_bytes("L3 491520K") == 491520 << 10
+    assert _llc_bytes("L3 32M") == 32 << 20
+    assert _llc_bytes("L2 1048576") == 1048576
+    assert _llc_bytes(None) is None and _llc_bytes("L3 big") is None

@@ -230,3 +230,23 @@ def test_c_tile_copy_refuses_tiles_outside_the_pool():
     with pytest.raises(LayoutError, match="outside the pool's memory"):
         g.run(out)
     assert not out.any()
+
+
+def test_streamed_copy_is_a_memcpy_and_refuses_what_it_cannot_stream():
+    """``streamed_copy`` (the one-thread memcpy ``bench layout`` holds the gather to): the
+    destination gets exactly the source's bytes and nothing past them; unaligned or odd
+    sizes are refused untouched (False), so the bench falls back to numpy's memcpy."""
+    from kvbridge.layout.tiles import streamed_copy
+
+    src = torch.randint(0, 256, ((3 << 20) + 64,), dtype=torch.uint8)
+    buf = torch.full(((3 << 20) + 256,), 0x5A, dtype=torch.uint8)
+    base = (-buf.data_ptr()) % 64
+    n = 3 << 20
+    assert streamed_copy(buf[base: base + n], src[:n])
+    assert torch.equal(buf[base: base + n], src[:n])
+    assert (buf[:base] == 0x5A).all() and (buf[base + n:] == 0x5A).all()
+    buf.fill_(0x5A)
+    assert not streamed_copy(buf[base + 8: base + 8 + n], src[:n])  # destination 8 bytes off 16
+    assert not streamed_copy(buf[base: base + n], src[:n - 8])  # not a multiple of 16 bytes
+    assert not streamed_copy(buf[base: base + 1024], src[:n])  # destination too small
+    assert (buf == 0x5A).all()

@@ -207,8 +207,15 @@ def test_bench_layout_cli_reports_what_the_issue_asks():
                           "--repack-tokens", "256", "--reps", "2"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    for key in ("repack_gbps", "memcpy_gbps", "repack_ratio", "plan_ms_32k", "segments_direct", "segments_staged"):
+    for key in ("repack_gbps", "memcpy_gbps", "repack_ratio", "plan_ms_32k", "segments_direct", "segments_staged",
+                "memcpy_one_thread_gbps", "repack_all_threads_ratio", "one_thread_copy_share_spread"):
         assert key in res
+    # the sender's one-thread gather is held to a one-thread memcpy; all threads' figure beside it
+    one, every = res["memcpy_one_thread_gbps"], res["memcpy_gbps"]
+    assert res["repack_ratio"] == res["repack_ratio_spread"]["median"] and res["repack_ratio_spread"]["n"] == 2
+    assert res["one_thread_copy_share_spread"]["n"] == 2 and one > 0 and every > 0
+    assert any("threads' speed here" in w for w in res["warnings"]) == (
+        res["one_thread_copy_share_spread"]["median"] < 0.8 and res["threads"] > 1)
     assert res["repack_bytes_verified"] is True
     assert res["segments_direct"] == 32 * 2 * 2048 * 8 and res["segments_staged"] < 100
 
