@@ -18,12 +18,17 @@ def _sysfs_choice(path):
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text.strip()
 
 
-def test_doctor_reports_the_machine_as_the_kernel_does():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _doctor_json(threads: int) -> tuple[dict, dict]:
+    """``kvbridge doctor --json`` with torch on ``threads`` threads: its notes, and the env it ran with."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", "--json"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    notes = json.loads(out.stdout)
+    return json.loads(out.stdout), env
+
+
+def test_doctor_reports_the_machine_as_the_kernel_does():
+    notes, env = _doctor_json(1)
     thp = _sysfs_choice("/sys/kernel/mm/transparent_hugepage/enabled")
     assert notes["thp"] == thp
     assert notes["cpus"] == len(os.sched_getaffinity(0))
@@ -54,11 +59,7 @@ def test_doctor_reports_the_machine_as_the_kernel_does():
 
 def test_doctor_warns_where_one_thread_gets_too_little_of_the_copy_rate():
     """With two copy threads, the warning appears exactly where the measured share is under 0.8."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", "--json"], capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    notes = json.loads(out.stdout)
+    notes, _ = _doctor_json(2)
     floor = notes["copy_floor"]
     assert floor["threads"] == 2
     assert any("threads' rate here" in w for w in notes["warnings"]) == (floor["one_thread_share"] < 0.8)
