@@ -17,9 +17,19 @@ import queue
 import threading
 from typing import Any, Callable
 
-__all__ = ["OrderedCalls"]
+__all__ = ["OrderedCalls", "stream_event"]
 
 log = logging.getLogger(__name__)
+
+
+def stream_event(stream: Any = None) -> Any:
+    """A ``torch.cuda.Event`` recorded now on ``stream`` (the current CUDA stream when None):
+    what a plugin hands ``OrderedCalls.call`` with a call that reads the forward's output."""
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record(stream if stream is not None else torch.cuda.current_stream())
+    return ev
 
 
 class OrderedCalls:

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvbridge.common.ordered_calls import OrderedCalls
+from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class LayerStreamer:
         # a prefix cached here goes whole before the forward: on CUDA after what the forward
         # stream has queued (earlier forwards may still write it) and the slot copies
         fwd = getattr(scheduler, "forward_stream", None)
-        pre_event = (_stream_event(fwd), None) if dev.startswith("cuda") else None
+        pre_event = (stream_event(fwd), None) if dev.startswith("cuda") else None
         armed = []
         for req in batch.reqs:
             s = getattr(req, "disagg_kv_sender", None)
@@ -176,7 +176,7 @@ class LayerStreamer:
             lo = covered - covered % page_size
             pre = _Armed(sender, sender.bootstrap_room, slots_of(lo, start), lo, covered, start, page_size)
             if pre_event is not None:
-                pre_event = (pre_event[0], _current_event())
+                pre_event = (pre_event[0], stream_event())
             self._send(pre, None, event=pre_event)
             sender.kvb_note_whole(start)
         first = s0 - s0 % page_size
@@ -192,7 +192,7 @@ class LayerStreamer:
         armed, self.armed, self.pool = self.armed, [], None
         event = _event(armed)
         if event is not None and stream is not None:
-            event = (event, _stream_event(stream))
+            event = (event, stream_event(stream))
         for a in armed:
             if a.next_layer < self.num_layers:
                 if a.next_layer == 0 and not a.gap:
@@ -241,7 +241,7 @@ class LayerStreamer:
     def call(self, fn: Callable[[], None], on_cuda: bool) -> None:
         """Run a sender call behind every piece handed over before it (on CUDA, through the
         dispatcher: it must not overtake a queued piece)."""
-        self.dispatch.call(fn, _current_event() if on_cuda else None)
+        self.dispatch.call(fn, stream_event() if on_cuda else None)
 
     def close(self) -> None:
         self.dispatch.close()
@@ -284,29 +284,11 @@ def _slots(alloc: Any, req_to_token: Any, req: Any, lo: int, hi: int):
     return out
 
 
-def _current_event():
-    """An event recorded now on the current CUDA stream."""
-    import torch
-
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream())
-    return ev
-
-
-def _stream_event(stream: Any):
-    """An event recorded now on ``stream`` (the current stream when None)."""
-    import torch
-
-    ev = torch.cuda.Event()
-    ev.record(stream if stream is not None else torch.cuda.current_stream())
-    return ev
-
-
 def _event(armed: list[_Armed]):
     """An event on the current stream when the armed tokens live in CUDA pools, else None."""
     if not armed or not _on_cuda(armed[0].sender.kv_mgr):
         return None
-    return _current_event()
+    return stream_event()
 
 
 def _on_cuda(mgr: Any) -> bool:

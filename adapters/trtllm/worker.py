@@ -25,7 +25,7 @@ import torch
 from kvbridge.common.bootstrap import rank_record
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import KVReceiver, KVSender
-from kvbridge.common.ordered_calls import OrderedCalls
+from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 from . import bus as B
 from ._compat import KvCacheConnectorWorker
@@ -300,9 +300,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         dev = getattr(self.layout, "device", None)
         if dev is None or dev.type != "cuda":
             return None
-        ev = torch.cuda.Event()
-        ev.record(stream if stream is not None else torch.cuda.current_stream())
-        return ev
+        return stream_event(stream)
 
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:

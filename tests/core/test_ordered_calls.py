@@ -63,3 +63,22 @@ def test_close_runs_what_is_queued():
     threading.Timer(0.2, gate.done.set).start()
     oc.close(timeout_s=10)
     assert ran == [1, 2]
+
+
+def test_stream_event_is_recorded_on_the_stream_given_else_the_current_one(monkeypatch):
+    """Both plugins' events come from ``stream_event``: recorded on the forward's stream when
+    the hook names one, on the current stream otherwise (torch.cuda stood in for: no GPU here)."""
+    import torch
+
+    from kvbridge.common.ordered_calls import stream_event
+
+    recorded = []
+
+    class FakeEvent:
+        def record(self, stream):
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "current")
+    assert isinstance(stream_event("forward"), FakeEvent) and isinstance(stream_event(), FakeEvent)
+    assert recorded == ["forward", "current"]
