@@ -99,7 +99,19 @@ def server_argv(python: str, model_dir: Path, port: int, role: str, extra: Mappi
             "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(ktc)]
     if not prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if _uses_mla(model_dir) and "--attention-backend" not in extra_args:
+        # vLLM's CPU platform prefers AMX_MLA on AMX hosts (Sapphire Rapids on), which refuses
+        # float32 weights at load and whose cache kvbridge does not describe: ask for CPU_MLA
+        argv += ["--attention-backend", "CPU_MLA"]
     return argv + list(extra_args)
+
+
+def _uses_mla(model_dir: Path) -> bool:
+    """Whether the model at ``model_dir`` has multi-head latent attention (its config names a ``kv_lora_rank``)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("kv_lora_rank") is not None
+    except (OSError, ValueError):
+        return False
 
 
 def start_vllm_server(model_dir: str | os.PathLike, role: str = "kv_both", *, bootstrap: bool = True,

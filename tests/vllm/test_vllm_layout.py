@@ -41,11 +41,14 @@ def run(plan):
 
 @requires_vllm
 def test_layout_matches_vllms_own_kernel():
-    """vLLM's reshape_and_cache (the 'vec' ISA this host selects) writes K/V; kvbridge reads
-    every element back through its vLLM layout, float32 and bfloat16."""
+    """vLLM's reshape_and_cache (its 'vec' ISA) writes K/V; kvbridge reads every element back
+    through its vLLM layout, float32 and bfloat16. Where the backend would pick another ISA on
+    this host (bfloat16 on AMX hosts picks 'amx'), kvbridge refuses that one by name."""
     r = run_script("kernel_layout.py")
     for dt in ("torch.float32", "torch.bfloat16"):
         assert r[dt]["isa"] == "vec" and r[dt]["equal"] is True and r[dt]["nonzero_elems"] > 0, r
+        host = r[dt]["host_isa"]
+        assert host == "vec" or (r[dt]["refused"] and f"ISA {host!r} is not supported" in r[dt]["refused"]), r
 
 
 @pytest.mark.parametrize("other,page", [("sglang", 1), ("sglang", 16), ("trtllm", 32), ("trtllm", 64), ("vllm", 32)])
@@ -140,3 +143,26 @@ def test_bench_vllm_says_why_the_anchor_cannot_run():
     assert out.returncode == 0 and r["ran"] is False, r
     assert r["probe"]["uses_accelerator"] and "accelerator" in r["probe"]["error"], r
     assert "mooncake_connector.py:" in r["reason"] and "current_device_index" in r["reason"]
+
+
+def test_vllm_server_asks_for_cpu_mla_for_an_mla_model(tmp_path):
+    """The demo's vLLM command line names CPU_MLA for a model with latent attention (on AMX
+    hosts vLLM would pick AMX_MLA: float32 weights refused at load, a cache layout kvbridge
+    does not describe), and no backend for any other model or when the caller names one."""
+    import json as _json
+
+    from kvbridge.demo.vllm_server import server_argv
+
+    def argv(config, extra_args=()):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(_json.dumps(config))
+        return server_argv("python", d, 1, "kv_both", {}, block_size=16, kv_cache_bytes=1 << 20, dtype="float32",
+                           failure_policy="recompute", prefix_caching=False, extra_args=extra_args)
+
+    mla = argv({"model_type": "deepseek_v2", "kv_lora_rank": 512})
+    assert mla[mla.index("--attention-backend") + 1] == "CPU_MLA"
+    assert "--attention-backend" not in argv({"model_type": "llama", "num_key_value_heads": 2})
+    assert "--attention-backend" not in argv({"model_type": "deepseek_v2", "kv_lora_rank": None})
+    named = argv({"kv_lora_rank": 512}, extra_args=("--attention-backend", "CPU_MLA"))
+    assert named.count("--attention-backend") == 1

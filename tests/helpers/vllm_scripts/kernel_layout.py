@@ -1,6 +1,8 @@
 """Run in the vLLM venv: vLLM's own CPU kernel writes known K/V into a cache tensor of its
 backend's shape; kvbridge's layout of that tensor must find every element where the
-kernel put it. Prints one JSON line."""
+kernel put it. The 'vec' kernel runs on every x86 host; where the host's backend would
+pick another ISA (bfloat16 on AMX hosts: 'amx', whose blocks interleave tokens and
+dimensions), kvbridge must refuse that ISA by name. Prints one JSON line."""
 
 import json
 import sys
@@ -13,14 +15,15 @@ from vllm import _custom_ops as ops
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from kvbridge.layout import CopySpec, allocate_pool, vllm_cpu_layout
+from kvbridge.layout import CopySpec, LayoutError, allocate_pool, vllm_cpu_layout
 from kvbridge.layout.repack import Gather
 
 current_platform.import_kernels()
 out = {}
 for dtype in (torch.float32, torch.bfloat16):
     nb, nh, bs, hd, layers = 6, 2, 32, 32, 2
-    isa = _get_attn_isa(dtype, bs, hd)
+    host_isa = _get_attn_isa(dtype, bs, hd)  # what the backend picks on this host
+    isa = "vec"
     shape = (nb, nh, bs, 2 * hd)  # what register_kv_caches gets per layer (LBHNC, [B, H, N, 2 * head_size])
     one = torch.zeros((layers,) + tuple(shape), dtype=dtype)
     caches = list(one.unbind(0))
@@ -48,6 +51,12 @@ for dtype in (torch.float32, torch.bfloat16):
     order = np.argsort(np.concatenate([np.asarray(dst.base[l, kv] + np.arange(n)[:, None] * dst.token_stride
                                                   + np.arange(nh)[None, :] * dst.head_stride).reshape(-1)
                                        for l in range(layers) for kv in range(2)]), kind="stable")
-    out[str(dtype)] = {"isa": isa, "shape": list(shape), "equal": bool(torch.equal(rows, want[order])),
+    refused = None
+    if host_isa != isa:
+        try:
+            vllm_cpu_layout(caches, isa=host_isa)
+        except LayoutError as e:
+            refused = str(e)
+    out[str(dtype)] = {"isa": isa, "host_isa": host_isa, "refused": refused, "shape": list(shape), "equal": bool(torch.equal(rows, want[order])),
                        "row_strides": [list(p) for p in lay.row_strides], "nonzero_elems": int((one != 0).sum())}
 print(json.dumps(out))
