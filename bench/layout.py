@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvbridge.bench.machine import machine_notes, spread
+from kvbridge.bench.machine import copy_parts_one_thread, machine_notes, spread
 from kvbridge.common.copyteam import CopyTeam
 from kvbridge.common.rooms import HandoffConfig
 from kvbridge.layout.geometry import dtype_itemsize
@@ -33,7 +33,7 @@ from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
 from kvbridge.layout.segments import count_segments
 from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
-from kvbridge.layout.tiles import native_tile_copy, streamed_copy
+from kvbridge.layout.tiles import native_tile_copy
 from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
 
 __all__ = ["bench_layout"]
@@ -136,16 +136,8 @@ def bench_layout(
         for k, (g, a, b) in enumerate(ps):  # as KVSender's pipeline: parts into the regions of its ring in turn
             g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline, parallel=parallel)
 
-    nb = b.numpy()
-
-    def memcpy_one(into=ring) -> None:
-        """The same bytes part by part into the same ring on one thread, with the C copy's
-        streamed stores (as the gather's; numpy's memcpy where it is not built)."""
-        for k, o in enumerate(range(0, nbytes, part_bytes)):
-            n = min(part_bytes, nbytes - o)
-            d = into[(k % ring_parts) * part_bytes:][:n]
-            if not streamed_copy(d, b[o:o + n]):
-                d.numpy()[:] = nb[o:o + n]
+    def memcpy_one(into=ring) -> None:  # the same bytes part by part into the same ring, one thread
+        copy_parts_one_thread(into, b, part_bytes, ring_parts)
 
     cases = {"memcpy": lambda: a.copy_(b), "memcpy_one": memcpy_one,
              "repack": lambda: chunked(parallel=None),  # KVSender's default

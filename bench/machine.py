@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["machine_notes", "machine_line", "spread", "copy_floor"]
+__all__ = ["machine_notes", "machine_line", "spread", "copy_floor", "copy_parts_one_thread"]
 
 
 def _read(path: str) -> str | None:
@@ -155,8 +155,6 @@ def _one_thread_share(reps: int, part: int = 16 << 20, ring_parts: int = 4) -> d
     cache (256 MiB-1 GiB) copied part by part into a small ring, as a sender's gather reads
     a pool, on one thread (the C copy's streamed stores, numpy's memcpy without it) and on
     all of torch's threads, interleaved; medians of ``reps``."""
-    from kvbridge.layout.tiles import streamed_copy
-
     llc = _llc_bytes(_cores_and_llc(set(os.sched_getaffinity(0)))[1]) if hasattr(os, "sched_getaffinity") else None
     n = min(1 << 30, max(256 << 20, 2 * (llc or 0))) // part * part
     src = torch.ones(n, dtype=torch.uint8)
@@ -164,10 +162,7 @@ def _one_thread_share(reps: int, part: int = 16 << 20, ring_parts: int = 4) -> d
     threads = torch.get_num_threads()
 
     def one() -> None:
-        for k, o in enumerate(range(0, n, part)):
-            d = ring[(k % ring_parts) * part:][:part]
-            if not streamed_copy(d, src[o:o + part]):
-                d.numpy()[:] = src[o:o + part].numpy()
+        copy_parts_one_thread(ring, src, part, ring_parts)
 
     def every() -> None:
         for k, o in enumerate(range(0, n, part)):
@@ -184,6 +179,19 @@ def _one_thread_share(reps: int, part: int = 16 << 20, ring_parts: int = 4) -> d
             "one_thread_gbps": round(n / float(np.median(t[one])) / 1e9, 3),
             "all_threads_gbps": round(n / float(np.median(t[every])) / 1e9, 3),
             "one_thread_share": round(float(np.median([e / o for e, o in zip(t[every], t[one])])), 3)}
+
+
+def copy_parts_one_thread(ring: torch.Tensor, src: torch.Tensor, part: int, ring_parts: int) -> None:
+    """``src`` (uint8 ``[nbytes]``) copied part by part into the regions of ``ring`` (uint8
+    ``[ring_parts * part]``) in turn, on the calling thread: the C copy's streamed stores (a
+    gather's), numpy's memcpy where the C copy is not built or cannot stream a part."""
+    from kvbridge.layout.tiles import streamed_copy
+
+    for k, o in enumerate(range(0, src.numel(), part)):
+        s = src[o:o + part]
+        d = ring[(k % ring_parts) * part:][:s.numel()]
+        if not streamed_copy(d, s):
+            d.numpy()[:] = s.numpy()
 
 
 def _llc_bytes(llc: str | None) -> int | None:

@@ -43,6 +43,16 @@ def _continues(a: "_Chunk", b: "_Chunk") -> bool:
             and (a.blocks is b.blocks or np.array_equal(a.blocks, b.blocks)))
 
 
+def _shape_of_prestage(pre: "_Prestaged | None", t: "_Target", c: "_Chunk") -> bool:
+    """Whether target ``t``'s request for chunk ``c`` has the shape ``pre`` was gathered for:
+    every token of ``c`` from the first, into a layout like the one prestaged for (its block
+    order is checked apart, once the plan is made)."""
+    req = t.request
+    return (pre is not None and pre.chunk is c and req.token_start == 0 and req.first_token == 0
+            and req.token_stop == c.stop
+            and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key))
+
+
 @dataclass(frozen=True)
 class _Prestaged:
     """A room's first staged part, gathered after its last chunk and before any request
@@ -148,10 +158,7 @@ class SendPipeline:
         pre = r.prestaged
         if pre is None:
             return None
-        req = t.request
-        if (plan.kind is PlanKind.STAGED_SEND and pre.chunk is c and req.token_start == 0
-                and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key)
-                and req.first_token == 0 and req.token_stop == c.stop and plan.nbytes == pre.nbytes
+        if (plan.kind is PlanKind.STAGED_SEND and _shape_of_prestage(pre, t, c) and plan.nbytes == pre.nbytes
                 and t.blocks.size >= pre.nblk and bool(np.all(t.blocks[1:pre.nblk] > t.blocks[:pre.nblk - 1]))):
             return pre
         self._drop_prestage(r, used=False)
@@ -228,10 +235,7 @@ class SendPipeline:
         payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, remote).count * lay.head_bytes
         fits = payload <= req.staging_bytes - t.staged_bytes
         kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
-        pre = r.prestaged
-        if (pre is not None and pre.chunk is c and PlanKind.STAGED_SEND in kinds and req.token_start == 0
-                and req.first_token == 0 and req.token_stop == c.stop
-                and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key)):
+        if PlanKind.STAGED_SEND in kinds and _shape_of_prestage(r.prestaged, t, c):
             # the prestage planned this request's shape for this layout: a staged send, which
             # costs no estimate of the other kinds (a third of planning a 128-token request)
             kinds = (PlanKind.STAGED_SEND,)
