@@ -41,7 +41,15 @@ FAULT_ROWS = [
 NOT_APPLICABLE = {("sglang", "gate_recompute"): "n/a: SGLang 0.5.23's disaggregated decode cannot compute a prompt; "
                   "its gate fails the request fast (tests/sglang/test_sglang_backend.py)"}
 PLUGINS = [("sglang", "SGLang plugin"), ("trtllm", "TensorRT-LLM plugin")]
-TESTS = ("tests/faults/test_faults.py", "tests/faults/test_cross_host.py")
+TESTS = ("tests/faults/test_faults.py", "tests/faults/test_cross_host.py", "tests/faults/test_release_rule.py")
+RELEASE_ROWS = [
+    ("abort_decode", "decode abort"),
+    ("abort_prefill", "prefill abort, its write timeout (1 s) passed twice over while the piece is held"),
+    ("deadline", "the decode's deadline"),
+    ("sigstop_prefill", "prefill stopped (SIGSTOP) past the peer timeout, then resumed"),
+    ("conflict", "a replay of the decode's request served first; the genuine one refused (conflict)"),
+    ("kill_prefill", "prefill killed (SIGKILL)"),
+]
 
 
 def _checkout() -> str:
@@ -63,11 +71,11 @@ def run_faults(opts: dict) -> dict:
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
     res: dict = {"pytest_rc": proc.returncode, "pytest_summary": summary, "skipped": skipped,
                  "seconds": round(time.monotonic() - t0, 1), "rows": [], "cross_host": {}}
-    for name, key in (("faults.json", "rows"), ("cross_host.json", "cross_host")):
+    for name, key in (("faults.json", "rows"), ("cross_host.json", "cross_host"), ("release.json", "release")):
         path = os.path.join(out, name)
         if os.path.exists(path):
             data = json.load(open(path))
-            res[key] = data["rows"] if key == "rows" else data
+            res[key] = data["rows"] if key in ("rows", "release") else data
             if key == "rows":
                 res["peer_timeout_s"] = data.get("peer_timeout_s")
     if proc.returncode != 0:
@@ -142,6 +150,39 @@ def render_faults(r: dict) -> str:
         lines.append(f"| link cut mid-transfer ({what}) | " + _cell(cut)
                      + (f"; prefill blocks back after {cut['blocks_back_s']} s" if cut and "blocks_back_s" in cut else "")
                      + " |")
+    lines += _render_release(r.get("release") or [])
     if r.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(s.replace("SKIPPED ", "") for s in r["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def _release_cell(x: dict | None) -> str:
+    if x is None:
+        return "not run"
+    flight = (f"{x['engine_pieces']} piece(s), {x['engine_bytes']:,} B in the transfer engine + "
+              f"{x['held_bytes']:,} B held past the write guard")
+    if "released_s" in x:
+        how = f"blocks back {x['released_s']:.2f} s after the kill (process gone)"
+    else:
+        how = (f"Failed {x['failed_s']:.2f} s after the fault; " if "failed_s" in x else "") + \
+              f"{x['quarantined_blocks']} blocks quarantined {x['quarantined_s']:.2f} s until the sender proved quiet"
+    return f"{'ok' if x.get('poison_ok') else 'LATE WRITE'}: {flight}; {how}; poisoned blocks unchanged"
+
+
+def _render_release(rows: list[dict]) -> list[str]:
+    """The release-rule table (tests/faults/test_release_rule.py)."""
+    if not rows:
+        return []
+    by = {(x["plan"], x["fault"]): x for x in rows}
+    plans = sorted({x["plan"] for x in rows})
+    out = ["", "Release rule (tests/faults/test_release_rule.py): prefill and decode processes over Mooncake TCP with "
+           "the transport as shipped (4 MiB pieces, up to 1024 in flight per peer), 32 MiB of KV per room, a direct "
+           "plan of about a thousand segments and a staged send of parts up to 8 MiB. The sender's second piece is "
+           "held past its write guard while the fault is injected, and let go only once the decode has reported "
+           "Failed; every block the decode's engine gets back is filled with a poison pattern at that moment and "
+           "read again after the sender settled or died. A cell: what was in flight at the fault, how the room "
+           "ended, how long its blocks stayed quarantined.", "",
+           "| fault | " + " | ".join(plans) + " |", "|---|" + "---|" * len(plans)]
+    for key, label in RELEASE_ROWS:
+        out.append(f"| {label} | " + " | ".join(_release_cell(by.get((p, key))) for p in plans) + " |")
+    return out

@@ -15,6 +15,11 @@ on the sockets, which other threads may be using), reads them, hands each messag
 ``on_message(peer, payload)`` and runs ``on_tick()`` at least every ``tick_s`` for
 deadlines and heartbeats, each time before the messages that arrived since the last one
 are read (and after queued sends are flushed).
+
+With ``on_disconnect``, each DEALER is watched (a ZMQ socket monitor): when its TCP
+connection to a prefill endpoint closes (the process there exited or was killed, so the
+kernel closed its sockets), ``on_disconnect(endpoint)`` runs on the I/O thread. A
+stopped process or a partition closes nothing, so neither is reported.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class ControlChannel:
         on_message: Callable[[str, bytes], None],
         on_tick: Callable[[], None] | None = None,
         *,
+        on_disconnect: Callable[[str], None] | None = None,
         bind_host: str | None = None,
         port: int = 0,
         tick_s: float = 0.05,
@@ -52,6 +58,8 @@ class ControlChannel:
         self._ctx = zmq.Context.instance()
         self._on_message = on_message
         self._on_tick = on_tick or (lambda: None)
+        self._on_disconnect = on_disconnect
+        self._monitors: dict[zmq.Socket, str] = {}  # the I/O thread's: DEALER monitor -> its endpoint
         self._tick_ms = max(1, int(tick_s * 1000))
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://kvbridge-wake-{id(self)}-{next(_ids)}"
@@ -168,10 +176,33 @@ class ControlChannel:
             s.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             s.setsockopt(zmq.SNDHWM, self._hwm)
             s.setsockopt(zmq.RCVHWM, self._hwm)
+            if self._on_disconnect is not None:  # before connect: no event is missed
+                mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._monitors[mon] = endpoint
+                self._poller.register(mon, zmq.POLLIN)
             s.connect(endpoint)
             self._dealers[endpoint] = s
             self._poller.register(s.getsockopt(zmq.FD), zmq.POLLIN)
         return s
+
+    def _watch(self, events: dict) -> None:
+        """Report the DEALER connections that closed since the last poll."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        for mon, ep in list(self._monitors.items()):
+            if mon not in events:
+                continue
+            while mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                    log.info("control connection to %s closed", ep)
+                    try:
+                        self._on_disconnect(ep)
+                    except Exception:
+                        log.exception("control disconnect handler failed for %s", ep)
 
     def _flush(self) -> None:
         """Send what waited for a DEALER to be connected (all of it under the lock, so that
@@ -208,6 +239,8 @@ class ControlChannel:
                     while self._wake_rx.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         self._wake_rx.recv(zmq.NOBLOCK)
                 self._flush()
+                if self._monitors:
+                    self._watch(events)
                 # deadlines and silences next, on what was seen before this poll: a process
                 # resuming from a stall (SIGSTOP, a long pause) judges its peers by that, not
                 # by the frames they queued while it was stopped
@@ -234,6 +267,8 @@ class ControlChannel:
         finally:
             with self._sock_lock:
                 self._closed = True
+                for mon in self._monitors:
+                    mon.close(0)
                 for s in self._dealers.values():
                     s.close(0)
                 if self._router is not None:

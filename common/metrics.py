@@ -9,6 +9,10 @@ Prometheus names (all prefixed ``kvbridge_``):
 - ``handoff_transfer_gbps{role, plan}``: histogram of payload GB/s
 - ``handoffs_inflight{role}``: gauge
 - ``blocks_held{role}``: gauge of blocks leased to handoffs and not yet released
+- ``quarantined_blocks{role, peer, reason}``: gauge of blocks of ended rooms kept from
+  the engine because ``peer`` may still write into (or read from) them; released the
+  moment that peer is proven quiet (``reason``: why the room ended)
+- ``quarantines_total{role, reason}``: rooms whose blocks entered quarantine
 - ``fallbacks_total{role, reason}``: requests whose KV was not moved (``reason``:
   ``below_break_even``: the cost gate judged recomputing on the decode side cheaper;
   ``handoff_failed``: a failed handoff was recomputed, TensorRT-LLM decode), counted by
@@ -90,6 +94,10 @@ class KVBridgeMetrics:
         )
         self.inflight = Gauge("kvbridge_handoffs_inflight", "Handoffs in progress", ["role"], registry=r)
         self.blocks_held = Gauge("kvbridge_blocks_held", "Blocks leased to handoffs", ["role"], registry=r)
+        self.quarantined = Gauge("kvbridge_quarantined_blocks", "Blocks of ended rooms kept from the engine until "
+                                 "the peer that may write into them is proven quiet", ["role", "peer", "reason"], registry=r)
+        self.quarantines = Counter("kvbridge_quarantines", "Rooms whose blocks entered quarantine", ["role", "reason"],
+                                   registry=r)
         self.fallbacks = Counter("kvbridge_fallbacks", "Requests whose KV was not moved (decode side computes it)",
                                  ["role", "reason"], registry=r)
         self.prestaged = Counter("kvbridge_prestaged_parts", "First parts a sender gathered before the request came, "

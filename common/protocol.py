@@ -158,16 +158,23 @@ class TransferDone(_Msg, tag="transfer_done", kw_only=True):
 
 class TransferFailed(_Msg, tag="transfer_failed", kw_only=True):
     """Either way: room ``room``'s transfer failed; ``code`` is a short machine-readable
-    cause (e.g. ``layout_mismatch``, ``timeout``, ``transport``, ``auth``)."""
+    cause (e.g. ``layout_mismatch``, ``timeout``, ``transport``, ``auth``). From a sender,
+    ``quiet`` asserts that nothing of the room is still inside its transport toward the
+    decode rank it answers, and that nothing more will be written: the proof a receiver
+    waits for before its blocks go back to its engine (``code="settled"``: only that)."""
 
     reason: Reason
     code: Code
+    quiet: bool = False
 
 
 class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
-    """Either way: ``sender`` is still working on room ``room``."""
+    """Either way: ``sender`` is still working on room ``room``. A sender's reply carries
+    its ``incarnation`` (fixed for the process's life): another value behind the same
+    endpoint means the process that held its rooms was replaced."""
 
     sender: Name
+    incarnation: Name = ""
 
 
 class Abort(_Msg, tag="abort", kw_only=True):

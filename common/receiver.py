@@ -3,9 +3,18 @@
 It allocates nothing itself: the decode engine hands it a room's blocks, and it sends
 every prefill rank holding part of the request a ``TransferRequest`` (its layout, block
 ids, the tokens it already holds, its transfer-engine session, an auth tag), then waits
-for each one's ``TransferDone``. A receiver that gives up while a sender may still be
-writing reports Failed only once every sender acknowledged, died, or ``quiesce_s``
-passed, so its blocks are not reused under a write.
+for each one's ``TransferDone``.
+
+The release rule: a room's blocks go back to the engine only when no sender can still
+write into them. A sender is proven quiet when its writes completed (its Done), when it
+acknowledged the room's end with nothing left in its transport (a ``quiet``
+TransferFailed), when its control connection closed (its process is gone; then
+``gone_drain_s`` for what its kernel had queued), or when its endpoint answers with
+another incarnation (the process was replaced). A timer alone never proves it. A failing
+room reports Failed once every sender is quiet or after ``quiesce_s``; blocks a sender
+may still write are then *quarantined*: kept from the engine, counted
+(``kvbridge_quarantined_blocks{peer, reason}``), logged once, re-asked to stop every
+heartbeat, and released the moment the proof arrives.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ class _RecvRoom:
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
     closing_since: float | None = None
+    quarantine: tuple[str, str, int] | None = None  # (peer, reason, blocks) counted in the quarantine gauge
+    forgotten: bool = False  # forget() came while quarantined: dropped once released
     aux: dict = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -75,6 +86,9 @@ class KVReceiver(ControlSide):
         self._rooms: dict[int, _RecvRoom] = {}
         self._declined: deque = deque(maxlen=4096)  # rooms declined lately (their acks are expected)
         self._last_ping = 0.0
+        self._closed_at: dict[str, tuple[float, int]] = {}  # prefill endpoint -> (when its control connection closed, ping then)
+        self._ping = 0  # heartbeat round: a sender echoes it, so a reply to a later round came over a new connection
+        self._incarnation: dict[str, str] = {}  # prefill endpoint -> the incarnation its heartbeats carry
         self._layout_desc = layout.describe()  # what every request carries (the layout never changes)
         super().__init__(layout, transport, config, metrics, bind_host=None)
         for t in layout.tensors or ():
@@ -154,6 +168,28 @@ class KVReceiver(ControlSide):
         r = self._rooms.get(room)
         return r.state if r is not None else RoomState.FAILED
 
+    def quarantined(self, room: int) -> bool:
+        """Whether the room ended while a sender may still write into its blocks, which the
+        engine therefore does not have back yet (False for an unknown room)."""
+        r = self._rooms.get(room)
+        return r is not None and r.state is RoomState.FAILED and not r.lease.released
+
+    def settled(self, room: int) -> bool:
+        """Whether the engine may have room ``room``'s blocks: it ended and no sender can
+        write into them any more (True for a room this receiver does not know)."""
+        r = self._rooms.get(room)
+        return r is None or (r.state in TERMINAL and r.lease.released)
+
+    def quarantine(self) -> list[dict]:
+        """Every quarantined room: ``room``, ``blocks``, ``peers`` not proven quiet, ``reason``,
+        ``seconds`` since it ended (for ``kvbridge doctor`` and operators)."""
+        now = time.monotonic()
+        with self._lock:
+            return [{"room": r.room, "blocks": int(r.lease.blocks.size), "reason": r.reason,
+                     "peers": [ep for ep, s in r.peers.items() if s not in (PeerState.DONE, PeerState.FAILED)],
+                     "seconds": round(now - (r.record.finished or now), 3)}
+                    for r in self._rooms.values() if r.state is RoomState.FAILED and not r.lease.released]
+
     def wait(self, room: int, timeout_s: float | None = None) -> RoomState:
         """Block until the room is Success or Failed (or ``timeout_s``); returns the state."""
         r = self._rooms.get(room)
@@ -209,23 +245,32 @@ class KVReceiver(ControlSide):
         return rec
 
     def forget(self, room: int) -> None:
-        """Drop a finished room's bookkeeping."""
+        """Drop a finished room's bookkeeping (a quarantined room's once it is released)."""
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.state in TERMINAL:
-                del self._rooms[room]
+                if r.lease.released:
+                    del self._rooms[room]
+                else:
+                    r.forgotten = True
 
     def close(self) -> None:
-        """Fail open rooms and stop the control channel."""
+        """Fail open rooms and stop the control channel. Blocks still quarantined are not
+        given back: the engine is going away with them."""
         for room in list(self._rooms):
             self._begin_fail(room, "receiver shutting down", code="shutdown", notify=True)
             self._finish_fail(self._rooms[room])
+        left = self.quarantine()
+        if left:
+            log.warning("receiver: closing with %d room(s) quarantined (%d blocks never given back)",
+                        len(left), sum(q["blocks"] for q in left))
         self._scatter_pool.shutdown(wait=True, cancel_futures=True)
         super().close()
 
     # -- control plane (I/O thread) -----------------------------------------------------
     def _on_message(self, peer: str, msg) -> None:
         if isinstance(msg, P.Heartbeat):
+            self._on_heartbeat(peer, msg)
             return
         r = self._rooms.get(getattr(msg, "room", -1))
         if r is None or peer not in r.peers:
@@ -243,17 +288,19 @@ class KVReceiver(ControlSide):
             self._peer_done(r, peer, msg)
         elif isinstance(msg, P.TransferFailed):
             with self._lock:
-                r.peers[peer] = PeerState.FAILED
-            if r.closing_since is None:
+                if msg.quiet:
+                    r.peers[peer] = PeerState.FAILED  # proven quiet
+                elif r.peers[peer] is not PeerState.FAILED:
+                    r.peers[peer] = PeerState.STOPPING  # it says it failed, not that nothing of it is in flight
+            if msg.code != "settled" and r.state not in TERMINAL and r.closing_since is None:
                 self._begin_fail(r.room, f"prefill {peer} failed the room: {msg.reason}", code=msg.code, notify=True)
-            if self._quiet(r):
-                self._finish_fail(r)
+            self._advance(r)
         elif isinstance(msg, P.Abort):
             with self._lock:
-                r.peers[peer] = PeerState.FAILED
-            self._begin_fail(r.room, f"aborted by prefill: {msg.reason}", code="aborted", notify=True)
-            if self._quiet(r):
-                self._finish_fail(r)
+                if r.peers[peer] is not PeerState.FAILED:
+                    r.peers[peer] = PeerState.STOPPING  # until its quiet acknowledgement
+            self._begin_fail(r.room, f"aborted by prefill: {msg.reason}", code="aborted", notify=False)
+            self._advance(r)
 
     def _peer_done(self, r: _RecvRoom, peer: str, msg) -> None:
         nl = self.layout.num_layers
@@ -269,12 +316,11 @@ class KVReceiver(ControlSide):
         short = self._short_write(r, peer, msg, all_done)
         if short and r.state not in TERMINAL and r.closing_since is None:
             self._begin_fail(r.room, short, code="short_write", notify=True)
-            if self._quiet(r):
-                self._finish_fail(r)
+            self._advance(r)
         elif all_done and r.state not in TERMINAL and r.closing_since is None:
             self._succeed(r)
-        elif r.closing_since is not None and self._quiet(r):
-            self._finish_fail(r)
+        else:
+            self._advance(r)
 
     def _short_write(self, r: _RecvRoom, peer: str, msg, all_done: bool) -> str:
         """Why the senders' Done (``msg`` from ``peer`` the latest; ``all_done``: every
@@ -319,10 +365,9 @@ class KVReceiver(ControlSide):
             if not isinstance(e, (LayoutError, ValueError)):
                 log.exception("receiver: room %s: scatter of what %s staged crashed", r.room, peer)
             with self._lock:
-                r.peers[peer] = PeerState.FAILED
+                r.peers[peer] = PeerState.FAILED  # it wrote into our staging only, and is done with it
             self._begin_fail(r.room, f"cannot scatter what prefill {peer} staged: {e}", code="staging", notify=True)
-            if self._quiet(r):
-                self._finish_fail(r)
+            self._advance(r)
             return
         self._peer_done(r, peer, msg)
 
@@ -332,17 +377,73 @@ class KVReceiver(ControlSide):
         r.staging.clear()
 
     def _quiet(self, r: _RecvRoom) -> bool:
-        """No sender of this room can still be writing."""
-        return all(v not in (PeerState.PENDING, PeerState.SCATTERING) for v in r.peers.values())
+        """No sender of this room can still be writing (and no scatter of ours is running)."""
+        return all(v in (PeerState.DONE, PeerState.FAILED) for v in r.peers.values())
+
+    def _advance(self, r: _RecvRoom) -> None:
+        """After a peer's state changed: a failing room ends once quiet, a quarantined
+        room is released once quiet."""
+        if r.state is RoomState.FAILED:
+            if not r.lease.released and self._quiet(r):
+                self._release_quarantine(r)
+        elif r.closing_since is not None and self._quiet(r):
+            self._finish_fail(r)
+
+    def _on_heartbeat(self, peer: str, msg: P.Heartbeat) -> None:
+        """A sender's heartbeat reply: one from another incarnation than before means the
+        process that held our rooms was replaced (the proof of a restart)."""
+        if not msg.incarnation:
+            return
+        known = self._incarnation.get(peer)
+        self._incarnation[peer] = msg.incarnation
+        if known is not None and known != msg.incarnation:
+            self._closed_at.pop(peer, None)
+            self._peer_gone(peer, f"prefill {peer} restarted (incarnation {known} -> {msg.incarnation})")
+        elif peer in self._closed_at and msg.room > self._closed_at[peer][1]:
+            del self._closed_at[peer]  # the same process answered over a new connection: it lives
+
+    def _on_disconnect(self, peer: str) -> None:
+        if peer not in self._closed_at:
+            self._ping += 1
+            self._closed_at[peer] = (time.monotonic(), self._ping)
+            self._send(peer, P.Heartbeat(room=self._ping, sender=self.transport.session_id))  # alive? it answers
+
+    def _peer_gone(self, peer: str, why: str) -> None:
+        """``peer``'s process is gone: nothing of it can be writing any more. Its rooms fail
+        (if still open) and are released once otherwise quiet."""
+        for r in list(self._rooms.values()):
+            with self._lock:
+                st = r.peers.get(peer)
+                if st not in (PeerState.PENDING, PeerState.STOPPING):
+                    continue
+                r.peers[peer] = PeerState.FAILED
+            if r.state not in TERMINAL and r.closing_since is None:
+                self._begin_fail(r.room, f"prefill peer {peer} unreachable: {why}", code="peer_gone", notify=True)
+            self._advance(r)
 
     def _on_tick(self) -> None:
         now = time.monotonic()
         cfg = self.config
+        for ep, (t, _) in list(self._closed_at.items()):
+            if now - t >= cfg.gone_drain_s:  # nobody answered there since: its process is gone
+                del self._closed_at[ep]
+                self._peer_gone(ep, "its control connection closed (process gone)")
         if now - self._last_ping >= cfg.heartbeat_s:
             self._last_ping = now
-            waiting = {ep for r in self._rooms.values() if r.state not in TERMINAL for ep, s in r.peers.items() if s is PeerState.PENDING}
-            for ep in waiting:
-                self._send(ep, P.Heartbeat(room=0, sender=self.transport.session_id))
+            waiting, stopping = set(), {}
+            for r in list(self._rooms.values()):
+                live = r.state not in TERMINAL
+                for ep, s in list(r.peers.items()):
+                    if s is PeerState.PENDING and live:
+                        waiting.add(ep)
+                    elif s is PeerState.STOPPING or (s is PeerState.PENDING and r.closing_since is not None):
+                        stopping.setdefault(ep, []).append(r)  # not proven quiet: asked again until it answers
+            self._ping += 1
+            for ep in waiting | set(stopping):
+                self._send(ep, P.Heartbeat(room=self._ping, sender=self.transport.session_id))
+            for ep, rooms in stopping.items():
+                for r in rooms:
+                    self._send(ep, self._abort_msg(r.room, r.reason))
         for r in list(self._rooms.values()):
             if r.state in TERMINAL:
                 continue
@@ -356,12 +457,14 @@ class KVReceiver(ControlSide):
             for ep, s in list(r.peers.items()):
                 if s is PeerState.PENDING and now - self._peers_seen.get(ep, now) > cfg.peer_timeout_s:
                     with self._lock:
-                        r.peers[ep] = PeerState.FAILED  # gone: it cannot be writing any more
+                        r.peers[ep] = PeerState.STOPPING  # silent: stopped, partitioned or dead, we cannot tell
                     self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s",
                                      code="peer_gone", notify=True)
                     break
-            if r.closing_since is not None and self._quiet(r):
-                self._finish_fail(r)
+
+    def _abort_msg(self, room: int, reason: str) -> P.Abort:
+        msg = P.Abort(room=room, reason=(reason or "aborted by decode")[:4000])
+        return P.sign(msg, self.config.secret) if self.config.secret else msg
 
     def _succeed(self, r: _RecvRoom) -> None:
         with self._lock:
@@ -387,17 +490,46 @@ class KVReceiver(ControlSide):
         log.warning("receiver: room %s failing: %s", room, reason)
         if notify:
             for ep, s in list(r.peers.items()):
-                if s is PeerState.PENDING:
-                    self._send(ep, P.Abort(room=room, reason=reason))
+                if s in (PeerState.PENDING, PeerState.STOPPING):
+                    self._send(ep, self._abort_msg(room, reason))
 
     def _finish_fail(self, r: _RecvRoom) -> None:
+        """The room reports Failed: its blocks go back now if every sender is quiet, else
+        they are quarantined until the last one is."""
         with self._lock:
             if r.state in TERMINAL:
                 return
             r.state = RoomState.FAILED
             r.record.finished = time.monotonic()
-        self._free_staging(r)
-        r.lease.release(False)
+            quiet = self._quiet(r)
+            if not quiet:
+                loud = [ep for ep, s in r.peers.items() if s not in (PeerState.DONE, PeerState.FAILED)]
+                reason = r.record.result if r.record.result in ("aborted",) else (r.reason.split(":")[0][:48] or "failed")
+                r.quarantine = (",".join(loud)[:200], reason, int(r.lease.blocks.size))
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(r.record)
+        if quiet:
+            self._free_staging(r)
+            r.lease.release(False)
+        else:
+            peer, reason, n = r.quarantine
+            self.metrics.child(self.metrics.quarantined, self.role, peer, reason).inc(n)
+            self.metrics.child(self.metrics.quarantines, self.role, reason).inc()
+            log.warning("receiver: room %s quarantined: %d block(s) kept from the engine until %s is proven quiet "
+                        "(%s)", r.room, n, peer, r.reason)
         r.done.set()
+
+    def _release_quarantine(self, r: _RecvRoom) -> None:
+        """Every sender of a quarantined room is now proven quiet: its blocks go back."""
+        with self._lock:
+            q, r.quarantine = r.quarantine, None
+        if q is None:
+            return
+        self._free_staging(r)
+        if r.lease.release(False):
+            self.metrics.child(self.metrics.quarantined, self.role, q[0], q[1]).dec(q[2])
+            log.warning("receiver: room %s released from quarantine after %.2f s: %s proven quiet", r.room,
+                        time.monotonic() - (r.record.finished or time.monotonic()), q[0])
+        with self._lock:
+            if r.forgotten and self._rooms.get(r.room) is r:
+                del self._rooms[r.room]

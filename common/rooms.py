@@ -45,8 +45,9 @@ class PeerState(str, enum.Enum):
 
     PENDING = "pending"  # asked; it may be writing into the room's blocks
     SCATTERING = "scattering"  # done writing into our staging; our scatter into the blocks is running
-    DONE = "done"  # its part has landed
-    FAILED = "failed"  # it failed the room, or is gone: it cannot be writing any more
+    DONE = "done"  # its part has landed (every write of it completed)
+    STOPPING = "stopping"  # failed, told to stop, or silent: it may still be writing (not proven quiet)
+    FAILED = "failed"  # proven quiet: it acknowledged with nothing in flight, or its process is gone
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class HandoffConfig:
     deadline_s: float = 60.0  # a room must finish within this after it starts
     heartbeat_s: float = 1.0  # receivers ping the senders they wait on this often
     peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
-    quiesce_s: float = 1.0  # how long a failing receiver waits for its sender to stop writing
+    quiesce_s: float = 1.0  # a failing receiver reports Failed after this at most; blocks a sender may still write stay quarantined
+    gone_drain_s: float = 1.0  # a sender whose control connection closed and that answers no probe within this is gone
     chunk_bytes: int = 64 << 20  # a sender prepares the gather of this much payload at a time
     part_bytes: int = 16 << 20  # one gather + one write of a staged send (the ring's region size)
     ring_parts: int = 4  # regions of a sender worker's staging ring: parts gathered ahead of the wire
@@ -109,6 +111,7 @@ class ControlSide:
         self._lock = threading.RLock()
         self._peers_seen: dict[str, float] = {}
         self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
+                                      on_disconnect=self._on_disconnect if bind_host is None else None,
                                       name=f"kvbridge-{self.role}")
 
     def _count_blocks(self, n: int) -> None:
@@ -128,6 +131,9 @@ class ControlSide:
             self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
             return
         self._on_message(peer, msg)
+
+    def _on_disconnect(self, peer: str) -> None:
+        """I/O thread: the control connection to ``peer`` closed (receivers only)."""
 
     def _on_message(self, peer: str, msg) -> None:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -26,7 +26,7 @@ from kvbridge.layout.repack import Gather
 
 from . import protocol as P
 from .rooms import TERMINAL, HandoffFailed, RoomState
-from .transport import TransportError
+from .transport import TransportError, WriteHandle
 
 if TYPE_CHECKING:  # the sender's room records (kvbridge.common.sender imports this module)
     from .sender import _Chunk, _SendRoom, _Target
@@ -269,8 +269,7 @@ class SendPipeline:
             self._drop_prestage(r, used=False)
             t0 = time.perf_counter()
             rec.wrote_at = rec.wrote_at or time.monotonic()
-            h = self.transport.write_async(req.session, wire.src, wire.dst, wire.length, deadline,
-                                           guard=functools.partial(self._stop_reason, r, t.peer))
+            h = self._write(req.session, wire, deadline, functools.partial(self._stop_reason, r, t.peer))
             try:
                 self._await(r, h, peer=t.peer, last=True)
             finally:
@@ -333,8 +332,7 @@ class SendPipeline:
                     rec.wrote_at = rec.wrote_at or time.monotonic()
                     pre_bytes = pre.rows * pre.gather.row_bytes
                     w = chunk.wire.window(0, pre_bytes).shifted(src_by=pre.addr)
-                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
-                                                               guard=guard))
+                    inflight.append(self._write(session, w, end - time.monotonic(), guard))
                     rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1
                     k, a, want = k + 1, pre.rows, max(want, pre_bytes)
@@ -362,8 +360,7 @@ class SendPipeline:
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     rec.wrote_at = rec.wrote_at or time.monotonic()
                     w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
-                    inflight.append(self.transport.write_async(session, w.src, w.dst, w.length, end - time.monotonic(),
-                                                               guard=guard))
+                    inflight.append(self._write(session, w, end - time.monotonic(), guard))
                     rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1
                     k, a = k + 1, b
@@ -413,11 +410,27 @@ class SendPipeline:
                         "it has given the room up; no more writes into its blocks")
         return None
 
+    def _write(self, session: str, w, deadline_s: float, guard) -> "WriteHandle":
+        """Start writing wire segments ``w`` to ``session``. A write that fails as it starts
+        (its guard stopped it, a submit failed) is settled before the error goes on: pieces
+        it handed the engine first may still land."""
+        try:
+            return self.transport.write_async(session, w.src, w.dst, w.length, deadline_s, guard=guard)
+        except TransportError as e:
+            h = getattr(e, "handle", None)
+            if h is not None:
+                self._settle_write(h)
+            raise
+
     def _settle_write(self, h) -> None:
-        """After a write ended (or to end it): make sure the engine holds none of its pieces,
-        so our staging slot and the peer's blocks may be reused."""
+        """After a write ended (or to end it): wait until the engine holds none of its
+        pieces, so our staging slot and the peer's blocks may be reused. No timeout: until
+        then a piece may still land (the transfer engine ends each piece itself, at its own
+        transfer timeout); logged every ``write_timeout_s``."""
         if not h.done:
             h.abort("room failed")
-        if not h.settle(self.config.write_timeout_s):
-            log.error("sender: pieces of a failed write are still in the transfer engine after %.1f s",
-                      self.config.write_timeout_s)
+        waited = 0.0
+        while not h.settle(self.config.write_timeout_s):
+            waited += self.config.write_timeout_s
+            log.error("sender: pieces of a failed write to %s are still in the transfer engine after %.0f s; the room "
+                      "stays unsettled (its decode blocks quarantined) until they are out", h.peer, waited)

@@ -6,6 +6,13 @@ receiver allocated for that room), and as each prefill chunk's KV is ready has a
 worker plan and write it (``kvbridge.common.send_pipeline``). Rooms have deadlines; a
 decode peer silent for ``peer_timeout_s`` is gone; ``abort`` and a decode's ``Abort``
 end a room; its blocks go back exactly once (``BlockLease``).
+
+A room that ends while a send worker holds it is *settled* first: no further piece goes
+out (each is guarded right before it enters the transport), and every piece already in
+the transport is waited out, however long that takes. Only then are its decode ranks
+told, with a ``quiet`` TransferFailed (their proof that nothing more lands in their
+blocks), its source blocks released, and ``poll`` answers Failed. No timer cuts this
+short.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -89,6 +97,8 @@ class _SendRoom:
     prestage_tried: bool = False
     layer_cursor: tuple[int, int, int] | None = None  # layer-wise: (start, stop, next layer) of the open token range
     forgotten: bool = False  # forget() came while a send worker held the room: dropped when it lets go
+    settled: bool = False  # ended, and nothing of it is in the transport any more (its decode ranks were told)
+    watchers: set = field(default_factory=set)  # decode peers refused while the room may write to their session: told once settled
 
     def note_plan_reason(self) -> None:
         """Put the latest plan's explanation into the record (built off the send's critical path)."""
@@ -122,6 +132,7 @@ class KVSender(ControlSide, SendPipeline):
         self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
         self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
         self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers
+        self.incarnation = uuid.uuid4().hex[:16]  # this process's sender: a restart behind the same endpoint changes it
         super().__init__(layout, transport, config, metrics, bind_host=host)
         if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
@@ -243,9 +254,15 @@ class KVSender(ControlSide, SendPipeline):
         self._kick(r)
 
     def poll(self, room: int) -> RoomState:
-        """The room's state (Failed for an unknown room)."""
+        """The room's state as its engine may act on it (Failed for an unknown room): a
+        failed room reads Transferring until it settled, since a piece still in the
+        transport may read its source blocks."""
         r = self._rooms.get(room)
-        return r.state if r is not None else RoomState.FAILED
+        if r is None:
+            return RoomState.FAILED
+        if r.state is RoomState.FAILED and not r.settled:
+            return RoomState.TRANSFERRING
+        return r.state
 
     def requests(self, room: int) -> list[P.TransferRequest]:
         """The accepted TransferRequests of the room's decode ranks (e.g. to learn the
@@ -294,7 +311,7 @@ class KVSender(ControlSide, SendPipeline):
         if isinstance(msg, P.TransferRequest):
             self._accept(peer, msg)
         elif isinstance(msg, P.Heartbeat):
-            self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint))
+            self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint, incarnation=self.incarnation))
         elif isinstance(msg, P.Abort):
             self._on_abort(peer, msg)
         else:
@@ -313,6 +330,9 @@ class KVSender(ControlSide, SendPipeline):
             if msg.room in self._early and not self._early[msg.room]:
                 del self._early[msg.room]
         if target:
+            if r.state in TERMINAL:  # asked again (our answer was lost, or it came before we settled)
+                self._answer_when_settled(r, peer)
+                return
             self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
             return
         if self.config.secret and not asked and not P.verify(msg, self.config.secret):
@@ -321,13 +341,35 @@ class KVSender(ControlSide, SendPipeline):
         if r is None:
             with self._lock:
                 self._declined[msg.room] = (msg.reason, time.monotonic())
-            self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown", code="unknown_room"))
+            self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown",
+                                              code="unknown_room", quiet=True))  # nothing of it was ever in flight
+            return
+        if r.state in TERMINAL:  # e.g. a decode refused while a replay of its request was served: told once settled
+            self._answer_when_settled(r, peer)
             return
         self._fail(msg.room, f"declined by decode: {msg.reason}", code="declined", notify=True)
 
-    def _refuse(self, peer: str, room: int, reason: str, code: str) -> None:
+    def _refuse(self, peer: str, room: int, reason: str, code: str, session: str = "") -> None:
+        """Refuse ``peer``'s request for ``room``. The refusal is quiet unless the room may
+        still write to ``session`` (the requester's transfer engine) for another target,
+        e.g. a replay of this request that came first; then ``peer`` is told again once
+        the room settled."""
         log.warning("sender: refused room %s from %s: %s", room, peer, reason)
-        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code))
+        with self._lock:
+            r = self._rooms.get(room)
+            loud = (r is not None and not r.settled and bool(session)
+                    and any(t.request.session == session for t in r.targets.values()))
+            if loud:
+                r.watchers.add(peer)
+        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=not loud))
+
+    def _answer_when_settled(self, r: _SendRoom, peer: str) -> None:
+        """``peer`` asks about ended room ``r``: a quiet answer now if it settled, else once it has."""
+        with self._lock:
+            if not r.settled:
+                r.watchers.add(peer)
+                return
+        self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code="settled", quiet=True))
 
     def _accept(self, peer: str, req: P.TransferRequest) -> None:
         cfg = self.config
@@ -348,12 +390,13 @@ class KVSender(ControlSide, SendPipeline):
                 self._early.setdefault(req.room, {})[peer] = (req, time.monotonic())
                 return
             if r.state is RoomState.FAILED:
-                self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed")
+                self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed", req.session)
                 return
             if peer in r.targets:
                 return  # a duplicate (replayed) request changes nothing
             if len(r.targets) >= max(r.expected, req.receivers):
-                self._refuse(peer, req.room, f"room already pulled by {len(r.targets)} decode rank(s)", "conflict")
+                self._refuse(peer, req.room, f"room already pulled by {len(r.targets)} decode rank(s)", "conflict",
+                             req.session)
                 return
         try:
             remote = self._remote_layout(peer, req.layout)
@@ -434,8 +477,18 @@ class KVSender(ControlSide, SendPipeline):
             rec.finished, rec.result = time.monotonic(), "success"
         self._drop_prestage(r, used=False)
         r.lease.release(True)
+        self._settled(r)
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(rec)
+
+    def _settled(self, r: _SendRoom) -> None:
+        """Room ``r`` ended and nothing of it is in the transport: peers waiting to hear so
+        are told."""
+        with self._lock:
+            r.settled = True
+            watchers, r.watchers = r.watchers, set()
+        for peer in watchers:
+            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code="settled", quiet=True))
 
     def _fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
         with self._lock:
@@ -450,21 +503,32 @@ class KVSender(ControlSide, SendPipeline):
         log.warning("sender: room %s failed: %s", room, reason)
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(r.record)
-        if busy:  # tell the peer and release only once no write of ours can still land
+        if busy:  # the decode ranks hear of it now, and that it is quiet once no write of ours can still land
+            if notify:
+                for peer in list(r.targets):
+                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=False))
             threading.Thread(target=self._settle_when_idle, args=(r, notify, code), daemon=True).start()
         else:
             self._settle(r, notify, code)
 
     def _settle(self, r: _SendRoom, notify: bool, code: str) -> None:
-        if notify:
-            for peer in r.targets:
-                self._send(peer, P.TransferFailed(room=r.room, reason=r.reason, code=code))
-        if not r.busy:  # else the worker gives it back once its writes settled
-            self._drop_prestage(r, used=False)
+        """No send worker holds failed room ``r`` (its writes are out of the transport): tell
+        its decode ranks it is quiet, release its blocks."""
+        with self._lock:
+            watchers = set(r.watchers) | (set(r.targets) if notify else set())
+            r.watchers = watchers
+        self._drop_prestage(r, used=False)
         r.lease.release(False)
+        with self._lock:
+            r.settled = True
+            watchers, r.watchers = r.watchers, set()
+        for peer in watchers:
+            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason, code=code, quiet=True))
 
     def _settle_when_idle(self, r: _SendRoom, notify: bool, code: str) -> None:
-        end = time.monotonic() + self.config.write_timeout_s + 1
-        while r.busy and time.monotonic() < end:
+        """Wait until the send worker let go of ``r`` (it leaves only once every piece it
+        handed the transport is final), then settle it. No timeout: a piece still in the
+        transport may land in the decode's blocks, and the transport bounds its own."""
+        while r.busy:
             time.sleep(0.002)
         self._settle(r, notify, code)

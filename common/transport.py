@@ -244,7 +244,9 @@ class MooncakeTransport:
         ``dst_addrs[i]``; returns a handle to poll or wait on. Pieces are submitted
         at once up to the in-flight bound; a submit failure raises here. ``guard``, when
         given, is asked right before each piece is handed to the engine; a non-empty
-        answer (why not) fails the write there, with no further piece submitted."""
+        answer (why not) fails the write there, with no further piece submitted. A
+        TransportError raised here carries the failed write as ``handle`` when pieces of it
+        may already be in the engine (settle it before reusing its memory)."""
         self._check_open()
         src = _as_i64("src_addrs", src_addrs)
         dst = _as_i64("dst_addrs", dst_addrs)
@@ -269,7 +271,11 @@ class MooncakeTransport:
         ps, pd, pl = split_pieces(ls, ld, ll, self.max_piece_bytes)
         handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s, guard)
         self._handles.add(handle)
-        handle.poll()
+        try:
+            handle.poll()
+        except TransportError as e:  # pieces submitted before the failure may still be in the engine
+            e.handle = handle
+            raise
         return handle
 
     def write(self, session: str, src_addrs, dst_addrs, lengths, deadline_s: float = 30.0) -> BatchResult:

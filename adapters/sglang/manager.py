@@ -52,6 +52,10 @@ class KVBridgeKVManager(CommonKVManager):
     """
 
     supports_host_destination = False
+    # SGLang's deferred decode release: a failed request's pages are held until
+    # ``is_abort_release_safe`` says so (kvbridge's release rule; SGLang's own timer is
+    # lifted for kvbridge's rooms, see plugin.kvbridge_resolve_deferred_releases)
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args, is_mla_backend: Optional[bool] = False):
         # Common's __init__ registers a prefill rank with the bootstrap server, so the
@@ -112,6 +116,19 @@ class KVBridgeKVManager(CommonKVManager):
         log.info("kvbridge %s manager up: tp %d/%d, %s, endpoint %s; plans costed on %s", disaggregation_mode.value,
                  self._kvb_tp[0], self._kvb_tp[1], self.layout, self.kv_sender.endpoint if self.kv_sender else "-",
                  self.kvb_settings.link_profile().describe())
+
+    # -- deferred decode release (SGLang's DecodeTransferQueue) ------------------------
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Decode scheduler, each pass, for a failed request whose pages it holds: whether
+        they may go back, i.e. no prefill rank can still write into them (acknowledged with
+        nothing in flight, or gone). SGLang's count of its own ABORT_ACKs is not the proof."""
+        return self.kv_receiver is None or self.kv_receiver.settled(bootstrap_room)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """Decode scheduler, once it released a held request's pages."""
+        super().clear_deferred_abort_state(bootstrap_room)
+        if self.kv_receiver is not None:
+            self.kv_receiver.forget(bootstrap_room)
 
     # -- geometry --------------------------------------------------------------------
     def _make_layout(self, args: KVArgs, heads: int | None = None, total: int | None = None) -> KVLayout:

@@ -35,6 +35,8 @@ class KVBridgeKVReceiver(CommonKVReceiver):
     loop and never raise (``_fails_the_request``).
     """
 
+    kvb_release_rule = True  # its failed request's pages go back on kvbridge's proof, not SGLang's timer
+
     def __init__(self, mgr: KVBridgeKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._requested = False
@@ -134,7 +136,9 @@ class KVBridgeKVReceiver(CommonKVReceiver):
                 except Exception as e:  # a malformed row must fail the request, not the scheduler
                     mgr.record_failure(room, f"kvbridge: metadata row: {e!r}")
                     mgr.update_status(room, KVPoll.Failed)
-            elif st is RoomState.FAILED:
+            elif st is RoomState.FAILED and (mgr.enable_deferred_decode_kv_release or mgr.kv_receiver.settled(room)):
+                # with SGLang's deferred release its pages stay held until is_abort_release_safe;
+                # without it SGLang frees them at once: Failed only once no sender can write there
                 mgr.record_failure(room, mgr.kv_receiver.failure_reason(room))
                 mgr.update_status(room, KVPoll.Failed)
                 # the prefill ranks' records may be stale (one restarted behind the same
@@ -143,11 +147,21 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         return super()._poll()
 
     @_fails_the_request()
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Decode transfer queue, for a request that failed on its own account (another TP
+        rank's failure, a restore failure) before it holds the pages: the kvbridge room ends
+        too, so its senders stop and prove themselves quiet (see ``is_abort_release_safe``)."""
+        mgr: KVBridgeKVManager = self.kv_mgr
+        if self._requested and mgr.kv_receiver is not None and mgr.kv_receiver.poll(self.bootstrap_room) not in TERMINAL:
+            mgr.kv_receiver.abort(self.bootstrap_room, "the decode engine failed the request")
+        super().ensure_abort_notified(force_arm=force_arm)
+
+    @_fails_the_request()
     def abort(self):
         """SGLang's AbortReq (or its waiting timeout). Once pages were offered to prefill
-        ranks, Failed is reported only when kvbridge's receiver knows no sender can still
-        write into them (acknowledged, gone, or ``quiesce_s`` passed): SGLang frees a failed
-        request's pages as soon as it polls Failed (this backend has no deferred release)."""
+        ranks, the room ends and Failed is reported within ``quiesce_s``; the pages go back
+        only when no sender can still write into them (SGLang's deferred release, held by
+        ``is_abort_release_safe``; without it, Failed waits for that proof)."""
         if not self._requested or self.conclude_state is not None:
             return super().abort()
         room = self.bootstrap_room

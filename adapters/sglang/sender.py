@@ -223,8 +223,11 @@ class KVBridgeKVSender(CommonKVSender):
         if out == KVPoll.Failed and self._added and mgr.kv_sender.poll(self.bootstrap_room) not in (RoomState.SUCCESS,
                                                                                                       RoomState.FAILED):
             # SGLang failed the request itself (e.g. its bootstrap timeout): end the room now,
-            # telling any decode rank, rather than holding it open to its deadline
+            # telling any decode rank, rather than holding it open to its deadline; SGLang
+            # frees the pages once it polls Failed, so that waits until no piece reads them
             mgr.kv_sender.abort(self.bootstrap_room, f"the prefill engine failed the request: {_recorded_failure(self)}")
+            if mgr.kv_sender.poll(self.bootstrap_room) not in (RoomState.SUCCESS, RoomState.FAILED):
+                return KVPoll.Transferring
         return out
 
     def _log_timeline(self) -> None:

@@ -156,6 +156,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         geo = rank_geometry(kv_cache_tensor, manager=getattr(self._executor, "kv_cache_manager", None),
                             dist=getattr(self._executor, "dist", None), llm_args=self._llm_args, cfg=self.cfg)
         self.rank, self.tp_size = geo.tp_rank, geo.tp_size
+        self._hold_engine_frees()
         self.layout = pool_layout(kv_cache_tensor, geo)
         cfg = self.cfg
         self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
@@ -325,6 +326,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                 if self.sender.record(room) is None:
                     self._forget_sent.discard(room)
             self._abort_cancelled_loads()
+            self._free_held()
             loaded = []
             for r, ld in list(self._loads.items()):
                 if r in self._announced_loading and ld.verdict and self._settle_load(ld):
@@ -489,6 +491,55 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             log.warning("kvbridge: request %s failed to load; cancelling it", ld.req)
             self._executor.cancel_request(ld.req)
         return True
+
+    def _hold_engine_frees(self) -> None:
+        """TensorRT-LLM 1.2 frees a request cancelled while its KV loads at once
+        (``KVCacheManager.free_resources`` from ``_terminate_request``): the one free the
+        connector API gives no say in. On one rank the plugin holds that free: a loading
+        request's blocks are freed only once no sender can write into them (the room is
+        aborted at once, so the senders stop and prove it). With TP > 1 the ranks would
+        free at different iterations and their block pools diverge, so the free stays
+        TensorRT-LLM's (README, Limits)."""
+        kvm = getattr(self._executor, "kv_cache_manager", None)
+        free = getattr(kvm, "free_resources", None)
+        if free is None or self.tp_size != 1 or getattr(free, "_kvbridge_held", False):
+            return
+        self._held_frees: list[tuple[_Loading, tuple, dict]] = []
+
+        def free_resources(request, *args, **kwargs):
+            rid = getattr(request, "py_request_id", None)
+            rid = getattr(request, "request_id", None) if rid is None else rid
+            with self._lock:
+                ld = self._loads.get(rid)
+                if ld is not None and ld.started and not ld.released.is_set():
+                    ld.gone = True
+                    self._held_frees.append((ld, (request, *args), kwargs))
+                    held = True
+                else:
+                    held = False
+            if not held:
+                return free(request, *args, **kwargs)
+            log.warning("kvbridge worker rank %d: request %s was freed by the engine while its KV loaded; its blocks "
+                        "are held until no sender can write into them (room %s aborted)", self.rank, rid, ld.room)
+            self.receiver.abort(ld.room, "the engine cancelled the request while its KV loaded")
+            return None
+
+        free_resources._kvbridge_held = True
+        kvm.free_resources = free_resources
+        self._engine_free = free
+
+    def _free_held(self) -> None:
+        """Executor thread (``get_finished``): the engine frees held by ``_hold_engine_frees``
+        whose loads are now quiet."""
+        held = getattr(self, "_held_frees", None)
+        if not held:
+            return
+        ready = [h for h in held if h[0].released.is_set()]
+        if not ready:
+            return
+        self._held_frees = [h for h in held if not h[0].released.is_set()]
+        for ld, args, kwargs in ready:
+            self._engine_free(*args, **kwargs)
 
     def _abort_cancelled_loads(self) -> None:
         """A load whose request the engine has dropped (its client cancelled it) is aborted:

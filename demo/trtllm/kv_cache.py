@@ -23,6 +23,7 @@ kvCacheManager.cpp``):
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -76,6 +77,7 @@ class KVCacheManager:
         self._pinned: set[int] = set()
         self._warned = False
         self.ever: set[int] = set()  # every block a request ever held (for byte checks)
+        self._at_free: dict[int, bytes] = {}  # block no request holds -> digest of its bytes when let go
 
     # -- what the connector sees -----------------------------------------------------
     def get_unique_primary_pool(self) -> torch.Tensor:
@@ -103,6 +105,7 @@ class KVCacheManager:
         b = self._free.pop()
         self._refs[b] = 1
         self.ever.add(b)
+        self._at_free.pop(b, None)
         return b
 
     def add_sequence(self, request: CppLlmRequest, connector_manager: Any = None) -> None:
@@ -121,6 +124,7 @@ class KVCacheManager:
                     break
                 self._cached.move_to_end(key)
                 self._refs[b] = self._refs.get(b, 0) + 1
+                self._at_free.pop(b, None)
                 blocks.append(b)
         prepop = len(blocks) * tpb
         matched = 0
@@ -178,9 +182,20 @@ class KVCacheManager:
         self._store(request)
         for b in self._blocks.pop(request.request_id):
             self._refs[b] -= 1
-            if self._refs[b] == 0 and b not in self._key_of:
-                del self._refs[b]
-                self._free.append(b)
+            if self._refs[b] == 0:
+                self._at_free[b] = self._digest(b)
+                if b not in self._key_of:
+                    del self._refs[b]
+                    self._free.append(b)
+
+    def _digest(self, b: int) -> bytes:
+        return hashlib.blake2b(self._pool[b].contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+    def changed_since_freed(self) -> list[int]:
+        """Blocks no request holds (free, or cached for reuse) whose bytes changed since
+        their last holder let them go: a write that landed after the free. Test
+        instrument of the stand-in, not TensorRT-LLM's."""
+        return sorted(b for b, d in self._at_free.items() if self._digest(b) != d)
 
     def holds(self, request_id: int) -> bool:
         return request_id in self._blocks

@@ -125,13 +125,15 @@ def _state(ex) -> dict:
     kvm = ex.kv_cache_manager
     mgr = ex.kv_connector_manager
     out = {"free": kvm.free_count, "total": kvm.max_blocks, "pinned": len(kvm._pinned), "held": len(kvm._blocks),
-           "ever": sorted(kvm.ever), "active": len(ex.active_requests), "responses": dict(ex.responses)}
+           "ever": sorted(kvm.ever), "active": len(ex.active_requests), "responses": dict(ex.responses),
+           "changed_since_freed": kvm.changed_since_freed()}
     if mgr is not None:
         w, s = mgr.worker, mgr.scheduler
         out.update(finished_loads=dict(getattr(w, "finished_loads", {})), finished_saves=dict(getattr(w, "finished_saves", {})),
                    declined=dict(getattr(w, "declined", {})), fallbacks=dict(getattr(s, "fallbacks", {}) if s else {}),
                    sender_rooms=len(getattr(getattr(w, "sender", None), "_rooms", ())),
                    receiver_rooms=len(getattr(getattr(w, "receiver", None), "_rooms", ())),
+                   quarantine=w.receiver.quarantine() if getattr(w, "receiver", None) is not None else [],
                    layout=w.layout.describe() if getattr(w, "layout", None) is not None else None,
                    metrics=_metric_samples())
     return out

@@ -110,7 +110,7 @@ def test_round_trip_is_exact(msg):
 
 def test_wire_format_is_a_tagged_map():
     d = msgspec.msgpack.decode(encode(Heartbeat(room=3, sender="decode-0")))
-    assert d == {"type": "heartbeat", "version": PROTOCOL_VERSION, "room": 3, "sender": "decode-0"}
+    assert d == {"type": "heartbeat", "version": PROTOCOL_VERSION, "room": 3, "sender": "decode-0", "incarnation": ""}
 
 
 # ------------------------------------------------------------------------- fuzz: only ProtocolError
@@ -153,6 +153,7 @@ def test_flipped_bytes_never_raise_anything_else(msg, data):
 wire_int = st.integers(-(2**63), 2**64 - 1)
 fraction = st.floats(-1e15, 1e15, allow_nan=False).filter(lambda f: f != int(f))
 _WRONG = {
+    bool: [wire_int, st.text(max_size=5), st.none(), st.lists(wire_int, max_size=2)],
     int: [st.text(max_size=5), st.booleans(), st.none(), st.lists(wire_int, max_size=2), fraction],
     float: [st.text(max_size=5), st.booleans(), st.none(), st.lists(wire_int, max_size=2)],
     str: [wire_int, st.booleans(), st.none(), st.floats(allow_nan=False), st.lists(st.text(), max_size=2)],

@@ -335,10 +335,11 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
             farm.kill(farm.pre, signal.SIGSTOP)
             sw.release()
             # the decode gives the silent prefill up after the peer timeout: its receiver
-            # fails the room and, the silent peer being counted as stopped writing, reports
-            # Failed in the same tick (the peer polls every 2 ms), then watches the pages it
-            # released for SGL_WATCH_S. The prefill resumes in the middle of that window:
-            # SGL_WATCH_S / 2 either side, whatever this machine's speed
+            # fails the room and reports Failed (the request ends), but a silent peer is not
+            # proven quiet: SGLang's deferred release holds the pages (quarantined) until it
+            # is. The prefill resumes SGL_WATCH_S / 2 after the decode gave it up; its held
+            # piece lands in the quarantined pages, it hears the abort, settles and says so;
+            # the pages go back and are watched for SGL_WATCH_S
             dec_pid = farm.dec.proc.pid
             wait_until(lambda: sw.logged(t_fault, dec_pid, f"room {room} failing") is not None, 30,
                        "the decode never gave the stopped prefill up")
@@ -346,19 +347,16 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
             time.sleep(max(0.0, t_gone + SGL_WATCH_S / 2 - time.monotonic()))  # the resume, placed in the window
             t_cont = farm.kill(farm.pre, signal.SIGCONT)
             d = farm.dec.recv(timeout=30)[1]
+            # a silent peer fails the room at the peer timeout; Failed follows after quiesce_s
             sides.append(_side("decode", _state(d), d.get("reason", ""),
-                               d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable",)))
+                               d["t_end"] - t_fault, PEER_TIMEOUT_S + SGL_QUIESCE_S, ("unreachable",)))
             assert d["t_end"] < t_cont, "the decode reported Failed only after the prefill resumed"
             s = farm.pre.recv()[1]
             sides.append(_side("prefill (continued)", _state(s), s["reason"],
                                s["t_end"] - t_cont, SGL_HEARTBEAT_S, ("aborted by decode", "unreachable", "silent")))
-            extra["late_write_after_resume"] = not d["stable_after_fail"]
-            if not d["stable_after_fail"]:
-                extra["known_gap"] = (
-                    "the piece the stopped prefill had under way landed in the decode's released pages when it "
-                    "resumed: a peer timeout cannot tell stopped from dead; a resumed sender submits no further "
-                    "piece (each is guarded right before it goes to the transfer engine), but one already past "
-                    "that guard still lands. Closing it needs a write fence on the receiver's memory")
+            assert d["t_released"] > t_cont, "the decode gave the pages back before the stopped prefill proved quiet"
+            extra["quarantined_s"] = round(d["t_released"] - d["t_end"], 3)
+            assert d["stable_after_fail"], "a write landed in the decode's pages after they went back to SGLang"
         else:
             _sgl_kill(farm, fault, t_fault, sides)
     elif fault == "never_peer":
@@ -404,13 +402,8 @@ def sgl_farm():
     farm.close()
 
 
-_SIGSTOP_GAP = "known gap: a stopped prefill's piece already past its write guard lands in the decode's released pages"
-
-
 @pytest.mark.sglang
-@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=KnownGap,
-                                                                         reason=_SIGSTOP_GAP))
-                                   if f == "sigstop_prefill" else f for f in FAULTS])
+@pytest.mark.parametrize("fault", FAULTS)
 def test_sglang_fault(sgl_farm, fault):
     row = _sgl_case(sgl_farm, fault)
     _record(row)
@@ -817,14 +810,6 @@ _ABORT_PREFILL_NOTE = (
     "responded (its blocks pinned by AsyncTransferManager until the connector reports the send) and ignores a cancel "
     "of a request it no longer holds (the stand-in keeps it, in DISAGG_CONTEXT_TRANS_IN_PROGRESS, and skips it); "
     "the send completes and the decode decodes from the moved KV")
-_ABORT_DECODE_GAP = (
-    "TensorRT-LLM frees a cancelled request's blocks at once, loading or not (no connector hook for a cancel): the "
-    "decode's connector sees the request gone at its next get_finished and aborts the room (the prefill stops "
-    "sending), but pieces already under way landed in the decode's blocks after TensorRT-LLM gave them back")
-_SIGSTOP_TRT_GAP = (
-    "the piece the stopped prefill had under way landed when it resumed, in blocks the decode had given up, "
-    "recomputed, freed and handed to another request (whose KV it overwrote): a peer timeout cannot tell stopped "
-    "from dead; closing it needs a write fence on the receiver's memory")
 
 
 def _trt_case(farm: TRTServers, fault: str) -> dict:
@@ -838,7 +823,7 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
     recompute = None
     cfg = farm.plugin
     if fault in ("abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"):
-        sw.on(TRT_THROTTLED, hold=fault == "sigstop_prefill")
+        sw.on(TRT_THROTTLED, hold=fault in ("sigstop_prefill", "abort_decode"))
         h = farm.start()
         _until([farm.pre, farm.dec], sw.started)
         if fault in ("kill_decode", "kill_prefill"):
@@ -849,47 +834,54 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
             t_fault = time.monotonic()
             sw.release()  # that piece goes as soon as the prefill runs again
             try:
-                seen = _until([farm.dec], lambda: _answered(farm.dec, h.drid))
-                ld = farm.dec.state()["finished_loads"][h.drid]
-                assert ld["verdict"] == "recompute", ld
-                sides.append(_side("decode", _trt_state(ld), ld["reason"], _ended(ld, seen) - t_fault,
-                                   cfg["peer_timeout_s"], ("unreachable",)))
-                recompute = farm.computed_right(h)
-                # another request (computed here, no handoff) takes every block of the pool,
-                # the given-up ones included
-                other = random_prompt(48 * 32 - MAX_NEW, seed=next(_SEEDS))
-                orid = farm.dec.submit(other, MAX_NEW)
-                _until([farm.dec], lambda: _answered(farm.dec, orid))
-                out = farm.dec.responses[orid]
-                assert out["context_tokens_computed"] == len(other) and len(out["blocks"]) == 48, out["blocks"]
-                before = farm.dec.pool(0)[out["blocks"]].clone()
+                # the decode gives the silent prefill up after the peer timeout; a silent peer is
+                # not proven quiet, so the request's blocks stay quarantined: not given back to
+                # TensorRT-LLM (no recompute into them, no other request), counted
+                t_gone = wait_until(lambda: sw.logged(t_fault, farm.dec.pid(), "quarantined") is not None, 30,
+                                    "the decode never gave the stopped prefill up")
+                for _ in range(10):  # executor iterations meanwhile: nothing may hand the blocks back
+                    farm.dec.step()
+                assert h.drid not in farm.dec.responses and farm.dec.blocks(h.drid), \
+                    "the decode request's blocks went back while the stopped prefill could still write"
+                held = sum(q["blocks"] for q in farm.dec.state()["quarantine"])
+                assert held >= len(farm.dec.blocks(h.drid)), held
             finally:
                 t_cont = time.monotonic()
                 os.kill(pid, signal.SIGCONT)
-            seen = _until([farm.pre], farm.pre.drained)
+            # resumed: the held piece lands in the quarantined blocks, the prefill hears the
+            # abort, settles, says it is quiet; the load fails and the prompt is recomputed in
+            # those blocks, after the last byte of the prefill landed
+            seen = _until([farm.pre, farm.dec], lambda: _answered(farm.dec, h.drid) and farm.pre.drained())
+            ld = farm.dec.state()["finished_loads"][h.drid]
+            assert ld["verdict"] == "recompute", ld
+            sides.append(_side("decode", _trt_state(ld), ld["reason"], t_gone - t_fault, cfg["peer_timeout_s"] + 1.0,
+                               ("unreachable",)))
+            extra["quarantined_s"] = round(_ended(ld, seen) - t_gone, 3)
+            recompute = farm.computed_right(h)  # KV equal to transformers': no late byte overwrote it
             sv = farm.pre.state()["finished_saves"][h.prid]
             sides.append(_side("prefill (continued)", _trt_state(sv), (sv["record"] or {}).get("reason", ""),
                                max(0.0, _ended(sv, seen) - t_cont), cfg["heartbeat_s"] + cfg["quiesce_s"],
                                ("aborted by decode", "silent", "write", "transfer"), want=("FAILED", "ABORTED")))
-            import torch
-
-            changed = not torch.equal(before.view(torch.uint8), farm.dec.pool(0)[out["blocks"]].view(torch.uint8))
-            extra["late_write_after_resume"] = changed
-            if changed:
-                extra["known_gap"] = _SIGSTOP_TRT_GAP
+            assert not farm.dec.state()["quarantine"]
         elif fault == "abort_decode":
             import torch
 
             blocks = farm.dec.blocks(h.drid)  # allocated before the load was ordered
             assert blocks, "the decode request holds no blocks while loading"
+            # the prefill holds a piece past its write guard (sw.on(hold=True)) while the client cancels
             farm.dec.cancel(h.drid)
             t_fault = time.monotonic()
-            t_freed = _until([farm.dec], lambda: h.drid in farm.dec.responses and farm.dec.blocks(h.drid) is None)
+            t_answered = _until([farm.dec], lambda: h.drid in farm.dec.responses)
             out = farm.dec.responses[h.drid]
-            at_free = farm.dec.pool(0)[blocks].clone()
             # TensorRT-LLM applies a cancel at its next iteration (bound 0 s: no timeout is involved)
             sides.append(_side("decode (request)", str(out["finish_reason"]).upper(), "cancelled by the client",
-                               t_freed - t_fault, 0.0, (), want=("CANCELLED",)))
+                               t_answered - t_fault, 0.0, (), want=("CANCELLED",)))
+            for _ in range(5):  # TensorRT-LLM freed the request; the plugin holds its blocks while a piece is out
+                farm.dec.step()
+            assert farm.dec.blocks(h.drid) == blocks, "the cancelled request's blocks went back under a held piece"
+            sw.release()  # the piece lands, in blocks nobody else has
+            _until([farm.dec], lambda: farm.dec.blocks(h.drid) is None)
+            at_free = farm.dec.pool(0)[blocks].clone()
             _until([farm.pre, farm.dec], lambda: farm.pre.drained() and farm.dec.drained()
                    and h.drid in farm.dec.state()["finished_loads"])
             ld = farm.dec.state()["finished_loads"][h.drid]
@@ -903,8 +895,7 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
                              f"{_trt_state(ld).lower()}), and the prefill ended its send as {_trt_state(sv).lower()}")
             landed = not torch.equal(at_free.view(torch.uint8), farm.dec.pool(0)[blocks].view(torch.uint8))
             extra["landed_after_free"] = landed
-            if landed:
-                extra["known_gap"] = _ABORT_DECODE_GAP
+            assert not landed, "a piece landed in the cancelled request's blocks after they were freed"
         else:  # abort_prefill: the client cancels the prefill request while its KV is sent
             farm.pre.cancel(h.prid)
             t_fault = time.monotonic()
@@ -976,9 +967,9 @@ def trt_farm(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("fault", [
-    pytest.param("abort_decode", marks=pytest.mark.xfail(strict=True, raises=KnownGap, reason=_ABORT_DECODE_GAP)),
+    "abort_decode",
     "abort_prefill",
-    pytest.param("sigstop_prefill", marks=pytest.mark.xfail(strict=True, raises=KnownGap, reason=_SIGSTOP_TRT_GAP)),
+    "sigstop_prefill",
     "never_peer", "bootstrap_down", "kill_decode", "kill_prefill"])
 def test_trtllm_fault(trt_farm, fault):
     row = _trt_case(trt_farm, fault)

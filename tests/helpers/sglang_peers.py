@@ -406,10 +406,21 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
         t = np.arange(num_tokens - prefix)
         idx = torch.as_tensor(np.asarray(pages, dtype=np.int64)[t // ps] * ps + t % ps)
         out["landed_before_fail"] = any(bool((a[idx] != b[idx]).any()) for a, b in zip(before, r.raw()))
-        if settle_s:
-            at_fail = r.pages_content(pages)
+        if r.mgr.enable_deferred_decode_kv_release:
+            # decode.py's transfer queue holds a failed request's pages (2895-2967) and gives
+            # them back once resolve_deferred_releases, each scheduler pass, finds the manager's
+            # is_abort_release_safe true (3046-3090); kvbridge lifts SGLang's timer there
+            if not recv.abort_notified:
+                recv.ensure_abort_notified(force_arm=True)
+            hold_end = time.monotonic() + timeout
+            while not r.mgr.is_abort_release_safe(room, 1) and time.monotonic() < hold_end:
+                time.sleep(0.002)
+            out["t_released"] = time.monotonic()
+            r.mgr.clear_deferred_abort_state(room)  # _do_release, decode.py 3013-3029
+        if settle_s:  # the pages are the engine's again: not one byte may change from here on
+            at_release = r.pages_content(pages)
             time.sleep(settle_s)
-            out["stable_after_fail"] = all(np.array_equal(a, b) for a, b in zip(at_fail, r.pages_content(pages)))
+            out["stable_after_fail"] = all(np.array_equal(a, b) for a, b in zip(at_release, r.pages_content(pages)))
     recv.clear()
     return out
 

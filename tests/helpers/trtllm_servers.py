@@ -28,11 +28,14 @@ def wait_done(servers, server: StandInServer, rids: Sequence[int], timeout_s: fl
 
 def check_clean(server: StandInServer) -> list[dict]:
     """Every rank: every block back, nothing pinned or held, no room left open in the
-    connector's sender or receiver, and no byte outside the blocks requests used changed."""
+    connector's sender or receiver, no byte outside the blocks requests used changed, and
+    no block changed after its last holder let it go (a late write into a freed block,
+    reused since or not)."""
     states = []
     for r in range(len(server.ranks)):
         st = server.state(r)
         assert st["free"] == st["total"] and st["pinned"] == 0 and st["held"] == 0, (r, st)
+        assert not st["changed_since_freed"], f"rank {r}: blocks {st['changed_since_freed']} changed after they were freed"
         assert st.get("sender_rooms", 0) == 0 and st.get("receiver_rooms", 0) == 0, (r, st)
         pool = server.pool(r)
         fresh = torch.empty_like(pool).view(-1).view(torch.uint8)
