@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["HandoffRecord", "KVBridgeMetrics"]
+__all__ = ["HandoffRecord", "KVBridgeMetrics", "quarantined_in"]
 
 
 @dataclass
@@ -123,3 +123,18 @@ class KVBridgeMetrics:
             self.child(self.segments, rec.role, plan).inc(rec.segments)
             self.child(self.seconds, rec.role, plan).observe(rec.seconds)
             self.child(self.gbps, rec.role, plan).observe(rec.gbps)
+
+
+def quarantined_in(exposition: str) -> list[dict]:
+    """The quarantined blocks a process reports in its Prometheus text ``exposition``
+    (its ``/metrics``): one dict per (role, peer, reason) with blocks above zero."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for fam in text_string_to_metric_families(exposition):
+        if fam.name != "kvbridge_quarantined_blocks":
+            continue
+        for smp in fam.samples:
+            if smp.value > 0:
+                out.append({**{k: smp.labels.get(k, "") for k in ("role", "peer", "reason")}, "blocks": int(smp.value)})
+    return out

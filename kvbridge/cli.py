@@ -265,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = sub.add_parser("doctor", help="what this machine imposes on kvbridge's copies (THP, CPUs, governor, threads, load)")
     doc.add_argument("--json", action="store_true", help="print one JSON object")
+    doc.add_argument("--metrics", nargs="+", default=(), metavar="URL",
+                     help="serving processes' /metrics to read too: blocks they hold quarantined (kvbridge_quarantined_blocks)")
     doc.set_defaults(func=_doctor)
 
     ann = sub.add_parser("announce", help="tell a TensorRT-LLM server which handoff its next request with a prompt plays")
@@ -288,6 +290,7 @@ def _doctor(args: argparse.Namespace) -> int:
     floor = copy_floor()
     notes["copy_floor"] = floor
     notes["warnings"] = notes["warnings"] + floor["warnings"]
+    notes["quarantine"] = _quarantine(args.metrics, notes["warnings"])
     if args.json:
         print(json.dumps(notes))
         return 0
@@ -301,6 +304,29 @@ def _doctor(args: argparse.Namespace) -> int:
     if not notes["warnings"]:
         print("nothing here bounds kvbridge's copies")
     return 0
+
+
+def _quarantine(urls, warnings: list) -> dict:
+    """For ``kvbridge doctor --metrics``: what each URL's process holds quarantined (or why
+    it could not be read), with a warning per process that holds any."""
+    import urllib.request
+
+    from kvbridge.common.metrics import quarantined_in
+
+    out = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                held = quarantined_in(resp.read().decode())
+        except (OSError, ValueError) as e:
+            out[url] = {"error": f"{type(e).__name__}: {e}"}
+            warnings.append(f"{url}: not read ({type(e).__name__}: {e})")
+            continue
+        out[url] = {"quarantined": held}
+        for q in held:
+            warnings.append(f"{url}: {q['blocks']} block(s) quarantined ({q['role']}, reason {q['reason']}) until "
+                            f"{q['peer']} is proven quiet: it acknowledges, or its process ends")
+    return out
 
 
 def _announce(args: argparse.Namespace) -> int:

@@ -18,11 +18,11 @@ def _sysfs_choice(path):
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text.strip()
 
 
-def _doctor_json(threads: int) -> tuple[dict, dict]:
+def _doctor_json(threads: int, *extra: str) -> tuple[dict, dict]:
     """``kvbridge doctor --json`` with torch on ``threads`` threads: its notes, and the env it ran with."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", "--json"], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", "--json", *extra], capture_output=True,
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout), env
 
@@ -72,3 +72,26 @@ def test_last_level_cache_sizes_read_as_sysfs_writes_them():
     assert _llc_bytes("L3 32M") == 32 << 20
     assert _llc_bytes("L2 1048576") == 1048576
     assert _llc_bytes(None) is None and _llc_bytes("L3 big") is None
+
+
+def test_doctor_reads_the_quarantine_of_a_serving_process():
+    """``--metrics URL``: a process's quarantined blocks (its real /metrics endpoint, served
+    by prometheus_client from kvbridge's own metrics) are listed with the peer and reason,
+    and warned about; an address nothing answers at is named, not fatal."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from kvbridge.common.metrics import KVBridgeMetrics
+
+    reg = CollectorRegistry()
+    m = KVBridgeMetrics(reg)
+    m.quarantined.labels("receiver", "tcp://10.0.0.7:5555", "aborted").inc(12)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=reg)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        notes, _ = _doctor_json(1, "--metrics", url, "http://127.0.0.1:9/metrics")
+    finally:
+        server.shutdown()
+    assert notes["quarantine"][url] == {"quarantined": [{"role": "receiver", "peer": "tcp://10.0.0.7:5555",
+                                                         "reason": "aborted", "blocks": 12}]}
+    assert "error" in notes["quarantine"]["http://127.0.0.1:9/metrics"]
+    assert any("12 block(s) quarantined" in w and "10.0.0.7" in w for w in notes["warnings"])

@@ -1,0 +1,81 @@
+"""The release rule with REAL vLLM servers on both sides: a decode whose client goes away
+while a piece of the prefill's write is held past its write guard keeps the request's
+blocks (vLLM does not get the load reported) until the prefill proved quiet, then frees
+them, and serves on with outputs equal to transformers'.
+
+The prefill's writes obey the parent's ``FaultSwitch`` (tests/helpers/vllm_hooks puts
+``install_test_hooks`` in every process of these servers): 16 KiB pieces, the transport's
+own in-flight bound (up to 1024 per peer: every piece of the room is submitted at once),
+the second piece held until the test lets it go.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbridge.demo.models import random_prompt, reference_generate
+from tests.helpers.kvhelpers import FaultSwitch
+from tests.helpers.vllm_env import requires_vllm
+from tests.vllm.test_vllm_servers import MAX_NEW, model_dir  # noqa: F401  (the tiny model of the vLLM tests)
+
+pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+HELD = dict(piece_bytes=16 << 10, inflight=0, delay_s=0.0, started_at=2, hold_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def hooked_servers(model_dir, tmp_path_factory):  # noqa: F811
+    """A vLLM prefill and a vLLM decode (kv_both each) whose transports obey one switch."""
+    from kvbridge.demo.sglang_server import wait_healthy
+    from kvbridge.demo.vllm_server import start_vllm_server
+
+    sw = FaultSwitch()
+    logs = tmp_path_factory.mktemp("vllm-release-logs")
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'vllm_hooks'}:{ROOT}", "KVBRIDGE_TEST_HOOKS_DIR": sw.dir}
+    settings = {"discovery_timeout_s": 3.0, "deadline_s": 30.0, "quiesce_s": 0.5}
+    servers = [start_vllm_server(model_dir, "kv_both", log_dir=logs, settings=settings, extra_env=env, wait=False)
+               for _ in range(2)]
+    try:
+        wait_healthy(servers, 400, lambda: "\n".join(f"--- {s.log_path} ---\n{s.log_tail(40)}" for s in servers))
+        yield servers, sw
+    finally:
+        for s in servers:
+            s.kill()
+        sw.close()
+
+
+def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_servers):  # noqa: F811
+    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.demo.sglang_server import new_room, post_json
+    from kvbridge.demo.vllm_flows import _wait_record
+    from kvbridge.demo.vllm_server import complete
+
+    (prefill, decode), sw = hooked_servers
+    prompt = random_prompt(512, seed=4242)
+    room = new_room()
+    p = complete(prefill, prompt, 1, Handle("send", room).to_params())
+    sw.on(HELD, hold=True)
+    body = {"model": str(model_dir), "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0,
+            "kv_transfer_params": p["kv_transfer_params"]}
+    t0 = time.monotonic()
+    res = post_json(decode.url + "/v1/completions", body, 3.0)  # the client gives up after 3 s: vLLM aborts it
+    assert isinstance(res, Exception), "the load finished although a piece of it was held"
+    assert sw.started(), "the prefill's write never got under way"
+    # the decode aborted the room (its client left); the prefill still holds a piece past its guard
+    time.sleep(max(0.0, t0 + 3.0 + 2.0 - time.monotonic()))  # well past quiesce_s (0.5 s)
+    assert decode.metric("vllm:kv_cache_usage_perc") > 0, "vLLM freed the blocks while a piece was still on its way"
+    assert decode.record_of(room, "load") is None, "the load was reported while a piece was still on its way"
+    sw.release()  # the piece lands, in blocks vLLM still holds; the prefill settles and says so
+    rec = _wait_record(decode, room, "load", timeout=30)
+    assert not rec["ok"] and "aborted" in rec["reason"], rec
+    end = time.monotonic() + 20
+    while decode.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert decode.metric("vllm:kv_cache_usage_perc") == 0, "the aborted request's blocks were not freed"
+    sw.off()
+    ref = reference_generate(model_dir, prompt, MAX_NEW).token_ids
+    assert complete(decode, prompt, MAX_NEW)["token_ids"] == ref
