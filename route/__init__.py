@@ -9,6 +9,7 @@ server that computes it alone when the cost model says moving the KV is not wort
 |---|---|
 | ``config`` | ``route.yaml``: servers by engine and role, links per pair, deadlines, retries, limits |
 | ``pool`` | servers' health and load; least-outstanding choice of pairs and compute targets |
+| ``capabilities`` | what each server can do (sampling, seed, stop strings, EOS, context) and what a request needs |
 | ``gates`` | the cost gate of each pair's link |
 | ``engines`` | each engine's request shapes and calls (SGLang ``/generate``, trtllm-serve ``/v1/completions`` + announce, vLLM ``/v1/completions`` + ``kv_transfer_params``) |
 | ``ranks`` | a prefill's kvbridge ranks: their endpoints (announced to TensorRT-LLM decodes, given to vLLM decodes of a bus-only prefill) and room aborts |

@@ -9,11 +9,18 @@ answered once its first token is there, so that a failure before it is an HTTP s
 helps; a failure after it ends the stream with an error event. Every response says how
 it was served: ``X-KVBridge-Route`` / ``-Mode`` / ``-Servers`` headers and a ``kvbridge``
 object in the body.
+
+Before any server is asked, a request is refused with 404 when it names a model the
+router does not serve (``model.name`` or an alias), and with 400 when no configured server
+could serve it (the model's context, or a parameter no server honours: ``ServerPool.refusal``);
+neither is retried. Every error, unknown paths included, is a JSON error object.
+``kvbridge_route_requests_total`` counts answers the client got whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -32,7 +39,7 @@ from .gates import PairGates
 from .metrics import RouteMetrics
 from .pool import ServerPool
 from .protocol import Formatter, Parsed, parse_chat, parse_completion, parse_generate
-from .text import Detokenizer, TextCodec
+from .text import Answer, TextCodec
 
 __all__ = ["Router", "BackgroundRouter", "build_app", "router_of", "serve"]
 
@@ -73,6 +80,7 @@ class Router:
             read_bufsize=1 << 22, trust_env=False)
         self.dispatcher = Dispatcher(self.cfg, self.pool, self.gates, self.metrics, self.http, self.ranks)
         await self.pool.check_all(self.http)
+        await self.pool.read_caps(self.http)
         self._health = asyncio.create_task(self.pool.health_loop(self.http))
 
     async def stop(self, app: web.Application | None = None) -> None:
@@ -106,13 +114,21 @@ class Router:
                 body = await request.json()
             except (ValueError, UnicodeDecodeError):
                 raise RouteError(400, "bad_request", "the body is not JSON") from None
-            parsed = parse(body, self.codec)
-            deadline = self._deadline(request, arrived)
+            if kind != "generate":
+                self._check_model(body)
+            parsed = self._fitted(parse(body, self.codec))
+            job = Job(rid, parsed.ids, parsed.sampling, 0.0,
+                      Answer(self.codec, parsed.ids, parsed.sampling.stop, parsed.include_stop))
+            refused = self.pool.refusal(job.needs, rid)
+            if refused is not None:
+                raise refused
+            job.deadline = deadline = self._deadline(request, arrived)
             async with self.admission.slot(deadline - loop.time()):
-                job = Job(rid, parsed.ids, parsed.sampling, deadline)
                 return await self._answer(request, kind, job, parsed, trace, arrived)
         except RouteError as e:
             return self._error(e, trace, rid)
+        except web.HTTPException:  # aiohttp's own (a body over client_max_size): json_errors answers it
+            raise
         except (asyncio.CancelledError, ConnectionResetError):  # the client went away
             if not request.get("kvbridge_counted"):
                 self.metrics.failures.labels(trace.route or "none", "client_gone").inc()
@@ -120,6 +136,24 @@ class Router:
         except Exception as e:  # nothing is dropped silently: an unexpected error is an answer too
             log.exception("route: request %s failed", rid)
             return self._error(RouteError(500, "internal", f"request {rid}: {type(e).__name__}: {e}"), trace, rid)
+
+    def _check_model(self, body: object) -> None:
+        """404 for a model name this router does not serve (none given: the model)."""
+        name = body.get("model") if isinstance(body, dict) else None
+        if name is None:
+            return
+        if not isinstance(name, str) or name not in self.cfg.model.names():
+            raise RouteError(404, "model_not_found", f"The model `{name}` does not exist: this router serves "
+                             f"{self.cfg.model.names()}", param="model")
+
+    def _fitted(self, parsed: Parsed) -> Parsed:
+        """``parsed`` with a default token limit lowered to what the model's context leaves
+        (a limit the client set is checked as given)."""
+        ctx = self.pool.context
+        s = parsed.sampling
+        if not parsed.max_given and ctx and len(parsed.ids) < ctx and len(parsed.ids) + s.max_tokens > ctx:
+            parsed.sampling = dataclasses.replace(s, max_tokens=ctx - len(parsed.ids))
+        return parsed
 
     def _error(self, e: RouteError, trace: Trace, rid: str) -> web.Response:
         self.metrics.failures.labels(trace.route or "none", e.reason).inc()
@@ -138,7 +172,6 @@ class Router:
         loop = asyncio.get_running_loop()
         stream = self.dispatcher.run(job, trace)
         fmt = Formatter(kind, job.rid, self.cfg.model.name, len(job.ids))
-        detok = Detokenizer(self.codec)
         try:
             try:
                 first = await stream.__anext__()
@@ -146,25 +179,23 @@ class Router:
                 raise RouteError(502, "no_output", f"request {job.rid}: the server answered no token") from None
             ttft = loop.time() - arrived
             m = self.metrics
-            m.requests.labels(trace.route, trace.mode).inc()
             m.ttft.labels(trace.route, trace.mode).observe(ttft)
-            if trace.mode == "recomputed":
-                m.recomputed.labels(trace.route, trace.why).inc()
             headers = {"X-KVBridge-Route": trace.route, "X-KVBridge-Mode": trace.mode,
                        "X-KVBridge-Servers": ",".join(trace.servers), "X-KVBridge-TTFT-Ms": f"{ttft * 1e3:.2f}"}
             if not parsed.stream:
-                ids, finish = list(first.ids), first.finish
+                ids, text, last = list(first.ids), first.text, first
                 async for piece in stream:
                     ids += piece.ids
-                    finish = piece.finish or finish
-                m.latency.labels(trace.route, trace.mode).observe(loop.time() - arrived)
-                body = fmt.whole(ids, self.codec.decode(ids), finish or "length", self._info(trace))
+                    text += piece.text
+                    last = piece
+                body = fmt.whole(ids, text, last.finish or "length", self._info(trace), last.matched)
+                self._served(trace, arrived)
                 return web.json_response(body, headers=headers)
             resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
             try:
-                await self._relay(resp, fmt, detok, first, stream, trace)
+                await self._relay(resp, fmt, first, stream, trace)
             except RouteError as e:  # after the first token: an error event ends the stream
                 m.failures.labels(trace.route or "none", e.reason).inc()
                 log.warning("route: request %s: %s after the first token: %s", job.rid, e.reason, e.message)
@@ -174,23 +205,28 @@ class Router:
                 request["kvbridge_counted"] = True
                 raise
             else:
-                m.latency.labels(trace.route, trace.mode).observe(loop.time() - arrived)
                 if parsed.include_usage:
                     await _send(resp, fmt.usage_chunk())
+                self._served(trace, arrived)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
         finally:
             await stream.aclose()
 
-    async def _relay(self, resp, fmt: Formatter, detok: Detokenizer, first, stream, trace: Trace) -> None:
+    def _served(self, trace: Trace, arrived: float) -> None:
+        """Count a request the client got whole."""
+        m = self.metrics
+        m.requests.labels(trace.route, trace.mode).inc()
+        if trace.mode == "recomputed":
+            m.recomputed.labels(trace.route, trace.why).inc()
+        m.latency.labels(trace.route, trace.mode).observe(asyncio.get_running_loop().time() - arrived)
+
+    async def _relay(self, resp, fmt: Formatter, first, stream, trace: Trace) -> None:
         piece, is_first = first, True
         while True:
-            text = detok.add(piece.ids)
-            if piece.finish:
-                text += detok.flush()
-            await _send(resp, fmt.chunk(piece.ids, text, piece.finish, self._info(trace) if is_first or piece.finish
-                                        else None, first=is_first))
+            await _send(resp, fmt.chunk(piece.ids, piece.text, piece.finish, self._info(trace) if is_first or piece.finish
+                                        else None, first=is_first, matched=piece.matched))
             is_first = False
             if piece.finish:
                 return
@@ -221,18 +257,35 @@ class Router:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
+        ctx = self.pool.context or None
         return web.json_response({"object": "list", "data": [
-            {"id": self.cfg.model.name, "object": "model", "created": int(time.time()), "owned_by": "kvbridge"}]})
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvbridge", "root": self.cfg.model.name,
+             "max_model_len": ctx} for name in self.cfg.model.names()]})
 
 
 async def _send(resp: web.StreamResponse, obj: dict) -> None:
     await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path 404, wrong method 405, body too large 413) as
+    JSON error objects, as every other error."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        what = {404: f"no such path: {request.path}", 405: f"{request.method} is not allowed on {request.path}"}
+        err = RouteError(e.status, "bad_request", what.get(e.status, e.reason or f"HTTP {e.status}"))
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}
+        return web.json_response(err.body(), status=e.status, headers=headers)
+
+
 def build_app(cfg: RouteConfig, *, codec: TextCodec | None = None, metrics: RouteMetrics | None = None) -> web.Application:
     """The router as an aiohttp application (servers are probed when it starts)."""
     router = Router(cfg, codec, metrics)
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[json_errors])
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)

@@ -10,6 +10,10 @@ Per server, what can be told from outside, and how:
 | kvbridge backend on | ``disaggregation_transfer_backend == "kvbridge"``; a prefill's bootstrap serves ``/kvbridge/ranks`` | the bus answers ``Who`` with its ranks' endpoints (the connector is loaded); ``bootstrap``: ``/kvbridge/ranks`` | a prefill's bootstrap serves ``/kvbridge/ranks`` (only the kvbridge connector runs one); a decode's connector name is not published (vLLM shows its config only in dev mode's ``/server_info``) |
 | layout | a prefill's ranks publish their KV layout: layers, KV heads, head_dim, kv_factor against the model's ``config.json``, and dtype against every other prefill; SGLang pairs: equal ``page_size`` (SGLang refuses others) | a prefill with ``bootstrap`` publishes it likewise | a prefill publishes it likewise |
 
+Capabilities: per server, what it cannot do (``cannot``: sampling, seeded sampling, stop
+strings, stopping at EOS) and its context length, from the configuration narrowed by what
+it publishes (``kvbridge.route.capabilities``), the limits the router pairs requests by.
+
 An SGLang decode and a vLLM or TensorRT-LLM prefill: the page size the prefill's
 bootstrap server reports (``sglang_page_size``) must be the decode's (SGLang refuses
 others). Not checkable from outside: a decode's KV layout (no engine publishes it; the
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from . import capabilities as C
 from .ranks import bootstrap_endpoints, bus_endpoints
 from .config import RouteConfig, ServerSpec, pairable
 
@@ -95,10 +100,12 @@ async def _probe_vllm(http: aiohttp.ClientSession, s: ServerSpec, url: str, mode
     return None
 
 
-async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, model: str = "") -> dict:
+async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, model: str = "", context: int = 0) -> dict:
     url = s.url.rstrip("/")
     out: dict = {"name": s.name, "engine": s.engine, "role": s.role, "url": url, "ok": True, "checks": [],
                  "not_checked": []}
+    caps = C.configured(s, context)
+    out["cannot"], out["context_length"] = caps.cannot(), caps.context_length or None
 
     def note(what: str, ok: bool, detail: str) -> None:
         out["checks"].append({"check": what, "ok": ok, "detail": detail})
@@ -108,6 +115,8 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, mod
     note("reachable", status == 200, f"GET /health -> {status or body}")
     if status == 0:
         return out
+    caps = C.narrowed(caps, await C.discover(http, s, timeout) or {}, "published")
+    out["cannot"], out["context_length"] = caps.cannot(), caps.context_length or None
     if s.engine == "sglang":
         st, info = await _get(http, url + "/server_info", timeout)
         if st != 200 or not isinstance(info, dict):
@@ -198,7 +207,8 @@ async def check(cfg: RouteConfig, timeout_s: float = 5.0) -> dict:
     from .gates import PairGates
 
     async with aiohttp.ClientSession(trust_env=False) as http:
-        results = await asyncio.gather(*(_probe(http, s, timeout_s, cfg.model.name) for s in cfg.servers))
+        ctx = C.model_context(cfg)
+        results = await asyncio.gather(*(_probe(http, s, timeout_s, cfg.model.name, ctx) for s in cfg.servers))
     by_name = {r["name"]: r for r in results}
     cross = _cross_checks(cfg, by_name)
     gates = PairGates(cfg)
@@ -213,6 +223,8 @@ def format_report(rep: dict) -> str:
         lines.append(f"{'OK  ' if r['ok'] else 'FAIL'} {r['name']}: {r['engine']} {r['role']} at {r['url']}")
         for c in r["checks"]:
             lines.append(f"       {'ok ' if c['ok'] else 'BAD'} {c['check']}: {c['detail']}")
+        lines.append(f"       --  context {r.get('context_length') or 'unknown'} tokens; cannot: "
+                     + ("; ".join(r.get("cannot") or ()) or "-"))
         for n in r["not_checked"]:
             lines.append(f"       --  not checked: {n}")
     for c in rep["cross"]:

@@ -7,12 +7,16 @@ the retry policy, admission limits and health checking::
     model:
       name: llama-3.1-8b               # what /v1/models answers and responses carry
       tokenizer: /models/llama-3.1-8b  # a Hugging Face folder: tokenizer (and config.json)
+      aliases: [llama]                 # other names clients may ask for (404 for any other)
+      context_length: 0                # 0: config.json's max_position_embeddings
     listen: {host: 0.0.0.0, port: 8000}
     servers:
       - {name: p0, engine: sglang, role: prefill, url: "http://10.0.0.1:30000", bootstrap: "10.0.0.1:8998"}
       - {name: d0, engine: trtllm, role: decode, url: "http://10.0.0.2:8200", bus: "tcp://10.0.0.2:18500"}
       - {name: v0, engine: vllm, role: prefill, url: "http://10.0.0.4:8000", bootstrap: "10.0.0.4:8998",
          model: /models/llama-3.1-8b}     # the name vLLM serves it under (default: model.name)
+      - {name: g0, engine: trtllm, role: decode, url: "http://10.0.0.5:8200", bus: "tcp://10.0.0.5:18500",
+         capabilities: {sampling: greedy, stop: router}}   # what the engine cannot do (default: all)
       - {name: a0, engine: sglang, role: aggregated, url: "http://10.0.0.3:30000"}
     links: {default: tcp, "sglang->trtllm": /etc/kvbridge/link.json}
     cost: {prefill_tps: 20000, decode_prefill_tps: 10000}
@@ -31,7 +35,7 @@ from urllib.parse import urlparse
 
 import msgspec
 
-__all__ = ["ConfigError", "ModelSpec", "ServerSpec", "CostSpec", "Deadlines", "RetryPolicy", "Limits", "HealthSpec",
+__all__ = ["ConfigError", "ModelSpec", "Capabilities", "ServerSpec", "CostSpec", "Deadlines", "RetryPolicy", "Limits", "HealthSpec",
            "ListenSpec", "RouteConfig", "load_config", "parse_config", "ENGINES", "ROLES"]
 
 ENGINES = ("sglang", "trtllm", "vllm")
@@ -54,6 +58,30 @@ class ModelSpec(_S):
     name: str
     tokenizer: str
     chat_template: str = ""
+    aliases: list[str] = msgspec.field(default_factory=list)
+    context_length: int = 0
+
+    def names(self) -> list[str]:
+        """Every name a client may ask for: ``name`` first, then the aliases."""
+        return [self.name] + [a for a in self.aliases if a != self.name]
+
+
+class Capabilities(_S):
+    """What a server's engine does with a request's parameters, as configured; the router
+    pairs a request only with servers that can serve it. ``sampling``: ``any``, or
+    ``greedy`` (temperature 0 or top_k 1 only); ``stop``: ``engine`` (the server stops at
+    stop strings) or ``router`` (it takes none: the router ends the answer at the first
+    stop string and closes the connection); ``eos``: ``engine`` or ``router`` likewise for
+    the end-of-sequence token; ``seed``: the server makes seeded sampling reproducible;
+    ``context_length``: prompt + max_tokens it takes (0: the model's). The router narrows
+    these by what a server publishes (``max_model_len``, SGLang's deterministic mode,
+    a stand-in's own limits)."""
+
+    sampling: Literal["any", "greedy"] = "any"
+    stop: Literal["engine", "router"] = "engine"
+    eos: Literal["engine", "router"] = "engine"
+    seed: bool = True
+    context_length: int = 0
 
 
 class ServerSpec(_S):
@@ -72,6 +100,7 @@ class ServerSpec(_S):
     bootstrap: str = ""
     bus: str = ""
     model: str = ""
+    capabilities: Capabilities | None = None
 
     @property
     def can_compute(self) -> bool:
@@ -198,6 +227,10 @@ def _validate(cfg: RouteConfig) -> RouteConfig:
 
     if not cfg.model.name:
         raise bad("model.name", "must not be empty")
+    if any(not a for a in cfg.model.aliases):
+        raise bad("model.aliases", "must not contain an empty name")
+    if cfg.model.context_length < 0:
+        raise bad("model.context_length", "must be >= 0 (0: config.json's max_position_embeddings)")
     if not cfg.servers:
         raise bad("servers", "lists no server")
     seen: set[str] = set()
@@ -226,6 +259,8 @@ def _validate(cfg: RouteConfig) -> RouteConfig:
             raise bad(f"{where}.model", "SGLang's /generate takes no model name (only vLLM and trtllm-serve servers)")
         if s.engine == "trtllm" and s.role in ("prefill", "decode") and not s.bus:
             raise bad(f"{where}.bus", "a TensorRT-LLM prefill or decode needs its kvbridge bus (tcp://host:bus_port)")
+        if s.capabilities is not None and s.capabilities.context_length < 0:
+            raise bad(f"{where}.capabilities.context_length", "must be >= 0")
         if s.role != "prefill" and s.bootstrap:
             raise bad(f"{where}.bootstrap", "only prefill servers have a bootstrap server")
     prefills, decodes = cfg.by_role("prefill"), cfg.by_role("decode")

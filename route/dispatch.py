@@ -17,6 +17,11 @@ Per request (``Dispatcher.run``, an async iterator of ``Piece``):
    the first token a failure ends the stream with an error. The request's deadline bounds
    every wait; past it the request ends with 504.
 
+Only servers that can serve the request (``capabilities.Needs``) are chosen; each gets
+the request's sampling as it can take it (``capabilities.for_server``), and the answer
+(``text.Answer``) ends at the first stop string, or at EOS for a server that does not
+stop there, the server's request then closed.
+
 Clean-up that needs the network (aborts, SGLang ``/abort_request``) runs in the
 background, so an error reaches the client at once.
 """
@@ -31,6 +36,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
+from . import capabilities as C
 from . import engines as E
 from .ranks import PrefillRanks
 from .config import RouteConfig
@@ -38,6 +44,7 @@ from .errors import RouteError
 from .gates import PairGates
 from .metrics import RouteMetrics
 from .pool import Server, ServerPool
+from .text import Answer
 
 __all__ = ["Dispatcher", "Job", "Trace"]
 
@@ -54,6 +61,11 @@ class Job:
     ids: list[int]
     sampling: E.Sampling
     deadline: float
+    answer: Answer | None = None  # the answer's text and end (none: ids as the engine gives them)
+
+    @property
+    def needs(self) -> C.Needs:
+        return C.Needs.of(len(self.ids), self.sampling)
 
     @property
     def key(self) -> str:
@@ -100,6 +112,7 @@ class _Relay:
         self.q: asyncio.Queue = asyncio.Queue()
         self.task = asyncio.create_task(self._pump(stream))
         self.getter: asyncio.Task | None = None
+        self.cut = False  # the router ended the answer before the server did
 
     async def _pump(self, stream: AsyncIterator[E.Piece]) -> None:
         try:
@@ -196,26 +209,29 @@ class Dispatcher:
     def _choose(self, job: Job, trace: Trace, tried: set, failed: set, handoffs: int, last: _HalfFailed | None):
         stale = self._stale_servers(job)
         tried, failed = set(tried) | stale, set(failed) | stale
-        pair = self.pool.pick_pair(exclude=tried) if handoffs < self.cfg.retry.prefill_attempts else None
+        needs = job.needs
+        pair = self.pool.pick_pair(tried, needs) if handoffs < self.cfg.retry.prefill_attempts else None
         if pair is not None:
             p, d = pair
             v = self.gates.verdict(p.spec, d.spec, len(job.ids))
             trace.verdict = v.reason if v is not None else "cost gate off"
             if v is None or v.move:
                 return "disagg", p, d, ""
-            target = self.pool.pick_compute(prefer=d, exclude=failed)
+            target = self.pool.pick_compute(prefer=d, exclude=failed, needs=needs)
             if target is not None:
                 return "compute", target, None, "below_break_even"
             trace.verdict += "; no server computes requests alone, so moving anyway"
             return "disagg", p, d, ""
         if handoffs == 0 or self.cfg.retry.recompute:
-            target = self.pool.pick_compute(exclude=failed)
+            target = self.pool.pick_compute(exclude=failed, needs=needs)
             if target is not None:
                 return "compute", target, None, ("prefill_failed" if last is not None else "no_pair")
         if last is not None:
             raise RouteError(502, last.reason, f"request {job.rid} failed after {handoffs} handoff attempt(s) and "
                              f"{len(failed)} compute attempt(s): " + " | ".join(trace.attempts))
-        up = ", ".join(f"{s.name} {'up' if s.healthy else 'down: ' + (s.last_error or '?')}" for s in self.pool.servers)
+        up = ", ".join(f"{s.name} {'up' if s.healthy else 'down: ' + (s.last_error or '?')}"
+                       + (f" (cannot: {'; '.join(s.unmet(needs, 'decode'))})" if s.unmet(needs, "decode") else "")
+                       for s in self.pool.servers)
         raise RouteError(503, "no_server", f"no healthy server can take request {job.rid} ({up})",
                          self.cfg.limits.retry_after_s)
 
@@ -249,6 +265,38 @@ class Dispatcher:
                     await asyncio.sleep(min(self.cfg.retry.backoff_s, max(0.0, self._left(job))))
 
     # -- one try ------------------------------------------------------------------------
+    @staticmethod
+    def _sampling(job: Job, s: Server, part: str) -> E.Sampling:
+        return C.for_server(job.sampling, s.engine, s.caps, part)
+
+    @staticmethod
+    def _answer_from(job: Job, s: Server) -> None:
+        """The answer comes from ``s``: it ends at EOS when ``s`` does not stop there."""
+        if job.answer is not None:
+            job.answer.end_at_eos(s.caps.eos == "router" and not job.sampling.ignore_eos)
+
+    @staticmethod
+    def _shaped(job: Job, piece: E.Piece) -> E.Piece:
+        """``piece`` with its text, cut where the answer ends."""
+        if job.answer is None:
+            return piece
+        ids, text, finish = job.answer.add(piece.ids, piece.finish)
+        return E.Piece(ids, finish, text, job.answer.matched)
+
+    async def _pieces(self, job: Job, relay: _Relay, first: E.Piece) -> AsyncIterator[E.Piece]:
+        """The answer's pieces from the first on, until it ends (the server may go on)."""
+        piece = self._shaped(job, first)
+        relay.cut = first.finish is None and piece.finish is not None
+        yield piece
+        if piece.finish is not None:
+            return
+        async for raw in self._rest(job, relay):
+            piece = self._shaped(job, raw)
+            relay.cut = raw.finish is None and piece.finish is not None
+            yield piece
+            if piece.finish is not None:
+                return
+
     async def _first(self, job: Job, relay: _Relay, prefill: asyncio.Task | None, prefill_by: float):
         """Wait for the stream's first piece, racing the prefill half and the deadlines.
         Returns the piece; raises _HalfFailed (retry), E.EngineError (the stream's own
@@ -333,16 +381,17 @@ class Dispatcher:
                     if e.server is p:
                         raise _HalfFailed("prefill_failed", e) from None
                     raise
-                prefill = asyncio.create_task(E.run_prefill(self.http, p, self._model(p), job.ids, job.sampling, h, rid_p))
+                prefill = asyncio.create_task(E.run_prefill(self.http, p, self._model(p), job.ids,
+                                                             self._sampling(job, p, "prefill"), h, rid_p))
                 prefill.server = p  # type: ignore[attr-defined]
-                relay = _Relay(E.stream_decode(self.http, d, self._model(d), job.ids, job.sampling, h, rid_d))
+                relay = _Relay(E.stream_decode(self.http, d, self._model(d), job.ids, self._sampling(job, d, "decode"),
+                                               h, rid_d))
                 relay.server = d  # type: ignore[attr-defined]
+                self._answer_from(job, d)
                 first = await self._first(job, relay, prefill, loop.time() + self.cfg.deadlines.prefill_s)
                 first_out = True
                 # done once the last piece is out: a consumer may stop at the finish without exhausting us
-                ok = first.finish is not None
-                yield first
-                async for piece in self._rest(job, relay):
+                async for piece in self._pieces(job, relay, first):
                     ok = piece.finish is not None
                     yield piece
                 ok = True
@@ -359,7 +408,7 @@ class Dispatcher:
             finally:
                 if relay is not None:
                     relay.cancel()
-                    if not ok:
+                    if not ok or relay.cut:
                         self._abort_rid(d, rid_d)
                 if prefill is not None and not ok:
                     prefill.cancel()
@@ -391,16 +440,16 @@ class Dispatcher:
         ok = False
         with self.pool.lease(s):
             try:
-                relay = _Relay(E.stream_compute(self.http, s, self._model(s), job.ids, job.sampling, rid))
+                relay = _Relay(E.stream_compute(self.http, s, self._model(s), job.ids,
+                                                self._sampling(job, s, "compute"), rid))
                 relay.server = s  # type: ignore[attr-defined]
+                self._answer_from(job, s)
                 try:
                     first = await self._first(job, relay, None, 0.0)
                 except E.EngineError as e:
                     self._noted(e)
                     raise _HalfFailed("compute_failed", e) from None
-                ok = first.finish is not None
-                yield first
-                async for piece in self._rest(job, relay):
+                async for piece in self._pieces(job, relay, first):
                     ok = piece.finish is not None
                     yield piece
                 ok = True
@@ -410,7 +459,7 @@ class Dispatcher:
             finally:
                 if relay is not None:
                     relay.cancel()
-                    if not ok:
+                    if not ok or relay.cut:
                         self._abort_rid(s, rid)
 
 

@@ -91,10 +91,13 @@ class Handoff:
 
 @dataclass
 class Piece:
-    """New output tokens from a stream; ``finish`` on the last ("length" | "stop")."""
+    """New output tokens from a stream; ``finish`` on the last ("length" | "stop"). The
+    dispatcher adds their ``text`` and the stop string that ended the answer (``matched``)."""
 
     ids: list[int]
     finish: str | None = None
+    text: str = ""
+    matched: str | None = None
 
 
 # -- request bodies (pure) ------------------------------------------------------------

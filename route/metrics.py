@@ -7,11 +7,11 @@ it was recomputed (``below_break_even``, ``prefill_failed``, ``no_pair``).
 
 | metric | labels | what |
 |---|---|---|
-| ``kvbridge_route_requests_total`` | route, mode | requests answered (first token sent) |
+| ``kvbridge_route_requests_total`` | route, mode | requests the client got whole (the last token sent) |
 | ``kvbridge_route_recomputed_total`` | route, why | of those, computed on one server, and why |
 | ``kvbridge_route_ttft_seconds`` | route, mode | arrival at the router to first token out |
 | ``kvbridge_route_request_seconds`` | route, mode | arrival to the last token out |
-| ``kvbridge_route_failures_total`` | route, reason | requests that ended in an error (reason: ``prefill_failed``, ``decode_failed``, ``compute_failed``, ``deadline``, ``no_server``, ``saturated``, ``bad_request``, ``client_gone``) |
+| ``kvbridge_route_failures_total`` | route, reason | requests that ended in an error (reason: ``prefill_failed``, ``decode_failed``, ``compute_failed``, ``deadline``, ``no_server``, ``saturated``, ``bad_request``, ``model_not_found``, ``client_gone``) |
 | ``kvbridge_route_retries_total`` | route, reason | handoffs retried (``prefill_failed``, ``prefill_timeout``, ``compute_failed``) |
 | ``kvbridge_route_room_aborts_total`` | engine | rooms the router aborted on a prefill |
 | ``kvbridge_route_inflight`` / ``kvbridge_route_queued`` | | requests dispatched / waiting |
@@ -32,7 +32,7 @@ class RouteMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("kvbridge_route_requests", "Requests answered, by route and mode", ["route", "mode"],
+        self.requests = Counter("kvbridge_route_requests", "Requests answered whole, by route and mode", ["route", "mode"],
                                 registry=r)
         self.recomputed = Counter("kvbridge_route_recomputed", "Requests computed on one server, and why",
                                   ["route", "why"], registry=r)

@@ -10,6 +10,11 @@ Health: ``health_loop`` polls each server's health path; ``fail_after`` failures
 take a server out of rotation, ``pass_after`` successes bring it back. ``mark_down``
 takes one out at once (a refused connection on the request path); polling brings it
 back.
+
+Capabilities (``capabilities``): each server's, from the configuration narrowed by what
+the server publishes (read once it is healthy); a choice given a request's ``Needs``
+takes only servers that can serve it, and ``refusal`` says why none of the configured
+servers could (a 400 before any server is asked).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Callable, Iterable, Iterator
 
 import aiohttp
 
+from . import capabilities as C
 from .config import HealthSpec, RouteConfig, ServerSpec, pairable
+from .errors import RouteError
 
 __all__ = ["Server", "ServerPool"]
 
@@ -43,6 +50,12 @@ class Server:
     last_error: str = ""
     changed_at: float = field(default_factory=time.monotonic)
     served: int = 0
+    caps: C.Caps = field(default_factory=C.Caps)
+    caps_read: bool = False  # what it publishes was read
+
+    def unmet(self, needs: "C.Needs | None", part: str) -> list[str]:
+        """Why this server cannot be ``part`` of a request with ``needs`` (empty: it can)."""
+        return [] if needs is None else needs.unmet(self.engine, self.caps, part)
 
     @property
     def name(self) -> str:
@@ -69,7 +82,8 @@ class ServerPool:
     compute targets."""
 
     def __init__(self, cfg: RouteConfig, on_change: Callable[[Server], None] | None = None):
-        self.servers = [Server(s) for s in cfg.servers]
+        self.context = C.model_context(cfg)
+        self.servers = [Server(s, caps=C.configured(s, self.context)) for s in cfg.servers]
         self.by_name = {s.name: s for s in self.servers}
         self.health = cfg.health
         self._turns: dict[str, Iterator[int]] = {}
@@ -89,12 +103,13 @@ class ServerPool:
     def healthy(self, role: str) -> list[Server]:
         return [s for s in self.servers if s.role == role and s.healthy]
 
-    def pick_pair(self, exclude: Iterable[Server] = ()) -> tuple[Server, Server] | None:
+    def pick_pair(self, exclude: Iterable[Server] = (), needs: C.Needs | None = None) -> tuple[Server, Server] | None:
         """The least busy healthy decode with a healthy prefill it can pull from (not in
-        ``exclude``), and the least busy such prefill; None when there is none."""
+        ``exclude``, both able to serve ``needs``), and the least busy such prefill; None
+        when there is none."""
         ex = set(exclude)
-        prefills = [p for p in self.healthy("prefill") if p not in ex]
-        decodes = [d for d in self.healthy("decode") if d not in ex
+        prefills = [p for p in self.healthy("prefill") if p not in ex and not p.unmet(needs, "prefill")]
+        decodes = [d for d in self.healthy("decode") if d not in ex and not d.unmet(needs, "decode")
                    and any(pairable(p.spec, d.spec) for p in prefills)]
         d = self._least_busy(decodes, "decode")
         if d is None:
@@ -108,16 +123,46 @@ class ServerPool:
         return self._least_busy((p for p in self.healthy("prefill") if p not in ex and pairable(p.spec, decode.spec)),
                                 "prefill")
 
-    def pick_compute(self, prefer: Server | None = None, exclude: Iterable[Server] = ()) -> Server | None:
-        """A healthy server that computes a request alone: ``prefer`` when it can (a
-        TensorRT-LLM decode chosen for the pair), else the least busy aggregated server,
-        else the least busy TensorRT-LLM decode."""
+    def pick_compute(self, prefer: Server | None = None, exclude: Iterable[Server] = (),
+                     needs: C.Needs | None = None) -> Server | None:
+        """A healthy server that computes a request alone (and can serve ``needs``):
+        ``prefer`` when it can (a TensorRT-LLM decode chosen for the pair), else the least
+        busy aggregated server, else the least busy TensorRT-LLM or vLLM decode."""
         ex = set(exclude)
-        if prefer is not None and prefer.spec.can_compute and prefer.healthy and prefer not in ex:
+        if (prefer is not None and prefer.spec.can_compute and prefer.healthy and prefer not in ex
+                and not prefer.unmet(needs, "compute")):
             return prefer
-        cands = [s for s in self.servers if s.healthy and s not in ex and s.spec.can_compute]
+        cands = [s for s in self.servers if s.healthy and s not in ex and s.spec.can_compute
+                 and not s.unmet(needs, "compute")]
         agg = [s for s in cands if s.role == "aggregated"]
         return self._least_busy(agg or cands, "compute")
+
+    def refusal(self, needs: C.Needs, rid: str = "") -> RouteError | None:
+        """A 400 naming why no configured server (healthy or not) could serve a request
+        with ``needs``; None when some pair or compute target could."""
+        if self.context and needs.prompt + needs.max_tokens > self.context:
+            return RouteError(400, "bad_request", f"This model's maximum context length is {self.context} tokens. "
+                              f"However, you requested {needs.prompt + needs.max_tokens} tokens ({needs.prompt} in "
+                              f"the prompt, {needs.max_tokens} for the completion: 'max_tokens'). Please reduce the "
+                              "prompt or the completion.", param="max_tokens")
+        prefills = [p for p in self.servers if p.role == "prefill" and not p.unmet(needs, "prefill")]
+        if any(d.role == "decode" and not d.unmet(needs, "decode") and any(pairable(p.spec, d.spec) for p in prefills)
+               for d in self.servers):
+            return None
+        if any(s.spec.can_compute and not s.unmet(needs, "compute") for s in self.servers):
+            return None
+        why = []
+        for s in self.servers:
+            part = "compute" if s.role == "aggregated" else s.role
+            if s.role == "decode" and s.spec.can_compute and not s.unmet(needs, "compute"):
+                part = "decode"
+            reasons = s.unmet(needs, part)
+            if reasons:
+                why.append(f"{s.name} ({s.engine} {s.role}): " + "; ".join(reasons))
+        param = "seed" if any("'seed'" in w for w in why) else "temperature" if any("'temperature'" in w for w in why) \
+            else "max_tokens"
+        return RouteError(400, "bad_request", f"no server of this deployment can serve request {rid}: "
+                          + (" | ".join(why) or "no prefill can feed a decode that could take it"), param=param)
 
     def can_serve(self) -> bool:
         """Whether any request could be dispatched now."""
@@ -183,12 +228,26 @@ class ServerPool:
         for s, (ok, why) in zip(self.servers, results):
             self.observe(s, ok, why)
 
+    async def read_caps(self, http: aiohttp.ClientSession) -> None:
+        """Narrow the capabilities of each healthy server not read yet by what it publishes."""
+        todo = [s for s in self.servers if s.healthy and not s.caps_read]
+        found = await asyncio.gather(*(C.discover(http, s.spec, self.health.timeout_s) for s in todo))
+        for s, limits in zip(todo, found):
+            if limits is None:
+                continue
+            s.caps_read = True
+            s.caps = C.narrowed(s.caps, limits, "published")
+            if s.caps.cannot() or limits:
+                log.info("route: %s: context %s tokens; cannot %s", s.describe(), s.caps.context_length or "?",
+                         "; ".join(s.caps.cannot()) or "-")
+
     async def health_loop(self, http: aiohttp.ClientSession) -> None:
         """Probe every ``interval_s`` until cancelled."""
         while True:
             t0 = time.monotonic()
             try:
                 await self.check_all(http)
+                await self.read_caps(http)
             except Exception:  # a probe bug must not stop health checking
                 log.exception("route: health check failed")
             await asyncio.sleep(max(0.0, self.health.interval_s - (time.monotonic() - t0)))
@@ -196,4 +255,5 @@ class ServerPool:
     def snapshot(self) -> list[dict]:
         """Every server's state, for /health and logs."""
         return [{"name": s.name, "engine": s.engine, "role": s.role, "url": s.url, "healthy": s.healthy,
-                 "outstanding": s.outstanding, "served": s.served, "last_error": s.last_error} for s in self.servers]
+                 "outstanding": s.outstanding, "served": s.served, "last_error": s.last_error,
+                 "context_length": s.caps.context_length or None, "cannot": s.caps.cannot()} for s in self.servers]

@@ -4,7 +4,9 @@
 Requests are checked here and turned into token ids plus ``Sampling``; a parameter the
 router cannot pass on to every engine is refused with 400 naming it (never silently
 dropped). Responses carry, besides the OpenAI fields, ``token_ids`` in each choice (as
-trtllm-serve and vLLM do) and a ``kvbridge`` object saying how the request was served.
+trtllm-serve and vLLM do), the stop string that ended the answer as vLLM reports it
+(``stop_reason`` in the choice; SGLang's ``finish_reason.matched`` for ``/generate``) and
+a ``kvbridge`` object saying how the request was served.
 """
 
 from __future__ import annotations
@@ -19,18 +21,25 @@ from .text import TextCodec
 
 __all__ = ["Parsed", "parse_completion", "parse_chat", "parse_generate", "Formatter"]
 
-# OpenAI fields accepted and not acted on (they change nothing in the output)
+# OpenAI fields accepted and not acted on (they change nothing in the output; the app checks ``model``)
 _IGNORED = {"model", "user", "stream_options", "service_tier", "metadata", "store"}
 _OPENAI_SAMPLING = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos",
-                    "stream", "n", "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix"}
+                    "stream", "n", "echo", "logprobs", "presence_penalty", "frequency_penalty", "best_of", "suffix",
+                    "include_stop_str_in_output"}
 
 
 @dataclass
 class Parsed:
+    """A request's prompt ids, sampling and answer options. ``max_given``: whether the
+    client set the token limit (else the default, which the router lowers to what the
+    context leaves); ``include_stop``: keep the matched stop string in the text."""
+
     ids: list[int]
     sampling: Sampling
     stream: bool
     include_usage: bool = False
+    include_stop: bool = False
+    max_given: bool = True
 
 
 def _bad(msg: str) -> RouteError:
@@ -79,6 +88,19 @@ def _openai_sampling(body: dict, default_max: int) -> Sampling:
                     ignore_eos=bool(body.get("ignore_eos", False)), stop=_stop(body.get("stop")), seed=seed)
 
 
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be true or false")
+    return v
+
+
+def _max_given(body: dict) -> bool:
+    return body.get("max_completion_tokens", body.get("max_tokens")) is not None
+
+
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -105,7 +127,8 @@ def parse_completion(body: Any, codec: TextCodec) -> Parsed:
     if not ids:
         raise _bad("the prompt is empty")
     stream, usage = _stream_flags(body)
-    return Parsed(ids, _openai_sampling(body, 16), stream, usage)
+    return Parsed(ids, _openai_sampling(body, 16), stream, usage, _flag(body, "include_stop_str_in_output"),
+                  _max_given(body))
 
 
 def parse_chat(body: Any, codec: TextCodec) -> Parsed:
@@ -114,10 +137,12 @@ def parse_chat(body: Any, codec: TextCodec) -> Parsed:
         raise _bad("the body must be a JSON object")
     ids = codec.chat(body.get("messages"))
     stream, usage = _stream_flags(body)
-    return Parsed(ids, _openai_sampling(body, 256), stream, usage)
+    return Parsed(ids, _openai_sampling(body, 256), stream, usage, _flag(body, "include_stop_str_in_output"),
+                  _max_given(body))
 
 
-_SGLANG_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop", "sampling_seed"}
+_SGLANG_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop", "sampling_seed",
+                    "no_stop_trim"}
 
 
 def parse_generate(body: Any, codec: TextCodec) -> Parsed:
@@ -148,10 +173,8 @@ def parse_generate(body: Any, codec: TextCodec) -> Parsed:
                  temperature=_num(sp, "temperature", 1.0, float, 0.0, 2.0), top_p=_num(sp, "top_p", 1.0, float, 0.0, 1.0),
                  top_k=_num(sp, "top_k", -1, int, -1, None), ignore_eos=bool(sp.get("ignore_eos", False)),
                  stop=_stop(sp.get("stop")), seed=seed)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be true or false")
-    return Parsed(ids, s, stream)
+    return Parsed(ids, s, _flag(body, "stream"), include_stop=_flag(sp, "no_stop_trim"),
+                  max_given=sp.get("max_new_tokens") is not None)
 
 
 class Formatter:
@@ -167,25 +190,35 @@ class Formatter:
     def _usage(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_len, "completion_tokens": n, "total_tokens": self.prompt_len + n}
 
-    def chunk(self, ids: list[int], text: str, finish: str | None, info: dict | None = None, first: bool = False) -> dict:
-        """One streamed event."""
+    @staticmethod
+    def _finish(finish: str | None, matched: str | None) -> dict | None:
+        if not finish:
+            return None
+        return {"type": finish, "matched": matched} if matched is not None else {"type": finish}
+
+    def chunk(self, ids: list[int], text: str, finish: str | None, info: dict | None = None, first: bool = False,
+              matched: str | None = None) -> dict:
+        """One streamed event (``matched``: the stop string that ended the answer)."""
         self._ids += ids
         self._text += text
         if self.kind == "generate":
             meta = {"id": self.rid, "prompt_tokens": self.prompt_len, "completion_tokens": len(self._ids),
-                    "finish_reason": {"type": finish} if finish else None}
+                    "finish_reason": self._finish(finish, matched)}
             if info is not None:
                 meta["kvbridge"] = info
             return {"text": self._text, "output_ids": list(self._ids), "meta_info": meta}
+        stop_reason = {"stop_reason": matched} if finish else {}
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if first:
                 delta["role"] = "assistant"
             out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "delta": delta, "token_ids": ids, "logprobs": None, "finish_reason": finish}]}
+                   "choices": [{"index": 0, "delta": delta, "token_ids": ids, "logprobs": None, "finish_reason": finish,
+                                **stop_reason}]}
         else:
             out = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}]}
+                   "choices": [{"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish,
+                                **stop_reason}]}
         if info is not None:
             out["kvbridge"] = info
         return out
@@ -195,18 +228,19 @@ class Formatter:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [],
                 "usage": self._usage(len(self._ids))}
 
-    def whole(self, ids: list[int], text: str, finish: str, info: dict) -> dict:
+    def whole(self, ids: list[int], text: str, finish: str, info: dict, matched: str | None = None) -> dict:
         """The non-streamed answer."""
         if self.kind == "generate":
             return {"text": text, "output_ids": ids,
                     "meta_info": {"id": self.rid, "prompt_tokens": self.prompt_len, "completion_tokens": len(ids),
-                                  "finish_reason": {"type": finish}, "kvbridge": info}}
+                                  "finish_reason": self._finish(finish, matched), "kvbridge": info}}
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": ids, "logprobs": None,
-                      "finish_reason": finish}
+                      "finish_reason": finish, "stop_reason": matched}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": matched}
             obj = "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self._usage(len(ids)), "kvbridge": info}

@@ -20,7 +20,9 @@ Where the stand-in differs (it is a model of the executor, not of sampling): it 
 greedily and never stops at EOS, so ``temperature`` must be 0 (or ``top_k`` 1) and
 ``stop`` strings are refused; and it reports a request's tokens when the request
 finishes (its ranks return finished responses only), so a stream delivers them then,
-one chunk per token.
+one chunk per token. ``GET /version`` says so (``kvbridge_capabilities``, what a router
+reads to pair requests only with servers that can serve them; trtllm-serve has no such
+field).
 
 Run it: ``StandInHTTP(...)`` in a process (a context manager), or ``python -m
 kvbridge.demo.trtllm.http --version 1.2 --model DIR --port 0`` (prints one JSON line with
@@ -46,9 +48,12 @@ from aiohttp import web
 
 from .server import StandInError, StandInServer
 
-__all__ = ["Stepper", "make_app", "StandInHTTP", "main"]
+__all__ = ["Stepper", "make_app", "StandInHTTP", "main", "CAPABILITIES"]
 
 log = logging.getLogger(__name__)
+
+# what this stand-in cannot do, in kvbridge.route's terms (kvbridge.route.config.Capabilities)
+CAPABILITIES = {"sampling": "greedy", "stop": "router", "eos": "router", "seed": False}
 
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop", "seed", "stream",
            "stream_options", "detokenize", "user", "n"}
@@ -185,7 +190,8 @@ class _App:
         return web.Response(status=200 if self.stepper.alive else 503)
 
     async def version_page(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": f"{self.version} (kvbridge.demo.trtllm stand-in)"})
+        return web.json_response({"version": f"{self.version} (kvbridge.demo.trtllm stand-in)",
+                                  "kvbridge_capabilities": CAPABILITIES})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",

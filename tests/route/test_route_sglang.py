@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvbridge.demo.models import random_prompt, reference_generate
+from tests.helpers.route_client import words
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]  # the first test starts the servers
 
@@ -146,7 +147,7 @@ def test_generate_chat_and_streaming_from_the_sglang_decode(dep, tiny_llama_dir)
     req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     out = json.loads(OPENER.open(req, timeout=120).read())
     assert out["output_ids"] == ref and out["meta_info"]["finish_reason"] == {"type": "length"}
-    assert out["text"] == " ".join(f"w{t}" for t in ref)
+    assert out["text"] == words(ref)  # as SGLang's own /generate: each word after a space
     req = urllib.request.Request(url + "/generate", json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
     events = [json.loads(line[5:]) for line in OPENER.open(req, timeout=120).read().decode().splitlines()
@@ -214,6 +215,106 @@ def test_route_check_probes_every_server(dep, tmp_path):
     assert out.returncode == 1, out.stdout
     assert "FAIL dead" in out.stdout and "BAD reachable" in out.stdout, out.stdout
     assert "FAIL wrong" in out.stdout and "disaggregation_mode 'prefill'" in out.stdout, out.stdout
+
+
+def _sub_router(dep, names, **sections):
+    """A router in this process over some of the deployment's servers (the cost gate off:
+    every request is handed off when a pair can take it)."""
+    from kvbridge.route.app import BackgroundRouter
+    from kvbridge.route.config import parse_config
+    from kvbridge.route.local import route_yaml
+
+    cfg = dep.config()
+    cfg["servers"] = [s for s in cfg["servers"] if s["name"] in names]
+    cfg["cost"] = {"enabled": False}
+    for k, v in sections.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(cfg.get(k), dict) else v
+    return BackgroundRouter(parse_config(route_yaml(cfg)))
+
+
+def test_openai_edges_answer_as_sglang_itself(dep, tiny_llama_dir):
+    """Through an SGLang decode, the router answers as SGLang's own OpenAI server (the
+    aggregated a0, asked directly) does: stop strings trimmed (kept with
+    ``include_stop_str_in_output``, SGLang's ``no_stop_trim``), the ids up to the stop,
+    the answer ended at EOS; streamed and not, completions and chat. Requests the model
+    cannot serve are 400s before any server is asked (nothing retried, no room aborted);
+    unknown models 404, an alias served, chat content parts, JSON errors on any path."""
+    from tests.helpers import route_client as rc
+
+    a0 = dep.sglang["a0"][0]
+    own = rc.client_of(a0.url)
+    prompt, eos_prompt = random_prompt(50, seed=7), random_prompt(rc.EOS_PROMPT[0], seed=rc.EOS_PROMPT[1])
+    ref, eos_ref = _ref(tiny_llama_dir, prompt, 12), _ref(tiny_llama_dir, eos_prompt, 8)
+    k, e = rc.stop_at(ref), eos_ref.index(rc.EOS_ID)
+    stop = f"w{ref[k]}"
+    sglang_says = [own.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                          extra_body={"no_stop_trim": keep}).choices[0] for keep in (False, True)]
+    assert [(c.text, c.finish_reason) for c in sglang_says] == [(rc.words(ref[:k]) + " ", "stop"),
+                                                                (rc.words(ref[:k]) + " " + stop, "stop")]
+    eos_says = own.completions.create(model="default", prompt=eos_prompt, max_tokens=8, temperature=0).choices[0]
+    assert (eos_says.text, eos_says.finish_reason) == (rc.words(eos_ref[:e]), "stop")
+    with _sub_router(dep, ("p0", "d0"), model={"aliases": ["tiny"]}) as router:
+        c = rc.client_of(router.url)
+        rc.check_stop_strings(c, prompt, ref)
+        rc.check_eos(c, eos_prompt, eos_ref)
+        rc.check_openai_surface(router.url, prompt, ref[:6], alias="tiny")
+        served = {s["name"]: s["served"] for s in router.router.pool.snapshot()}
+        rc.check_refusals(c, 2048)
+        assert {s["name"]: s["served"] for s in router.router.pool.snapshot()} == served, "a refused request was sent"
+        m = router.router.metrics
+        assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "bad_request"}) == 3
+        assert not [x for f in m.registry.collect() for x in f.samples
+                    if x.name in ("kvbridge_route_retries_total", "kvbridge_route_room_aborts_total") and x.value]
+
+
+def test_sampling_goes_only_to_decodes_that_can_sample(dep, tiny_llama_dir):
+    """With an SGLang decode and the greedy-only TensorRT-LLM stand-in behind the router,
+    sampled requests (the OpenAI default temperature 1.0) all go to the SGLang decode,
+    greedy ones to both; a seed with sampling, which no server here honours (SGLang
+    without --enable-deterministic-inference ignores it), is a 400 naming it. ``--check``
+    says what each server cannot do."""
+    import openai
+
+    from tests.helpers import route_client as rc
+
+    prompts = [random_prompt(40 + i, seed=300 + i) for i in range(6)]
+    with _sub_router(dep, ("p0", "d0", "t0")) as router:
+        c = rc.client_of(router.url)
+        with ThreadPoolExecutor(3) as ex:
+            sampled = list(ex.map(lambda p: c.completions.create(model="tiny-llama", prompt=p, max_tokens=4), prompts))
+            greedy = list(ex.map(lambda p: rc.complete(c, p, stream=False, max_tokens=4), prompts))
+        assert all(r.model_extra["kvbridge"]["servers"] == ["p0", "d0"] for r in sampled), [
+            r.model_extra["kvbridge"] for r in sampled]
+        assert {info["servers"][1] for _, info in greedy} == {"d0", "t0"}
+        assert all(ids == _ref(tiny_llama_dir, p, 4) for p, (ids, _) in zip(prompts, greedy))
+        with pytest.raises(openai.BadRequestError, match="seed") as err:
+            c.completions.create(model="tiny-llama", prompt=prompts[0], max_tokens=4, temperature=0.8, seed=5)
+        assert err.value.body["param"] == "seed" and "d0 (sglang decode)" in str(err.value)
+    path = dep.write_config()
+    out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "route", "--config", str(path), "--check", "--json"],
+                         capture_output=True, text=True, timeout=180)
+    rep = {s["name"]: s for s in json.loads(out.stdout)["servers"]}
+    assert any("greedily" in x for x in rep["t0"]["cannot"]) and any("stop strings" in x for x in rep["t0"]["cannot"])
+    assert any("seed" in x for x in rep["d0"]["cannot"]) and rep["d0"]["context_length"] == 2048, rep["d0"]
+
+
+def test_a_non_streamed_answer_that_ends_in_504_is_not_counted_as_served(dep):
+    """A non-streamed request whose deadline passes after its first token gets 504: the
+    metrics count a deadline failure, not a request served."""
+    import openai
+
+    from tests.helpers import route_client as rc
+
+    with _sub_router(dep, ("a0",)) as router:
+        c = rc.client_of(router.url).with_options(timeout=60)
+        with pytest.raises(openai.APIStatusError) as err:
+            c.completions.create(model="tiny-llama", prompt=random_prompt(8, seed=8), max_tokens=2000, temperature=0,
+                                 extra_body={"ignore_eos": True}, extra_headers={"X-Request-Timeout": "4"})
+        assert err.value.status_code == 504
+        m = router.router.metrics
+        assert m.value("kvbridge_route_ttft_seconds_count", {"route": "sglang", "mode": "recomputed"}) == 1  # a token came
+        assert m.value("kvbridge_route_requests_total", {"route": "sglang", "mode": "recomputed"}) == 0
+        assert m.value("kvbridge_route_failures_total", {"route": "sglang", "reason": "deadline"}) == 1
 
 
 def test_slow_prefill_is_given_up_and_the_request_recomputed_within_its_deadline(dep, tiny_llama_dir):
@@ -343,3 +444,4 @@ def test_bench_route_smoke(dep):
     assert r["killed"] == "p0" and r["ok_after_kill_on_p0"] == 0, r
     assert r["ttft_router_p50_ms"] is not None and r["ttft_router_p99_ms"] >= r["ttft_router_p50_ms"] > 0
     assert r["ttft_client_stream_p50_ms"] is not None
+

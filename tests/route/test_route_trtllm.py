@@ -243,3 +243,43 @@ def test_saturation_429_and_deadline_504(trt, tiny_llama_dir):
         _wait(lambda: (lambda s: s["active"] == 0 and s["free"] == s["total"])(_state(d)), box["took"],
               f"the decode's request was cancelled (600 tokens took {box['took']:.1f} s)")
         assert router.router.metrics.value("kvbridge_route_failures_total", {"route": "trtllm", "reason": "deadline"}) == 1
+
+
+def test_openai_edges_through_the_greedy_standin(trt, tiny_llama_dir):
+    """The TensorRT-LLM stand-in (greedy only, no stop strings, never stops at EOS, as its
+    ``/version`` says) behind the router answers as SGLang and vLLM do: stop strings
+    trimmed, the answer ended at EOS; what no server can serve (sampling, the context) is
+    a 400 before any server is asked, never retried; unknown models 404, aliases served,
+    chat content parts, JSON errors on any path."""
+    import openai
+
+    from kvbridge.route.app import BackgroundRouter
+    from tests.helpers import route_client as rc
+
+    p, d = trt["prefill"], trt["decode"]
+    cfg = _cfg(tiny_llama_dir, [{"name": "tp", "engine": "trtllm", "role": "prefill", "url": p.url, "bus": p.bus},
+                                {"name": "td", "engine": "trtllm", "role": "decode", "url": d.url, "bus": d.bus}],
+               cost={"enabled": False},
+               model={"name": "tiny-llama", "tokenizer": str(tiny_llama_dir), "aliases": ["tiny"],
+                      "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"})
+    prompt = random_prompt(40, seed=40)
+    ref = reference_generate(tiny_llama_dir, prompt, 12).token_ids
+    eos_prompt = random_prompt(rc.EOS_PROMPT[0], seed=rc.EOS_PROMPT[1])
+    eos_ref = reference_generate(tiny_llama_dir, eos_prompt, 8).token_ids
+    assert rc.EOS_ID in eos_ref, eos_ref
+    with BackgroundRouter(cfg) as router:
+        c = rc.client_of(router.url)
+        rc.check_stop_strings(c, prompt, ref)
+        rc.check_eos(c, eos_prompt, eos_ref)
+        rc.check_openai_surface(router.url, prompt, ref[:6], alias="tiny")
+        before = (_state(p)["ever"], _state(d)["ever"])
+        rc.check_refusals(c, 2048)
+        with pytest.raises(openai.BadRequestError, match="temperature") as e:  # the OpenAI default, 1.0
+            c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=4)
+        assert "td (trtllm decode)" in str(e.value) and e.value.body["param"] == "temperature"
+        assert (_state(p)["ever"], _state(d)["ever"]) == before, "a refused request reached a server"
+        m = router.router.metrics
+        assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "bad_request"}) == 4
+        assert not [s for s in m.registry.collect() for x in s.samples
+                    if x.name in ("kvbridge_route_retries_total", "kvbridge_route_room_aborts_total") and x.value]
+        assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "model_not_found"}) == 1

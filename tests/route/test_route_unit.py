@@ -68,6 +68,10 @@ def test_config_defaults_pairs_and_links(tiny_model):
     ("  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:1', colour: red}", "", "colour"),
     ("  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:1'}", "deadlines: {request_s: soon}",
      "deadlines.request_s"),
+    ("  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:1', capabilities: {sampling: beam}}", "",
+     "sampling"),
+    ("  - {name: a0, engine: sglang, role: aggregated, url: 'http://h:1', capabilities: {context_length: -1}}", "",
+     "capabilities.context_length"),
 ])
 def test_config_errors_name_the_key(servers, extra, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -434,3 +438,56 @@ def test_no_server_is_a_503_with_retry_after_and_bad_input_a_400(tiny_model):
         m = router.router.metrics
         assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "no_server"}) == 1
         assert m.value("kvbridge_route_failures_total", {"route": "none", "reason": "bad_request"}) == 1
+
+
+def test_answer_ends_at_the_first_stop_string_and_holds_back_what_could_start_one(codec):
+    """Stop strings end the answer where they complete (the text cut before them, or after
+    with include_stop), in a stream as in one piece; no text that could start a stop
+    leaves early; EOS ends it only when asked; the text is SGLang's and vLLM's (each
+    word after a space: the prompt's last ids are decoded before the output)."""
+    from kvbridge.route.text import Answer
+
+    a = Answer(codec, [9, 10, 11], stops=("w30 w4", "w77"))
+    assert a.add([20], None) == ([20], "", None)  # the last 5 characters wait: the longest stop, less one
+    assert a.add([30], None) == ([30], " w2", None)
+    assert a.add([4, 5, 6], None) == ([4], "0 ", "stop") and a.matched == "w30 w4" and a.text == " w20 "
+    b = Answer(codec, [9], stops=("w30",), include_stop=True)
+    assert b.add([20, 30, 40], "length") == ([20, 30], " w20 w30", "stop") and b.matched == "w30"
+    c = Answer(codec, [9])
+    assert c.add([20, 2, 40], None) == ([20, 2, 40], " w20 w40", None)  # EOS: the engine's business
+    c.end_at_eos(True)
+    assert c.add([41, 2, 42], None) == ([41, 2], " w41", "stop") and c.matched is None
+    d = Answer(codec, [9], stops=("zz",))
+    assert d.add([20], None) == ([20], " w2", None) and d.add([21], "length") == ([21], "0 w21", "length")
+
+
+def test_capabilities_pair_requests_and_refusals_name_the_reason(tiny_model):
+    """The configuration's capabilities, narrowed by what servers publish, decide which
+    servers a request may go to; when none of the configured servers could, the refusal
+    (a 400) names each one's reason; the model's context comes from its config.json."""
+    from kvbridge.route import capabilities as C
+
+    servers = MIXED.replace('bus: "tcp://h:7"}', 'bus: "tcp://h:7", capabilities: {sampling: greedy, stop: router}}')
+    cfg = parse_config(f"model: {{name: m, tokenizer: {tiny_model}, aliases: [mm]}}\nservers:\n{servers}\n")
+    assert cfg.model.names() == ["m", "mm"]
+    pool = ServerPool(cfg)
+    by = pool.by_name
+    assert pool.context == 2048 and by["t0"].caps.context_length == 2048 and by["t0"].caps.sampling == "greedy"
+    sampled = C.Needs.of(40, Sampling(8, temperature=0.7))
+    assert pool.pick_pair(needs=sampled)[1].name == "d0" and pool.pick_compute(needs=sampled).name == "a0"
+    assert pool.refusal(sampled) is None
+    by["a0"].caps = C.narrowed(by["a0"].caps, C.published_limits("sglang", {"data": [{"max_model_len": 1024}]},
+                                                                   {"enable_deterministic_inference": False}, None),
+                               "published")
+    assert by["a0"].caps.context_length == 1024 and not by["a0"].caps.seed and by["a0"].caps.sources == ("published",)
+    assert pool.pick_compute(needs=C.Needs.of(1500, Sampling(8, temperature=0))).name == "t0"
+    over = pool.refusal(C.Needs.of(2100, Sampling(4, temperature=0)), "r1")
+    assert over.status == 400 and "2048" in over.message and "2104" in over.message and over.param == "max_tokens"
+    only_greedy = ServerPool(parse_config(_yaml(
+        '  - {name: g, engine: trtllm, role: aggregated, url: "http://h:1", capabilities: {sampling: greedy}}', "",
+        tiny_model)))
+    e = only_greedy.refusal(C.Needs.of(10, Sampling(4)), "r2")
+    assert e.status == 400 and e.param == "temperature" and "g (trtllm aggregated)" in e.message
+    assert only_greedy.refusal(C.Needs.of(10, Sampling(4, temperature=0, stop=("x",)))) is None
+    assert C.for_server(Sampling(4, stop=("x",)), "trtllm", C.Caps(stop="router"), "decode").stop == ()
+    assert C.for_server(Sampling(4, seed=3), "vllm", C.Caps(), "prefill") == Sampling(4, temperature=0.0, seed=None)
