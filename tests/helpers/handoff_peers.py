@@ -77,6 +77,16 @@ def until(cond, deadline: float, what: str) -> None:
         time.sleep(0.002)
 
 
+def serve(conn, handle, *parts) -> None:
+    """Answer the parent's commands with ``handle`` until it says stop, then close
+    ``parts`` (a kvbridge side, its transport...) in order, whatever happened."""
+    try:
+        _serve(conn, handle)
+    finally:
+        for part in parts:
+            part.close()
+
+
 def _serve(conn, handle):
     while True:
         cmd = conn.recv()
@@ -189,11 +199,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             return ("prestage", len(sender._prestage_free), count("used"), count("unused"))
         raise ValueError(op)
 
-    try:
-        _serve(conn, handle)
-    finally:
-        sender.close()
-        transport.close()
+    serve(conn, handle, sender, transport)
 
 
 def decode_main(conn, spec: dict, cfg: dict) -> None:
@@ -273,8 +279,4 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
             return ("free", alloc.free_count, alloc.double_frees)
         raise ValueError(op)
 
-    try:
-        _serve(conn, handle)
-    finally:
-        recv.close()
-        transport.close()
+    serve(conn, handle, recv, transport)

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvbridge.bench.freelist import BlockFreeList
 
-from tests.helpers.handoff_peers import _config, _serve, build_pool
+from tests.helpers.handoff_peers import _config, build_pool, serve
 
 
 class _Keep(logging.Handler):
@@ -88,11 +88,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             return ("state", sender.poll(room).name, sender.failure_reason(room), alloc.free_count)
         raise ValueError(op)
 
-    try:
-        _serve(conn, handle)
-    finally:
-        sender.close()
-        transport.close()
+    serve(conn, handle, sender, transport)
 
 
 def _outside_mask(lay, blocks, t_index: int, nbytes: int) -> np.ndarray:
@@ -182,8 +178,4 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
             return ("pulled", out)
         raise ValueError(op)
 
-    try:
-        _serve(conn, handle)
-    finally:
-        recv.close()
-        transport.close()
+    serve(conn, handle, recv, transport)

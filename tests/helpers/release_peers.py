@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tests.helpers.handoff_peers import _config, _serve, build_pool, until
+from tests.helpers.handoff_peers import _config, build_pool, serve, until
 from tests.helpers.kvhelpers import install_test_hooks
 
 POISON = 0xA5
@@ -84,11 +84,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             return ("inflight", pieces, nbytes, held)
         raise ValueError(op)
 
-    try:
-        _serve(conn, handle)
-    finally:
-        sender.close()
-        transport.close()
+    serve(conn, handle, sender, transport)
 
 
 def decode_main(conn, spec: dict, cfg: dict) -> None:
@@ -172,9 +168,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
         raise ValueError(op)
 
     try:
-        _serve(conn, handle)
+        serve(conn, handle, recv, transport)
     finally:
         for s in raw:
             s.close(0)
-        recv.close()
-        transport.close()
