@@ -126,11 +126,20 @@ class CostSpec(_S):
 class Deadlines(_S):
     """``request_s``: a client never waits longer (a header ``X-Request-Timeout`` may
     shorten it); ``prefill_s``: a prefill half that has not handed off by then is given up
-    (its room aborted) and retried; ``connect_s``: TCP connect to a server."""
+    (its room aborted) and retried; ``connect_s``: TCP connect to a server.
+
+    From clients: ``headers_s``: a connection that has not sent a whole request's headers
+    within it (from its start, or from the end of its last answer: idle keep-alive
+    included) is closed; ``body_s``: a request whose body has not arrived within it is
+    answered 408 and its connection closed; ``shutdown_s``: at shutdown, requests in flight
+    may finish within it, then open streams end with an error event."""
 
     request_s: float = 60.0
     prefill_s: float = 20.0
     connect_s: float = 2.0
+    headers_s: float = 15.0
+    body_s: float = 30.0
+    shutdown_s: float = 10.0
 
 
 class RetryPolicy(_S):
@@ -147,11 +156,15 @@ class RetryPolicy(_S):
 class Limits(_S):
     """Admission: at most ``max_inflight`` requests dispatched at once and ``max_queue``
     waiting; a request beyond that gets 429, one that cannot be served (no server, or
-    its deadline passes in the queue) 503, both with ``Retry-After: retry_after_s``."""
+    its deadline passes in the queue) 503, both with ``Retry-After: retry_after_s``.
+    ``max_body_bytes``: a larger request body is refused (413) before it is read;
+    ``parse_threads``: threads that decode bodies and tokenize prompts (off the event loop)."""
 
     max_inflight: int = 64
     max_queue: int = 256
     retry_after_s: float = 1.0
+    max_body_bytes: int = 4 << 20
+    parse_threads: int = 2
 
 
 class HealthSpec(_S):
@@ -292,7 +305,7 @@ def _validate(cfg: RouteConfig) -> RouteConfig:
     if c.kv_dtype_bytes not in (1, 2, 4):
         raise bad("cost.kv_dtype_bytes", "must be 1, 2 or 4")
     dl = cfg.deadlines
-    for name in ("request_s", "prefill_s", "connect_s"):
+    for name in ("request_s", "prefill_s", "connect_s", "headers_s", "body_s", "shutdown_s"):
         if getattr(dl, name) <= 0:
             raise bad(f"deadlines.{name}", "must be > 0")
     if cfg.retry.prefill_attempts < 1:
@@ -302,6 +315,10 @@ def _validate(cfg: RouteConfig) -> RouteConfig:
     lim = cfg.limits
     if lim.max_inflight < 1 or lim.max_queue < 0 or lim.retry_after_s <= 0:
         raise bad("limits", "max_inflight >= 1, max_queue >= 0 and retry_after_s > 0 are needed")
+    if lim.max_body_bytes < 1024:
+        raise bad("limits.max_body_bytes", f"{lim.max_body_bytes} is below 1024 bytes")
+    if lim.parse_threads < 1:
+        raise bad("limits.parse_threads", "must be >= 1")
     h = cfg.health
     if h.interval_s <= 0 or h.timeout_s <= 0 or h.fail_after < 1 or h.pass_after < 1 or not h.path.startswith("/"):
         raise bad("health", "interval_s > 0, timeout_s > 0, fail_after >= 1, pass_after >= 1, path starting with /")

@@ -73,14 +73,26 @@ class PrefillRanks:
         self._eps: dict[str, list[str]] = {}
         self._chan = None
         self.sent = 0
+        self._unacked: dict[int, float] = {}  # room -> when its abort was sent (monotonic)
 
     def _channel(self):
         if self._chan is None:
             from kvbridge.common.control import ControlChannel
 
-            # replies (TransferFailed "abort acknowledged", Heartbeat) need no action
-            self._chan = ControlChannel(lambda peer, payload: None, name="kvbridge-route-ranks")
+            # replies (TransferFailed "abort acknowledged", Heartbeat) need no action but show delivery
+            self._chan = ControlChannel(self._on_reply, name="kvbridge-route-ranks")
         return self._chan
+
+    def _on_reply(self, peer: str, payload: bytes) -> None:
+        from kvbridge.common import protocol as P
+
+        try:
+            msg = P.decode(payload)
+        except Exception:
+            return
+        room = getattr(msg, "room", None)
+        if isinstance(msg, P.TransferFailed) and room is not None:
+            self._unacked.pop(room, None)
 
     async def endpoints(self, server: ServerSpec, timeout_s: float = 2.0) -> list[str]:
         """The server's rank endpoints (cached)."""
@@ -114,12 +126,30 @@ class PrefillRanks:
         for ep in eps:
             chan.send(ep, payload)
         self.sent += 1
+        self._unacked[int(room)] = time.monotonic()
         log.info("route: room %s aborted on %s (%d rank(s)): %s", room, server.name, len(eps), reason)
         return True
 
     def forget(self, server: ServerSpec) -> None:
         """Look the server's ranks up again next time (it restarted)."""
         self._eps.pop(server.name, None)
+
+    async def flush(self, timeout_s: float = 2.0, grace_s: float = 0.5) -> int:
+        """Before ``close``: wait until every abort sent was acknowledged by the prefill or
+        has had ``grace_s`` to leave (a first message to a rank waits for its connection;
+        closing drops what is still queued), at most ``timeout_s``. The aborts still
+        unconfirmed."""
+        end = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            young = [t for t in list(self._unacked.values()) if now - t < grace_s]
+            if not young or now >= end:
+                break
+            await asyncio.sleep(min(0.02, end - now))
+        left = len(self._unacked)
+        if left:
+            log.info("route: %d room abort(s) not acknowledged before closing", left)
+        return left
 
     def close(self) -> None:
         if self._chan is not None:
