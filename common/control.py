@@ -19,7 +19,9 @@ are read (and after queued sends are flushed).
 With ``on_disconnect``, each DEALER is watched (a ZMQ socket monitor): when its TCP
 connection to a prefill endpoint closes (the process there exited or was killed, so the
 kernel closed its sockets), ``on_disconnect(endpoint)`` runs on the I/O thread. A
-stopped process or a partition closes nothing, so neither is reported.
+stopped process or a partition closes nothing, so neither is reported. ``reached(ep)``
+says whether a connection to ``ep`` was ever made (until then everything sent to it
+waits in this process), and ``discard(ep)`` drops that DEALER with what waits in it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class ControlChannel:
         self._on_tick = on_tick or (lambda: None)
         self._on_disconnect = on_disconnect
         self._monitors: dict[zmq.Socket, str] = {}  # the I/O thread's: DEALER monitor -> its endpoint
+        self._reached: set[str] = set()  # endpoints a DEALER connection was ever made to (I/O thread writes)
         self._tick_ms = max(1, int(tick_s * 1000))
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://kvbridge-wake-{id(self)}-{next(_ids)}"
@@ -177,13 +180,34 @@ class ControlChannel:
             s.setsockopt(zmq.SNDHWM, self._hwm)
             s.setsockopt(zmq.RCVHWM, self._hwm)
             if self._on_disconnect is not None:  # before connect: no event is missed
-                mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
                 self._monitors[mon] = endpoint
                 self._poller.register(mon, zmq.POLLIN)
             s.connect(endpoint)
             self._dealers[endpoint] = s
             self._poller.register(s.getsockopt(zmq.FD), zmq.POLLIN)
         return s
+
+    def reached(self, endpoint: str) -> bool:
+        """Whether a connection to ``endpoint`` was ever made (watched DEALERs only): until
+        then nothing sent to it has left this process."""
+        return endpoint in self._reached
+
+    def discard(self, endpoint: str) -> None:
+        """I/O thread only (e.g. from ``on_tick``): close the DEALER to ``endpoint``, dropping
+        every message still waiting in it; a later send connects afresh."""
+        with self._sock_lock:
+            s = self._dealers.pop(endpoint, None)
+            if s is None:
+                return
+            self._poller.unregister(s.getsockopt(zmq.FD))
+            for mon, ep in list(self._monitors.items()):
+                if ep == endpoint:
+                    self._poller.unregister(mon)
+                    del self._monitors[mon]
+                    mon.close(0)
+            s.close(0)
+        log.info("control connection to %s discarded (never made): what waited for it is dropped", endpoint)
 
     def _watch(self, events: dict) -> None:
         """Report the DEALER connections that closed since the last poll."""
@@ -197,7 +221,9 @@ class ControlChannel:
                     ev = recv_monitor_message(mon, zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                if ev["event"] == zmq.EVENT_CONNECTED:
+                    self._reached.add(ep)
+                elif ev["event"] == zmq.EVENT_DISCONNECTED:
                     log.info("control connection to %s closed", ep)
                     try:
                         self._on_disconnect(ep)

@@ -456,10 +456,16 @@ class KVReceiver(ControlSide):
                 continue
             for ep, s in list(r.peers.items()):
                 if s is PeerState.PENDING and now - self._peers_seen.get(ep, now) > cfg.peer_timeout_s:
+                    if self.channel.reached(ep):
+                        state, why = PeerState.STOPPING, ""  # silent: stopped, partitioned or dead, we cannot tell
+                    else:  # never connected: our request never left this process, and now never will
+                        self.channel.discard(ep)
+                        state, why = PeerState.FAILED, " (never connected: our request never reached it)"
                     with self._lock:
-                        r.peers[ep] = PeerState.STOPPING  # silent: stopped, partitioned or dead, we cannot tell
-                    self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s",
+                        r.peers[ep] = state
+                    self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s{why}",
                                      code="peer_gone", notify=True)
+                    self._advance(r)
                     break
 
     def _abort_msg(self, room: int, reason: str) -> P.Abort:

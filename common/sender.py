@@ -255,12 +255,13 @@ class KVSender(ControlSide, SendPipeline):
 
     def poll(self, room: int) -> RoomState:
         """The room's state as its engine may act on it (Failed for an unknown room): a
-        failed room reads Transferring until it settled, since a piece still in the
-        transport may read its source blocks."""
+        failed room that was given KV to send reads Transferring until it settled, since a
+        piece still in the transport may read its source blocks (one that was given none,
+        e.g. still bootstrapping, has nothing to read: Failed at once)."""
         r = self._rooms.get(room)
         if r is None:
             return RoomState.FAILED
-        if r.state is RoomState.FAILED and not r.settled:
+        if r.state is RoomState.FAILED and not r.settled and r.chunks:
             return RoomState.TRANSFERRING
         return r.state
 

@@ -40,6 +40,7 @@ class KVBridgeKVReceiver(CommonKVReceiver):
     def __init__(self, mgr: KVBridgeKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._requested = False
+        self._kvb_declined = False  # the cost gate declined the room: the prefill ranks were told by kvbridge
         self._aux_index: Optional[int] = None
         self._transfer_tokens: Optional[int] = None
 
@@ -106,6 +107,7 @@ class KVBridgeKVReceiver(CommonKVReceiver):
                 except (ValueError, LayoutError, P.ProtocolError) as e:
                     log.warning("kvbridge: room %s: cannot tell the prefill it was declined: %s", room, e)
                 log.info("kvbridge: room %s not pulled: %s", room, verdict.reason)
+                self._kvb_declined = True
                 return fail(verdict.reason)
         try:
             recv = mgr.ensure_receiver(records[0]["layout"])
@@ -152,6 +154,8 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         rank's failure, a restore failure) before it holds the pages: the kvbridge room ends
         too, so its senders stop and prove themselves quiet (see ``is_abort_release_safe``)."""
         mgr: KVBridgeKVManager = self.kv_mgr
+        if self._kvb_declined:  # kvbridge's decline told the prefill ranks, with its reason; no pages were offered
+            return
         if self._requested and mgr.kv_receiver is not None and mgr.kv_receiver.poll(self.bootstrap_room) not in TERMINAL:
             mgr.kv_receiver.abort(self.bootstrap_room, "the decode engine failed the request")
         super().ensure_abort_notified(force_arm=force_arm)

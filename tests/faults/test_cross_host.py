@@ -342,13 +342,21 @@ def test_link_cut_mid_transfer(hosts, pair, mode):
         hosts.link(False)
         t_fault = time.monotonic()
         try:
-            _until([pair.pre, pair.dec], both_ended, timeout=cfg["peer_timeout_s"] + MC_TIMEOUT_S + 10)
+            # the prefill settles once Mooncake gave its pieces up; the decode gives the prefill
+            # up, but nothing proves it quiet over a cut link: the request waits, its blocks
+            # quarantined, until the link is back and the prefill answers the repeated abort
+            _until([pair.pre, pair.dec], lambda: both_ended() or (
+                "pre" in marks and pair.switch.logged(t_fault, pair.dec.pid(), "quarantined") is not None),
+                timeout=cfg["peer_timeout_s"] + MC_TIMEOUT_S + 10)
+            assert "dec" not in marks, "the decode's blocks went back while the prefill was cut off"
+            t_gone = pair.switch.logged(t_fault, pair.dec.pid(), "failing")
         finally:
             hosts.link(True)
+        _until([pair.pre, pair.dec], both_ended, timeout=cfg["peer_timeout_s"] + 10)
     ld = pair.dec.state()["finished_loads"][h.drid]
     sv = pair.pre.state()["finished_saves"][h.prid]
     assert ld["verdict"] == "recompute", ld
-    sides = [_side("decode", _trt_state(ld), ld["reason"], _ended(ld, marks["dec"]) - t_fault, cfg["peer_timeout_s"],
+    sides = [_side("decode", _trt_state(ld), ld["reason"], t_gone - t_fault, cfg["peer_timeout_s"],
                    ("unreachable",)),
              _side("prefill", _trt_state(sv), (sv["record"] or {}).get("reason", ""), _ended(sv, marks["pre"]) - t_fault,
                    cfg["peer_timeout_s"], ("silent", "write", "timed out", "transfer"), want=("FAILED", "ABORTED"))]

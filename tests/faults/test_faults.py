@@ -549,18 +549,26 @@ def test_sglang_link_cut(sgl_farm, sgl_net, mode):
             hosts.link(False)
             t_fault = time.monotonic()
             try:
-                d = farm.dec.recv(timeout=30)[1]
-                s = farm.pre.recv(timeout=30)[1]
+                # the decode gives the silent prefill up and reports Failed, but nothing proves the
+                # prefill quiet over a cut link: its pages stay quarantined until the link is back
+                # (the prefill, settled once Mooncake gave its pieces up, then answers the abort)
+                wait_until(lambda: sw.logged(t_fault, farm.dec.proc.pid, "quarantined") is not None, 30,
+                           "the decode never gave the cut-off prefill up")
             finally:
                 hosts.link(True)
+            d = farm.dec.recv(timeout=30)[1]
+            s = farm.pre.recv(timeout=30)[1]
         finally:
             sw.off()
             hosts.unlimit()
+        # Failed: the peer timeout, then quiesce_s; the prefill's pages back once Mooncake gave
+        # its pieces up (its own timeout) and the room settled
         sides = [_side("decode", _state(d), d.get("reason", ""),
-                       d["t_end"] - t_fault, PEER_TIMEOUT_S, ("unreachable",)),
+                       d["t_end"] - t_fault, PEER_TIMEOUT_S + SGL_QUIESCE_S, ("unreachable",)),
                  _side("prefill", _state(s), s["reason"], s["t_end"] - t_fault,
-                       PEER_TIMEOUT_S, ("silent", "write", "timed out", "transfer", "aborted by decode"))]
-        assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
+                       PEER_TIMEOUT_S + MC_TIMEOUT_S, ("silent", "write", "timed out", "transfer", "aborted by decode"))]
+        assert d["t_released"] > t_fault + PEER_TIMEOUT_S, "the decode's pages went back before the prefill proved quiet"
+        assert d["stable_after_fail"], "a write landed in the decode's pages after they went back to SGLang"
 
         def released() -> bool:  # the prefill's stuck pieces are given up by Mooncake within its own timeout
             try:

@@ -19,7 +19,7 @@ import pytest
 from kvbridge.demo.models import random_prompt, reference_generate
 from tests.helpers.kvhelpers import FaultSwitch
 from tests.helpers.vllm_env import requires_vllm
-from tests.vllm.test_vllm_servers import MAX_NEW, model_dir  # noqa: F401  (the tiny model of the vLLM tests)
+from tests.vllm.test_vllm_servers import MAX_NEW, assert_blocks_freed, model_dir  # noqa: F401  (model_dir: a fixture)
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -72,10 +72,7 @@ def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_
     sw.release()  # the piece lands, in blocks vLLM still holds; the prefill settles and says so
     rec = _wait_record(decode, room, "load", timeout=30)
     assert not rec["ok"] and "aborted" in rec["reason"], rec
-    end = time.monotonic() + 20
-    while decode.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < end:
-        time.sleep(0.2)
-    assert decode.metric("vllm:kv_cache_usage_perc") == 0, "the aborted request's blocks were not freed"
+    assert_blocks_freed(decode)
     sw.off()
     ref = reference_generate(model_dir, prompt, MAX_NEW).token_ids
     assert complete(decode, prompt, MAX_NEW)["token_ids"] == ref
