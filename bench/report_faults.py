@@ -127,10 +127,11 @@ def render_faults(r: dict) -> str:
              "finish reason) with the time from the fault, against its bound (asserted: within bound + 1 s, with a "
              "reason naming the fault), every block released exactly once (kvbridge's lease gauges back to zero and no "
              "refused second release; TensorRT-LLM also: the KV cache manager's blocks all free, nothing pinned, no "
-             "room open, no byte outside the requests' blocks changed; SGLang also: the pages of a failed decode "
-             "request unchanged after it reported Failed), and the next request between the surviving (or restarted) "
-             "peers byte-exact. A known gap is asserted as the behaviour wanted and marked as an expected failure "
-             f"(`xfail(strict=True)`): it shows here, and the test fails once the gap closes. Run {r.get('when', '')}.",
+             "room open, no byte outside the requests' blocks changed, no block changed after it was freed; SGLang "
+             "also: the pages of a failed decode request unchanged once SGLang has them back), and the next request "
+             "between the surviving (or restarted) peers byte-exact. Blocks a sender may still write stay "
+             "quarantined until it is proven quiet (README, \"The release rule\"): a decode reports Failed after "
+             f"the peer timeout plus `quiesce_s`. Run {r.get('when', '')}.",
              "", "| fault | " + " | ".join(p for _, p in PLUGINS) + " |", "|---|" + "---|" * len(PLUGINS)]
     for key, label in FAULT_ROWS:
         lines.append(f"| {label} | " + " | ".join(NOT_APPLICABLE.get((p, key)) or _cell(by.get((p, key)))
@@ -165,7 +166,8 @@ def _release_cell(x: dict | None) -> str:
         how = f"blocks back {x['released_s']:.2f} s after the kill (process gone)"
     else:
         how = (f"Failed {x['failed_s']:.2f} s after the fault; " if "failed_s" in x else "") + \
-              f"{x['quarantined_blocks']} blocks quarantined {x['quarantined_s']:.2f} s until the sender proved quiet"
+              (f"{x['quarantined_blocks']} blocks quarantined from then (and while the test checked them) until the "
+               f"sender proved quiet, {x['let_go_s']:.2f} s after its held piece was let go")
     return f"{'ok' if x.get('poison_ok') else 'LATE WRITE'}: {flight}; {how}; poisoned blocks unchanged"
 
 

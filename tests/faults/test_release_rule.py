@@ -133,6 +133,7 @@ def _window(pair: Pair, room: int, fault: str, inject, *, pull_opts: dict | None
     assert any(q["room"] == room for q in st["quarantine"]), st["quarantine"]
     if resume is not None:
         resume()
+    t_let_go = time.monotonic()
     sw.release()  # the held piece goes on to the engine and lands
     wait_until(lambda: pair.state(room)["released_at"] is not None, 30,
                f"room {room}: the quarantine never ended once the sender could answer")
@@ -145,7 +146,8 @@ def _window(pair: Pair, room: int, fault: str, inject, *, pull_opts: dict | None
     _record(pair, fault, engine_pieces=pieces, engine_bytes=nbytes, held_bytes=held, reason=st["reason"][:120],
             failed_s=round(t_failed - t_fault, 3), quarantined_blocks=next(q["blocks"] for q in st["quarantine"]
                                                                            if q["room"] == room),
-            quarantined_s=round(end["released_at"] - t_failed, 3), poison_ok=ok)
+            quarantined_s=round(end["released_at"] - t_failed, 3), let_go_s=round(end["released_at"] - t_let_go, 3),
+            poison_ok=ok)
     return end
 
 
@@ -205,13 +207,15 @@ def test_replayed_request_served_first_keeps_the_genuine_blocks(pair):
     t_failed = time.monotonic()
     assert "already pulled" in st["reason"], st["reason"]
     assert st["released_at"] is None and st["quarantined"], st
+    t_let_go = time.monotonic()
     sw.release()
     wait_until(lambda: pair.state(room)["released_at"] is not None, 30, f"room {room}: never released")
     ok, bad = pair.dec.call("poisoned", room)[1:]
     assert ok, f"room {room}: the replay's bytes landed in blocks {bad} after the decode's engine had them back"
     _record(pair, "conflict", engine_pieces=pieces, engine_bytes=nbytes, held_bytes=held, reason=st["reason"][:120],
             quarantined_blocks=next(q["blocks"] for q in st["quarantine"] if q["room"] == room),
-            quarantined_s=round(pair.state(room)["released_at"] - t_failed, 3), poison_ok=ok)
+            quarantined_s=round(pair.state(room)["released_at"] - t_failed, 3),
+            let_go_s=round(pair.state(room)["released_at"] - t_let_go, 3), poison_ok=ok)
 
 
 def test_killed_prefill_is_proof_its_process_is_gone(pair):
