@@ -59,6 +59,7 @@ class _RecvRoom:
     staging: dict[str, tuple[int, int]] = field(default_factory=dict)  # endpoint -> (offset, bytes)
     state: RoomState = RoomState.BOOTSTRAPPING
     reason: str = ""
+    code: str = ""  # the failure's short cause (TransferFailed codes: aborted, timeout, peer_gone...)
     closing_since: float | None = None
     quarantine: tuple[str, str, int] | None = None  # (peer, reason, blocks) counted in the quarantine gauge
     forgotten: bool = False  # forget() came while quarantined: dropped once released
@@ -490,7 +491,7 @@ class KVReceiver(ControlSide):
             r = self._rooms.get(room)
             if r is None or r.state in TERMINAL or r.closing_since is not None:
                 return
-            r.closing_since, r.reason = time.monotonic(), reason
+            r.closing_since, r.reason, r.code = time.monotonic(), reason, code
             r.record.result = "aborted" if code == "aborted" else "failed"
             r.record.reason = reason
         log.warning("receiver: room %s failing: %s", room, reason)
@@ -510,8 +511,7 @@ class KVReceiver(ControlSide):
             quiet = self._quiet(r)
             if not quiet:
                 loud = [ep for ep, s in r.peers.items() if s not in (PeerState.DONE, PeerState.FAILED)]
-                reason = r.record.result if r.record.result in ("aborted",) else (r.reason.split(":")[0][:48] or "failed")
-                r.quarantine = (",".join(loud)[:200], reason, int(r.lease.blocks.size))
+                r.quarantine = (",".join(loud)[:200], r.code or "failed", int(r.lease.blocks.size))
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(r.record)
         if quiet:
