@@ -482,14 +482,14 @@ class KVSender(ControlSide, SendPipeline):
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(rec)
 
-    def _settled(self, r: _SendRoom) -> None:
+    def _settled(self, r: _SendRoom, code: str = "settled") -> None:
         """Room ``r`` ended and nothing of it is in the transport: peers waiting to hear so
-        are told."""
+        are told (a quiet TransferFailed with ``code``)."""
         with self._lock:
             r.settled = True
             watchers, r.watchers = r.watchers, set()
         for peer in watchers:
-            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code="settled", quiet=True))
+            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code=code, quiet=True))
 
     def _fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
         with self._lock:
@@ -515,16 +515,12 @@ class KVSender(ControlSide, SendPipeline):
     def _settle(self, r: _SendRoom, notify: bool, code: str) -> None:
         """No send worker holds failed room ``r`` (its writes are out of the transport): tell
         its decode ranks it is quiet, release its blocks."""
-        with self._lock:
-            watchers = set(r.watchers) | (set(r.targets) if notify else set())
-            r.watchers = watchers
+        if notify:
+            with self._lock:
+                r.watchers |= set(r.targets)
         self._drop_prestage(r, used=False)
         r.lease.release(False)
-        with self._lock:
-            r.settled = True
-            watchers, r.watchers = r.watchers, set()
-        for peer in watchers:
-            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason, code=code, quiet=True))
+        self._settled(r, code)
 
     def _settle_when_idle(self, r: _SendRoom, notify: bool, code: str) -> None:
         """Wait until the send worker let go of ``r`` (it leaves only once every piece it
