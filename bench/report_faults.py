@@ -27,11 +27,11 @@ FAULT_ROWS = [
     ("kill_prefill", "prefill killed mid-transfer (SIGKILL); throttled writes"),
     ("kill_decode_defaults", "decode killed mid-transfer; transport defaults, two hosts, rate-limited link"),
     ("kill_prefill_defaults", "prefill killed mid-transfer; transport defaults, two hosts, rate-limited link"),
-    ("sigstop_prefill", "prefill hangs (SIGSTOP mid-transfer, SIGCONT after); throttled writes"),
+    ("sigstop_prefill", "prefill hangs (SIGSTOP mid-transfer, SIGCONT after); shipped transport, window held"),
     ("abort_prefill", "abort from the prefill side mid-transfer (TensorRT-LLM: the client cancels the request); "
-                      "throttled writes"),
+                      "shipped transport, window held"),
     ("abort_decode", "abort from the decode side mid-transfer (TensorRT-LLM: the client cancels the request); "
-                     "throttled writes"),
+                     "shipped transport, window held"),
     ("never_peer", "room that never gets its peer (both directions)"),
     ("bootstrap_down", "bootstrap server (SGLang) / discovery bus (TensorRT-LLM) down"),
     ("link_cut", "link cut between two hosts mid-transfer (netns + veth); throttled writes"),
@@ -96,6 +96,15 @@ def _cell(r: dict | None) -> str:
     extra = []
     if r.get("recompute_ok"):
         extra.append("decode recomputed with the model, KV equal to transformers'")
+    held = r.get("in_flight")
+    if held:
+        extra.append(f"held past the write guard: batch {held['held_batch']} ({held['held_bytes']} B) of a write of "
+                     f"{held['pieces']} piece{'s' if held['pieces'] != 1 else ''}, {held['bytes']} B, each its own "
+                     "batch")
+    if r.get("quarantined_s") is not None:
+        extra.append(f"{r.get('quarantined_blocks', '?')} blocks kept from the engine {r['quarantined_s']:.2f} s "
+                     f"after Failed, back {r['released_after_let_go_s']:.3f} s after the batch was let go, "
+                     "unchanged since")
     if r.get("note"):
         extra.append(r["note"])
     checks = "blocks released once" if r.get("blocks_ok") and not r.get("double_releases") else "BLOCKS"
@@ -114,8 +123,12 @@ def render_faults(r: dict) -> str:
     lines = [f"`kvbridge report --only faults` runs {' and '.join(TESTS)} (pytest: {r.get('pytest_summary', '?')}, "
              f"{r.get('seconds', '?')} s). Prefill and decode in separate OS processes over Mooncake TCP (SGLang: its "
              "real pools and kvbridge's backend classes; TensorRT-LLM: the TensorRT-LLM stand-in, one process per rank "
-             "running the tiny Llama's real forward). A fault is injected once the transfer is under way, in one of two "
-             "ways, named in each row: **throttled writes** (a test hook: while armed, the Mooncake transport sends "
+             "running the tiny Llama's real forward). A fault is injected once the transfer is under way, in one of three "
+             "ways, named in each row: **shipped transport, window held** (the transport's own piece size and in-flight "
+             "bound, no delay; a test hook holds one batch of the prefill's write past kvbridge's write guard while "
+             "the fault is injected and the decode reports Failed, then lets it go, so it lands: the decode's blocks "
+             "must go back only after that, and not one byte of them change once they did), **throttled writes** "
+             "(a test hook: while armed, the Mooncake transport sends "
              "16 KiB pieces, one in flight per peer, each held 20 ms (SGLang) / 60 ms (TensorRT-LLM) before it goes to "
              "the engine; the fault after the second piece, with most of the transfer still to go), or the "
              "**transport's defaults** (its own piece size and in-flight bound, no delay; prefill and decode on two "

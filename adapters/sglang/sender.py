@@ -208,9 +208,14 @@ class KVBridgeKVSender(CommonKVSender):
     def poll(self) -> KVPoll:
         """Prefill scheduler, every pass of its bootstrap and inflight queues: the room's
         state (kvbridge's, mapped to KVPoll)."""
-        if self.conclude_state is not None:
-            return self.conclude_state
         mgr = self.kv_mgr
+        if self.conclude_state is not None:
+            # aborted here (CommonKVSender.abort concludes Failed at once): SGLang frees the
+            # source pages once it polls Failed, so that waits until no piece still reads them
+            if (self.conclude_state == KVPoll.Failed and self._added
+                    and mgr.kv_sender.poll(self.bootstrap_room) not in (RoomState.SUCCESS, RoomState.FAILED)):
+                return KVPoll.Transferring
+            return self.conclude_state
         if self._added:
             st = mgr.kv_sender.poll(self.bootstrap_room)
             if st is RoomState.SUCCESS and "done" not in self._kvb_t:

@@ -14,15 +14,34 @@ OS process per rank running the tiny Llama's real forward), a request tied to it
 by announcing its ``Handle`` to each server's bus; an abort there is the client cancelling
 the request (``StandInServer.cancel``).
 
-"Mid-transfer", two ways:
+"Mid-transfer", three ways:
 
-- throttled (the rows without a suffix): while the parent arms the peers' writes
-  (``kvhelpers.install_test_hooks``, ``FaultSwitch``), the Mooncake transport sends
-  16 KiB pieces, one in flight per peer, each waiting 20 ms (SGLang) / 60 ms (TensorRT-LLM)
-  before it goes to the real engine over TCP; the second piece marks the transfer under
-  way and the parent injects the fault then, with a dozen or more pieces still to go;
-- the transport's defaults (``*_defaults`` rows, and the link cut): pieces and in-flight
-  bound as shipped, no delay; the prefill and decode run on two hosts (network
+- held at the transport's shipped settings (``abort_decode``, ``abort_prefill``,
+  ``sigstop_prefill``): pieces and in-flight bound as shipped (every piece its own batch),
+  no delay; the parent's ``FaultSwitch(hold=True)`` holds one batch of the prefill's write
+  *past kvbridge's write guard* (``kvhelpers.install_test_hooks``): SGLang its second (its
+  first 18-piece write, one KiB-piece in the engine), TensorRT-LLM its first (the room's
+  one staged 128 KiB piece). The fault is injected, the decode is seen to report Failed
+  (its warning ``room N quarantined``), its blocks are seen still kept from the engine and
+  kept ``HOLD_SHOWN_S`` longer, and only then is the batch let go (a stopped prefill
+  continued first): it lands, so each window is forced, not raced. The release rule
+  asserted: the blocks go back only after the let-go, and not one byte of them changes
+  once they did (SGLang: the request's pages watched ``SGL_WATCH_S`` from their release;
+  TensorRT-LLM: ``check_clean``'s ``changed_since_freed``, a digest taken at the free, with
+  the held batch carrying a poison pattern so that it shows wherever it lands, and a
+  recompute's KV equal to transformers'). A TensorRT-LLM ``abort_prefill`` is no failure
+  (the client's cancel reaches no connector, ``_ABORT_PREFILL_NOTE``): its source blocks
+  are seen pinned while the batch is held, and the load succeeds byte-exact once it went.
+  The source half of the rule (a prefill's pages go back to its engine only when no piece
+  can still read them) is asserted on SGLang's ``abort_prefill``: its prefill polls Failed
+  only once the held batch went;
+- throttled (the kill rows, ``kill_prefill_mid_layer``, ``link_cut``): while the parent arms
+  the peers' writes, the Mooncake transport sends 16 KiB pieces, one in flight per peer,
+  each waiting 20 ms (SGLang) / 60 ms (TensorRT-LLM) before it goes to the real engine over
+  TCP; the second piece marks the transfer under way and the parent injects the fault
+  then, with a dozen or more pieces still to go;
+- the transport's defaults (``*_defaults`` rows, and ``link_cut_defaults``): pieces and
+  in-flight bound as shipped, no delay; the prefill and decode run on two hosts (network
   namespaces, test_cross_host.Hosts) whose link is rate-limited (``tc tbf``), so the
   transfer takes about a second on the wire; the first piece submitted marks it under
   way. The row's outcome shows the fault landed mid-transfer (a transfer that had
@@ -31,14 +50,15 @@ the request (``StandInServer.cancel``).
 Asserted in every case: each surviving side reports the state it ended in (SGLang: its
 KVPoll; TensorRT-LLM: the worker's ``finished_loads`` / ``finished_saves`` entry, its
 ``ok`` and its record's ``result``) with a reason naming the fault, within its bound plus
-one second (measured: fault -> terminal state; the bounds are the configured timeouts);
-kvbridge released every block it leased exactly once (SGLang: lease gauges back to zero,
-no refused second release in the peers' logs; TensorRT-LLM: the KV cache manager's blocks
-all free, none pinned, no room left open, no byte outside the requests' blocks changed);
-pages a failed decode request held do not change after it reported Failed (SGLang); the
-next request between the surviving (or restarted) peers is byte-exact. A TensorRT-LLM decode
-whose load failed recomputes the prompt (``on_failure="recompute"``) with the model itself:
-every prompt token computed on the decode, its KV (read through TensorRT-LLM's own
+one second (measured: fault -> terminal state, or let-go -> terminal state for a sender
+whose batch was held; the bounds are the configured timeouts); kvbridge released every
+block it leased exactly once (SGLang: lease gauges back to zero, no refused second release
+in the peers' logs; TensorRT-LLM: the KV cache manager's blocks all free, none pinned, no
+room left open, no byte outside the requests' blocks changed, no freed block changed since
+its free); pages a failed decode request held do not change after they went back to SGLang;
+the next request between the surviving (or restarted) peers is byte-exact. A TensorRT-LLM
+decode whose load failed recomputes the prompt (``on_failure="recompute"``) with the model
+itself: every prompt token computed on the decode, its KV (read through TensorRT-LLM's own
 indexing) equal to transformers' forward, its tokens transformers' ``generate()``.
 
 Known gaps are asserted as the desired behaviour and marked ``xfail(strict=True)`` with the
@@ -77,13 +97,20 @@ pytestmark = [pytest.mark.timeout(300)]
 
 FAULTS = ["abort_decode", "abort_prefill", "sigstop_prefill", "never_peer", "bootstrap_down", "kill_decode",
           "kill_prefill"]
-MID_TRANSFER = {"abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"}  # throttled writes
+MID_TRANSFER = {"abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"}
 MATRIX_FAULTS = FAULTS + ["kill_prefill_mid_layer", "link_cut", "kill_decode_defaults", "kill_prefill_defaults",
                           "link_cut_defaults", "gate_recompute"]
 RESULTS: list[dict] = []  # one row per (plugin, fault): the matrix printed by conftest
 PEER_TIMEOUT_S = 1.5
 # the transport as shipped: no override, no delay; the first piece submitted marks the transfer under way
 DEFAULTS = dict(piece_bytes=0, inflight=0, delay_s=0.0, started_at=1)
+# the held rows: the transport as shipped (every piece its own batch), the sender's second batch held past
+# its write guard (SGLang: its first piece is in the engine); a TensorRT-LLM room here is one staged piece
+# (the tiny Llama's 256-token prompt, 128 KiB, under one 1 MiB chunk), so its first batch is held: all of it
+SHIPPED_HELD = dict(piece_bytes=0, inflight=0, delay_s=0.0, started_at=2, hold_s=120.0)
+TRT_SHIPPED_HELD = dict(SHIPPED_HELD, started_at=1)
+HELD = ("abort_decode", "abort_prefill", "sigstop_prefill")  # mid-transfer faults whose window is held
+HOLD_SHOWN_S = 0.4  # after the decode reported Failed, the batch stays held this long: the quarantine holds
 
 
 def _out_dir() -> str:
@@ -114,6 +141,11 @@ def _record(row: dict) -> None:
     rows = [r for r in rows if (r["plugin"], r["fault"]) != key] + [row]
     with open(path, "w") as f:
         json.dump({"peer_timeout_s": PEER_TIMEOUT_S, "rows": rows}, f, indent=1)
+
+
+def _transport(fault: str) -> str:
+    """How a row's transfer ran: shipped settings with its window held, throttled, or not mid-transfer."""
+    return "shipped, held" if fault in HELD else ("throttled" if fault in MID_TRANSFER else "")
 
 
 def _raise_gap(row: dict) -> None:
@@ -173,8 +205,8 @@ SGL_DEADLINE_S = 6.0  # the kvbridge room deadline the plugin derives: bootstrap
 SGL_HEARTBEAT_S = 1.0  # kvbridge's default (the SGLang plugin keeps it)
 SGL_QUIESCE_S = 1.0
 SGL_THROTTLED = dict(piece_bytes=16 << 10, inflight=1, delay_s=0.02, started_at=2)
-# after a failure the decode watches the request's pages this long (sglang_peers.pull settle_s)
-SGL_WATCH_S = 3.0
+# once its pages went back after a failure, the decode watches them this long (sglang_peers.pull settle_s)
+SGL_WATCH_S = 2.0
 SGL_RATE = "1mbit"  # the two hosts' link for the defaults rows: 400 tokens (150 KiB) take about 1.2 s
 SGL_NET_TOKENS = 400
 
@@ -302,63 +334,110 @@ def _sgl_kill(farm: SGLangFarm, fault: str, t_fault: float, sides: list) -> None
         farm.pre.call("setup", "prefill", farm.case, 0)
 
 
+def _held_figures(sw: FaultSwitch, pid: int) -> dict:
+    """What the sender had under way when its batch was held: the writes it had started
+    (each cut into pieces as the transport ships them), and the held batch."""
+    held, writes = sw.held(), sw.writes(pid)
+    assert held.get("pid") == pid, f"the held batch is not the prefill's: {held}"
+    return {"writes": len(writes), "segments": sum(w["segments"] for w in writes),
+            "pieces": sum(w["pieces"] for w in writes), "bytes": sum(w["bytes"] for w in writes),
+            "piece_bytes": writes[0]["piece_bytes"] if writes else None,
+            "inflight_bound": writes[0]["inflight"] if writes else None,
+            "held_batch": held["batch"], "held_pieces": held["pieces"], "held_bytes": held["bytes"]}
+
+
+def _sgl_held(farm: SGLangFarm, fault: str, sides: list, extra: dict) -> None:
+    """A mid-transfer fault at the transport's shipped settings, its window held: the
+    prefill's batch ``started_at`` waits past its write guard (``sw.on(hold=True)``) while
+    the fault is injected (the decode aborts / the prefill aborts / the prefill is
+    stopped); the decode reports Failed and keeps the request's pages (SGLang's deferred
+    release, held by ``is_abort_release_safe``) for ``HOLD_SHOWN_S`` more; only then is the
+    batch let go (the stopped prefill continued first). It lands; the pages go back only
+    after that, and not one byte of them changes for ``SGL_WATCH_S`` after they did."""
+    sw = farm.switch
+    sw.on(SHIPPED_HELD, hold=True)
+    room = farm.next_room()
+    released_path = os.path.join(sw.dir, f"released-{room}")  # created when the pages go back to SGLang
+    farm.start(room, serve_opts=(sw.started_path,) if fault == "abort_prefill" else (),
+               pull_opts=(sw.started_path if fault == "abort_decode" else None, SGL_WATCH_S, None, released_path))
+    t_started = wait_until(sw.started, 30, "the transfer never got under way")
+    extra["in_flight"] = _held_figures(sw, farm.pre.proc.pid)
+    dec_pid = farm.dec.proc.pid
+    t_fault = farm.kill(farm.pre, signal.SIGSTOP) if fault == "sigstop_prefill" else None
+    t_cont = None
+    problems: list[str] = []  # release-rule breaches, all reported together at the end
+    try:
+        # Failed: the decode's receiver ends the room while a sender is not proven quiet (its
+        # batch is held): the room's pages are quarantined, logged once
+        wait_until(lambda: sw.logged(t_started, dec_pid, f"room {room} quarantined:") is not None, 30,
+                   "the decode never reported the room Failed")
+        msg = next(e["msg"] for e in sw.events(t_started, dec_pid) if f"room {room} quarantined:" in e["msg"])
+        extra["quarantined_blocks"] = int(msg.split("quarantined:", 1)[1].split()[0])
+        for i in range(2):  # at once, and HOLD_SHOWN_S later: SGLang's deferred release still holds the pages
+            time.sleep(HOLD_SHOWN_S if i else 0.0)
+            if os.path.exists(released_path) and not problems:
+                problems.append("the decode's pages went back to SGLang while the sender's batch was held past its "
+                                "write guard")
+    finally:
+        if fault == "sigstop_prefill":
+            t_cont = farm.kill(farm.pre, signal.SIGCONT)  # it runs again, its batch still held
+        t_let_go = time.monotonic()
+        sw.release()  # the held batch goes on to the engine and lands
+    d = farm.dec.recv(timeout=30)[1]
+    s = farm.pre.recv(timeout=30)[1]
+    if fault == "abort_decode":
+        sides.append(_side("decode", _state(d), d.get("reason", ""), d["t_end"] - d["t_abort"], SGL_QUIESCE_S,
+                           ("aborted",)))
+        # the prefill ends once its held batch is done: measured from the let-go
+        sides.append(_side("prefill", _state(s), s["reason"], s["t_end"] - t_let_go, SGL_HEARTBEAT_S,
+                           ("aborted by decode",)))
+    elif fault == "abort_prefill":
+        # Failed once its batch went (asserted below), measured from the let-go
+        t0 = t_let_go if s["t_end"] >= t_let_go else s["t_abort"]
+        sides.append(_side("prefill", _state(s), s["reason"], s["t_end"] - t0, SGL_QUIESCE_S, ("aborted",)))
+        sides.append(_side("decode", _state(d), d.get("reason", ""), d["t_end"] - s["t_abort"],
+                           SGL_HEARTBEAT_S + SGL_QUIESCE_S, ("aborted by prefill",)))
+        # the source half of the rule: SGLang frees a request's pages once its sender polls
+        # Failed (prefill.py, handle_inflight_transfer_failure), so Failed must wait until no
+        # piece can still read them: here, until the held batch went
+        extra["prefill_failed_before_let_go_s"] = round(t_let_go - s["t_end"], 3)
+        assert s["t_end"] >= t_let_go, (f"the prefill polled Failed {t_let_go - s['t_end']:.2f} s before its batch "
+                                        "held past the write guard went: SGLang would free source pages a piece "
+                                        "may still read")
+    else:
+        # a silent peer fails the room at the peer timeout; Failed follows after quiesce_s
+        sides.append(_side("decode", _state(d), d.get("reason", ""), d["t_end"] - t_fault,
+                           PEER_TIMEOUT_S + SGL_QUIESCE_S, ("unreachable",)))
+        sides.append(_side("prefill (continued)", _state(s), s["reason"], s["t_end"] - t_let_go, SGL_HEARTBEAT_S,
+                           ("aborted by decode", "unreachable", "silent")))
+        assert d["t_end"] < t_cont, "the decode reported Failed only after the prefill resumed"
+    t_fault = t_fault if t_fault is not None else (d["t_abort"] if fault == "abort_decode" else s["t_abort"])
+    assert d["t_end"] < t_let_go, "the decode reported Failed only once the held batch was let go"
+    if d["t_released"] <= t_let_go:
+        problems.append(f"the decode's pages went back {d['t_released'] - t_fault:.2f} s after the fault, "
+                        f"{t_let_go - d['t_released']:.2f} s before the sender's held batch was let go")
+    if not d["stable_after_fail"]:  # watched from the moment they went back, for SGL_WATCH_S
+        problems.append("a write landed in the decode's pages after they went back to SGLang")
+    assert not problems, "; ".join(problems)
+    extra.update(failed_s=round(d["t_end"] - t_fault, 3), quarantined_s=round(d["t_released"] - d["t_end"], 3),
+                 released_after_let_go_s=round(d["t_released"] - t_let_go, 3), watched_s=SGL_WATCH_S,
+                 landed_before_fail=d.get("landed_before_fail"))
+
+
 def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
     sw = farm.switch
     t_case = time.monotonic()
     sides: list[dict] = []
     extra: dict = {}
     settle = 0.5
-    if fault in ("abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"):
-        sw.on(SGL_THROTTLED, hold=fault == "sigstop_prefill")
+    if fault in HELD:
+        _sgl_held(farm, fault, sides, extra)
+    elif fault in ("kill_decode", "kill_prefill"):
+        sw.on(SGL_THROTTLED)
         room = farm.next_room()
-        farm.start(room, serve_opts=(sw.started_path,) if fault == "abort_prefill" else (),
-                   pull_opts=(sw.started_path if fault == "abort_decode" else None,
-                              SGL_WATCH_S if fault == "sigstop_prefill" else settle))
+        farm.start(room, pull_opts=(None, settle))
         t_fault = wait_until(sw.started, 30, "the transfer never got under way")
-        if fault == "abort_decode":
-            d, s = farm.dec.recv()[1], farm.pre.recv()[1]
-            sides.append(_side("decode", _state(d), d.get("reason", ""),
-                               d["t_end"] - d["t_abort"], SGL_QUIESCE_S, ("aborted",)))
-            sides.append(_side("prefill", _state(s), s["reason"],
-                               s["t_end"] - d["t_abort"], SGL_HEARTBEAT_S, ("aborted by decode",)))
-            assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
-        elif fault == "abort_prefill":
-            s, d = farm.pre.recv()[1], farm.dec.recv()[1]
-            sides.append(_side("prefill", _state(s), s["reason"],
-                               s["t_end"] - s["t_abort"], SGL_QUIESCE_S, ("aborted",)))
-            sides.append(_side("decode", _state(d), d.get("reason", ""),
-                               d["t_end"] - s["t_abort"], SGL_HEARTBEAT_S, ("aborted by prefill",)))
-            assert d["stable_after_fail"], "a write landed in the decode's pages after it reported Failed"
-        elif fault == "sigstop_prefill":
-            # the prefill is stopped holding a piece it has already let past its write guard
-            # (sw.on(hold=True)); that piece goes as soon as the prefill runs again
-            farm.kill(farm.pre, signal.SIGSTOP)
-            sw.release()
-            # the decode gives the silent prefill up after the peer timeout: its receiver
-            # fails the room and reports Failed (the request ends), but a silent peer is not
-            # proven quiet: SGLang's deferred release holds the pages (quarantined) until it
-            # is. The prefill resumes SGL_WATCH_S / 2 after the decode gave it up; its held
-            # piece lands in the quarantined pages, it hears the abort, settles and says so;
-            # the pages go back and are watched for SGL_WATCH_S
-            dec_pid = farm.dec.proc.pid
-            wait_until(lambda: sw.logged(t_fault, dec_pid, f"room {room} failing") is not None, 30,
-                       "the decode never gave the stopped prefill up")
-            t_gone = sw.logged(t_fault, dec_pid, f"room {room} failing")
-            time.sleep(max(0.0, t_gone + SGL_WATCH_S / 2 - time.monotonic()))  # the resume, placed in the window
-            t_cont = farm.kill(farm.pre, signal.SIGCONT)
-            d = farm.dec.recv(timeout=30)[1]
-            # a silent peer fails the room at the peer timeout; Failed follows after quiesce_s
-            sides.append(_side("decode", _state(d), d.get("reason", ""),
-                               d["t_end"] - t_fault, PEER_TIMEOUT_S + SGL_QUIESCE_S, ("unreachable",)))
-            assert d["t_end"] < t_cont, "the decode reported Failed only after the prefill resumed"
-            s = farm.pre.recv()[1]
-            sides.append(_side("prefill (continued)", _state(s), s["reason"],
-                               s["t_end"] - t_cont, SGL_HEARTBEAT_S, ("aborted by decode", "unreachable", "silent")))
-            assert d["t_released"] > t_cont, "the decode gave the pages back before the stopped prefill proved quiet"
-            extra["quarantined_s"] = round(d["t_released"] - d["t_end"], 3)
-            assert d["stable_after_fail"], "a write landed in the decode's pages after they went back to SGLang"
-        else:
-            _sgl_kill(farm, fault, t_fault, sides)
+        _sgl_kill(farm, fault, t_fault, sides)
     elif fault == "never_peer":
         # a prefill room no decode asks for, and a decode pulling a room no prefill serves
         sw.off()
@@ -390,7 +469,7 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
     assert not dbl, dbl
     next_ok = farm.request_ok()
     return {"plugin": "sglang", "fault": fault, "ok": True, "sides": sides, "double_releases": len(dbl),
-            "blocks_ok": True, "next_ok": next_ok, "transport": "throttled" if fault in MID_TRANSFER else "",
+            "blocks_ok": True, "next_ok": next_ok, "transport": _transport(fault),
             "case_s": round(time.monotonic() - t_case, 2), "check_s": round(time.monotonic() - t_check, 2), **extra}
 
 
@@ -820,6 +899,153 @@ _ABORT_PREFILL_NOTE = (
     "the send completes and the decode decodes from the moved KV")
 
 
+def _steps(server, seconds: float) -> None:
+    """Executor iterations of ``server`` for ``seconds`` (at least ten)."""
+    end, n = time.monotonic() + seconds, 0
+    while n < 10 or time.monotonic() < end:
+        server.step()
+        n += 1
+
+
+def _trt_held(farm: TRTServers, fault: str, sides: list, extra: dict) -> bool | None:
+    """A mid-transfer fault at the transport's shipped settings, its window held: the
+    prefill rank's batch ``started_at`` waits past its write guard (``sw.on(hold=True)``)
+    while the fault is injected (the client cancels the decode request / cancels the prefill
+    request / the prefill is stopped); the decode's connector ends the room and keeps its
+    blocks from TensorRT-LLM (quarantined) for ``HOLD_SHOWN_S`` more while the executor
+    runs; only then is the batch let go (the stopped prefill continued first). It lands;
+    the blocks go back after that, and ``check_clean`` finds not one byte of a freed block
+    changed since it was freed (``changed_since_freed``, a digest taken at the free).
+    Returns the recompute check, if any."""
+    from tests.helpers.trtllm_servers import check_clean
+
+    sw, cfg = farm.switch, farm.plugin
+    # a failed load's blocks get the prompt recomputed into them: the same bytes the prefill sends, so the held
+    # batch carries a poison pattern, visible wherever it lands (the cancelled prefill's load succeeds: not there)
+    sw.on(dict(TRT_SHIPPED_HELD, poison_held=fault != "abort_prefill"), hold=True)
+    h = farm.start()
+    t_started = _until([farm.pre, farm.dec], sw.started)
+    extra["in_flight"] = _held_figures(sw, farm.pre.pid())
+    dec_pid = farm.dec.pid()
+    quarantined = lambda: sw.logged(t_started, dec_pid, f"room {h.room} quarantined:")  # noqa: E731
+    back = lambda: sw.logged(t_started, dec_pid, f"room {h.room} released from quarantine")  # noqa: E731
+    if fault == "abort_prefill":
+        # the client cancels the prefill request while its KV is sent: TensorRT-LLM 1.2 no
+        # longer holds the request (it responded) and the send goes on; its source blocks
+        # stay pinned while the held batch may still read them
+        farm.pre.cancel(h.prid)
+        t_fault = time.monotonic()
+        try:
+            _steps(farm.pre, HOLD_SHOWN_S)
+            _steps(farm.dec, 0.0)
+            assert farm.pre.blocks(h.prid) and farm.pre.state()["pinned"], \
+                "the prefill request's source blocks went back while its batch was held"
+            assert h.drid not in farm.dec.responses, "the decode answered before the held batch went"
+        finally:
+            t_let_go = time.monotonic()
+            sw.release()
+        seen = _until([farm.pre, farm.dec], lambda: _answered(farm.dec, h.drid) and farm.pre.drained())
+        sv = farm.pre.state()["finished_saves"][h.prid]
+        ld = farm.loaded_right(h)  # every moved byte the prefill's
+        sides.append(_side("prefill", _trt_state(sv), "", _ended(sv, seen) - t_fault, cfg["deadline_s"], (),
+                           want=("SUCCESS",)))
+        sides.append(_side("decode", _trt_state(ld), "", _ended(ld, seen) - t_fault, cfg["deadline_s"], (),
+                           want=("SUCCESS",)))
+        assert _ended(sv, seen) > t_let_go, "the send ended before its held batch went"
+        assert farm.pre.responses[h.prid]["finish_reason"] == "length"  # it had answered before the cancel
+        extra["note"] = _ABORT_PREFILL_NOTE
+        return None
+    t_cont = None
+    problems: list[str] = []  # release-rule breaches, all reported together at the end
+    pid = farm.pre.pid()
+    blocks = farm.dec.blocks(h.drid)  # allocated before the load was ordered
+    assert blocks, "the decode request holds no blocks while loading"
+    try:
+        if fault == "abort_decode":
+            farm.dec.cancel(h.drid)
+            t_fault = time.monotonic()
+            t_answered = _until([farm.dec], lambda: h.drid in farm.dec.responses)
+            out = farm.dec.responses[h.drid]
+            # TensorRT-LLM applies a cancel at its next iteration (bound 0 s: no timeout is involved)
+            sides.append(_side("decode (request)", str(out["finish_reason"]).upper(), "cancelled by the client",
+                               t_answered - t_fault, 0.0, (), want=("CANCELLED",)))
+        else:
+            os.kill(pid, signal.SIGSTOP)  # holding a batch it has let past its write guard
+            t_fault = time.monotonic()
+        # the decode's connector ends the room (a cancelled request is found dropped; a silent
+        # prefill is given up after the peer timeout); its sender is not proven quiet, so the
+        # request's blocks are quarantined: not given back to TensorRT-LLM (no recompute into
+        # them, no other request), counted
+        _until([farm.dec], lambda: quarantined() is not None)
+        t_failed = quarantined()
+        _steps(farm.dec, HOLD_SHOWN_S)  # executor iterations meanwhile: nothing may hand the blocks back
+        held = [q for q in farm.dec.state()["quarantine"] if q["room"] == h.room]
+        extra["quarantined_blocks"] = held[0]["blocks"] if held else 0
+        if back() is not None or farm.dec.blocks(h.drid) != blocks or not held or held[0]["blocks"] < len(blocks):
+            problems.append("the decode request's blocks went back to TensorRT-LLM while the prefill's batch was held "
+                            f"past its guard (still the request's: {farm.dec.blocks(h.drid) == blocks}, quarantined: "
+                            f"{held})")
+        if h.drid in farm.dec.state()["finished_loads"]:
+            problems.append("the load ended while the prefill's batch was held")
+    finally:
+        if fault == "sigstop_prefill":
+            t_cont = time.monotonic()
+            os.kill(pid, signal.SIGCONT)  # it runs again, its batch still held
+        t_let_go = time.monotonic()
+        sw.release()  # the held batch goes on to the engine and lands
+    # the batch lands in the quarantined blocks, the prefill hears the abort, settles, says it
+    # is quiet; then the blocks go back (cancelled: freed; stopped: the load fails and the
+    # prompt is recomputed in them, after the last byte of the prefill landed)
+    if fault == "abort_decode":
+        seen = _until([farm.pre, farm.dec], lambda: farm.pre.drained() and farm.dec.drained()
+                      and h.drid in farm.dec.state()["finished_loads"])
+    else:
+        seen = _until([farm.pre, farm.dec], lambda: _answered(farm.dec, h.drid) and farm.pre.drained())
+    t_back = back()
+    if not problems and not (t_back is not None and t_back > t_let_go):
+        problems.append("the decode request's blocks went back while the prefill's batch was held past its guard")
+    t_back = t_back or t_let_go
+
+    def soft(check, *a):  # a byte check: its failure joins the others
+        try:
+            return check(*a)
+        except AssertionError as e:
+            problems.append(str(e).splitlines()[0][:300])
+
+    ld = farm.dec.state()["finished_loads"][h.drid]
+    sv = farm.pre.state()["finished_saves"][h.prid]
+    recompute = None
+    if fault == "abort_decode":
+        # the connector learns of the cancel only by the request's absence: it aborts the room, both ends record it
+        extra["observed"] = {"decode_load": {"verdict": ld["verdict"], "state": _trt_state(ld)},
+                             "prefill_save": _trt_state(sv)}
+        assert ld.get("cancelled_by_engine") and _trt_state(ld) == "ABORTED", ld
+        assert _trt_state(sv) == "ABORTED" and "cancelled" in (sv["record"] or {}).get("reason", ""), sv
+        # the load: the room failing at the executor iteration after the cancel, Failed (quarantined) quiesce_s later
+        sides.append(_side("decode (load)", _trt_state(ld), ld.get("reason") or "", t_failed - t_fault,
+                           cfg["quiesce_s"], (), want=("ABORTED",)))
+        # the prefill ends once its held batch is done: measured from the let-go
+        sides.append(_side("prefill", _trt_state(sv), (sv["record"] or {}).get("reason", ""),
+                           max(0.0, _ended(sv, seen) - t_let_go), cfg["heartbeat_s"] + cfg["quiesce_s"], (),
+                           want=("ABORTED",)))
+        extra["note"] = ("the decode's connector found the request dropped, aborted the room (load recorded "
+                         f"{_trt_state(ld).lower()}), and the prefill ended its send as {_trt_state(sv).lower()}")
+    else:
+        assert ld["verdict"] == "recompute", ld
+        sides.append(_side("decode", _trt_state(ld), ld["reason"], t_failed - t_fault, cfg["peer_timeout_s"] + 1.0,
+                           ("unreachable",)))
+        recompute = soft(farm.computed_right, h)  # KV equal to transformers': no late byte overwrote it
+        sides.append(_side("prefill (continued)", _trt_state(sv), (sv["record"] or {}).get("reason", ""),
+                           max(0.0, _ended(sv, seen) - t_let_go), cfg["heartbeat_s"] + cfg["quiesce_s"],
+                           ("aborted by decode", "silent", "write", "transfer"), want=("FAILED", "ABORTED")))
+    soft(check_clean, farm.dec)  # not one byte of a freed block changed since it was freed
+    assert not problems, "; ".join(problems)
+    assert not farm.dec.state()["quarantine"]
+    extra.update(failed_s=round(t_failed - t_fault, 3), quarantined_s=round(t_back - t_failed, 3),
+                 released_after_let_go_s=round(t_back - t_let_go, 3))
+    return recompute
+
+
 def _trt_case(farm: TRTServers, fault: str) -> dict:
     from kvbridge.demo.models import random_prompt
     from tests.helpers.trtllm_servers import check_clean
@@ -830,92 +1056,13 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
     extra: dict = {}
     recompute = None
     cfg = farm.plugin
-    if fault in ("abort_decode", "abort_prefill", "sigstop_prefill", "kill_decode", "kill_prefill"):
-        sw.on(TRT_THROTTLED, hold=fault in ("sigstop_prefill", "abort_decode"))
+    if fault in HELD:
+        recompute = _trt_held(farm, fault, sides, extra)
+    elif fault in ("kill_decode", "kill_prefill"):
+        sw.on(TRT_THROTTLED)
         h = farm.start()
         _until([farm.pre, farm.dec], sw.started)
-        if fault in ("kill_decode", "kill_prefill"):
-            recompute = trt_kill(farm, fault, h, sides)
-        elif fault == "sigstop_prefill":
-            pid = farm.pre.pid()
-            os.kill(pid, signal.SIGSTOP)  # holding a piece it has let past its write guard
-            t_fault = time.monotonic()
-            sw.release()  # that piece goes as soon as the prefill runs again
-            try:
-                # the decode gives the silent prefill up after the peer timeout; a silent peer is
-                # not proven quiet, so the request's blocks stay quarantined: not given back to
-                # TensorRT-LLM (no recompute into them, no other request), counted
-                t_gone = wait_until(lambda: sw.logged(t_fault, farm.dec.pid(), "quarantined") is not None, 30,
-                                    "the decode never gave the stopped prefill up")
-                for _ in range(10):  # executor iterations meanwhile: nothing may hand the blocks back
-                    farm.dec.step()
-                assert h.drid not in farm.dec.responses and farm.dec.blocks(h.drid), \
-                    "the decode request's blocks went back while the stopped prefill could still write"
-                held = sum(q["blocks"] for q in farm.dec.state()["quarantine"])
-                assert held >= len(farm.dec.blocks(h.drid)), held
-            finally:
-                t_cont = time.monotonic()
-                os.kill(pid, signal.SIGCONT)
-            # resumed: the held piece lands in the quarantined blocks, the prefill hears the
-            # abort, settles, says it is quiet; the load fails and the prompt is recomputed in
-            # those blocks, after the last byte of the prefill landed
-            seen = _until([farm.pre, farm.dec], lambda: _answered(farm.dec, h.drid) and farm.pre.drained())
-            ld = farm.dec.state()["finished_loads"][h.drid]
-            assert ld["verdict"] == "recompute", ld
-            sides.append(_side("decode", _trt_state(ld), ld["reason"], t_gone - t_fault, cfg["peer_timeout_s"] + 1.0,
-                               ("unreachable",)))
-            extra["quarantined_s"] = round(_ended(ld, seen) - t_gone, 3)
-            recompute = farm.computed_right(h)  # KV equal to transformers': no late byte overwrote it
-            sv = farm.pre.state()["finished_saves"][h.prid]
-            sides.append(_side("prefill (continued)", _trt_state(sv), (sv["record"] or {}).get("reason", ""),
-                               max(0.0, _ended(sv, seen) - t_cont), cfg["heartbeat_s"] + cfg["quiesce_s"],
-                               ("aborted by decode", "silent", "write", "transfer"), want=("FAILED", "ABORTED")))
-            assert not farm.dec.state()["quarantine"]
-        elif fault == "abort_decode":
-            import torch
-
-            blocks = farm.dec.blocks(h.drid)  # allocated before the load was ordered
-            assert blocks, "the decode request holds no blocks while loading"
-            # the prefill holds a piece past its write guard (sw.on(hold=True)) while the client cancels
-            farm.dec.cancel(h.drid)
-            t_fault = time.monotonic()
-            t_answered = _until([farm.dec], lambda: h.drid in farm.dec.responses)
-            out = farm.dec.responses[h.drid]
-            # TensorRT-LLM applies a cancel at its next iteration (bound 0 s: no timeout is involved)
-            sides.append(_side("decode (request)", str(out["finish_reason"]).upper(), "cancelled by the client",
-                               t_answered - t_fault, 0.0, (), want=("CANCELLED",)))
-            for _ in range(5):  # TensorRT-LLM freed the request; the plugin holds its blocks while a piece is out
-                farm.dec.step()
-            assert farm.dec.blocks(h.drid) == blocks, "the cancelled request's blocks went back under a held piece"
-            sw.release()  # the piece lands, in blocks nobody else has
-            _until([farm.dec], lambda: farm.dec.blocks(h.drid) is None)
-            at_free = farm.dec.pool(0)[blocks].clone()
-            _until([farm.pre, farm.dec], lambda: farm.pre.drained() and farm.dec.drained()
-                   and h.drid in farm.dec.state()["finished_loads"])
-            ld = farm.dec.state()["finished_loads"][h.drid]
-            sv = farm.pre.state()["finished_saves"][h.prid]
-            # the connector learns of the cancel only by the request's absence: it aborts the room, both ends record it
-            extra["observed"] = {"decode_load": {"verdict": ld["verdict"], "state": _trt_state(ld)},
-                                 "prefill_save": _trt_state(sv)}
-            assert ld.get("cancelled_by_engine") and _trt_state(ld) == "ABORTED", ld
-            assert _trt_state(sv) == "ABORTED" and "cancelled" in (sv["record"] or {}).get("reason", ""), sv
-            extra["note"] = ("the decode's connector found the request dropped, aborted the room (load recorded "
-                             f"{_trt_state(ld).lower()}), and the prefill ended its send as {_trt_state(sv).lower()}")
-            landed = not torch.equal(at_free.view(torch.uint8), farm.dec.pool(0)[blocks].view(torch.uint8))
-            extra["landed_after_free"] = landed
-            assert not landed, "a piece landed in the cancelled request's blocks after they were freed"
-        else:  # abort_prefill: the client cancels the prefill request while its KV is sent
-            farm.pre.cancel(h.prid)
-            t_fault = time.monotonic()
-            seen = _until([farm.pre, farm.dec], lambda: _answered(farm.dec, h.drid) and farm.pre.drained())
-            sv = farm.pre.state()["finished_saves"][h.prid]
-            ld = farm.loaded_right(h)
-            sides.append(_side("prefill", _trt_state(sv), "", _ended(sv, seen) - t_fault, cfg["deadline_s"], (),
-                               want=("SUCCESS",)))
-            sides.append(_side("decode", _trt_state(ld), "", _ended(ld, seen) - t_fault, cfg["deadline_s"], (),
-                               want=("SUCCESS",)))
-            assert farm.pre.responses[h.prid]["finish_reason"] == "length"  # it had answered before the cancel
-            extra["note"] = _ABORT_PREFILL_NOTE
+        recompute = trt_kill(farm, fault, h, sides)
     elif fault == "never_peer":
         sw.off()
         t0 = time.monotonic()
@@ -963,7 +1110,7 @@ def _trt_case(farm: TRTServers, fault: str) -> dict:
     farm.request_ok()
     return {"plugin": "trtllm", "fault": fault, "ok": True, "sides": sides, "double_releases": len(dbl),
             "blocks_ok": True, "next_ok": True, "recompute_ok": recompute,
-            "transport": "throttled" if fault in MID_TRANSFER else "",
+            "transport": _transport(fault),
             "case_s": round(time.monotonic() - t_case, 2), **extra}
 
 

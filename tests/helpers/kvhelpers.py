@@ -160,11 +160,18 @@ def stop_process(conn, proc, grace_s: float = 5.0) -> None:
 # transport's ``max_piece_bytes`` / ``max_inflight_per_peer`` for the writes started
 # while armed, ``delay_s`` makes each piece wait that long before it goes to the engine
 # (the bytes still go through the real engine), and the ``started_at``-th piece creates
-# ``<dir>/started`` (the transfer is under way). If ``<dir>/hold`` exists then, that piece
-# waits (at most ``hold_s``) until the parent removes it: the piece is past kvbridge's
-# per-piece write guard, so a parent that stops the process meanwhile knows a piece is
-# in flight. Not armed: the transport runs untouched (its defaults, no delay).
+# ``<dir>/started`` (the transfer is under way; it holds the piece's batch number, pieces
+# and bytes, ``FaultSwitch.held``). If ``<dir>/hold`` exists then, that piece waits (at
+# most ``hold_s``) until the parent removes it: the piece is past kvbridge's per-piece
+# write guard, so a parent that stops the process meanwhile knows a piece is in flight.
+# ``poison_held``: once let go, the held batch's source bytes are overwritten with
+# ``POISON_BYTE`` first (a late write then changes its destination whatever was there,
+# even bytes equal to what the sender meant to send).
+# Every write started while armed is noted in ``<dir>/writes-<pid>.jsonl`` (its segments,
+# pieces and bytes, ``FaultSwitch.writes``). Not armed: the transport runs untouched (its
+# defaults, no delay).
 _HOOKS: dict = {}
+POISON_BYTE = 0xA5  # what a held batch carries with ``poison_held``
 
 
 def enter_netns(name: str) -> None:
@@ -210,10 +217,19 @@ class _FaultEngine:
             self._n = self._n + 1 if epoch == self._epoch else 1  # counted afresh each time it is armed
             self._epoch = epoch
             if self._n == int(mode.get("started_at", 2)):
-                open(_os.path.join(self._dir, "started"), "w").close()
+                import json as _json
+
+                # this batch: its number since the switch was armed, its pieces and bytes (held past the guard)
+                with open(_os.path.join(self._dir, "started.tmp"), "w") as f:
+                    f.write(_json.dumps({"pid": _os.getpid(), "batch": self._n, "pieces": len(args[3]),
+                                         "bytes": int(sum(args[3]))}))
+                _os.replace(_os.path.join(self._dir, "started.tmp"), _os.path.join(self._dir, "started"))
                 end = _time.monotonic() + float(mode.get("hold_s", 30.0))
                 while _os.path.exists(_os.path.join(self._dir, "hold")) and _time.monotonic() < end:
                     _time.sleep(0.002)
+                if mode.get("poison_held"):  # the held batch carries the poison byte: wherever it lands, it shows
+                    for src, n in zip(args[1], args[3]):
+                        ctypes.memset(int(src), POISON_BYTE, int(n))
             if mode.get("delay_s"):
                 _time.sleep(float(mode["delay_s"]))
         return self._engine.batch_transfer_async_write(*args)
@@ -273,15 +289,34 @@ def install_test_hooks(opts: dict | None) -> None:
         write_async = self.write_async
 
         def armed_write_async(*wa, **wk):
-            mode = armed_mode(folder) or {}
+            armed = armed_mode(folder)
+            mode = armed or {}
             self.max_piece_bytes = int(mode.get("piece_bytes") or defaults[0])
             self.max_inflight_per_peer = int(mode.get("inflight") or defaults[1])
+            if armed is not None:  # each write started while armed: its segments, pieces and bytes
+                _log_write(folder, armed.get("epoch"), wa[3] if len(wa) > 3 else wk["lengths"], self.max_piece_bytes,
+                           self.max_inflight_per_peer)
             return write_async(*wa, **wk)
 
         self.write_async = armed_write_async
 
     MooncakeTransport.__init__ = hooked_init
     _HOOKS["patched"] = True
+
+
+def _log_write(folder: str, epoch, lengths, piece_bytes: int, inflight: int) -> None:
+    """Append one armed write to ``<folder>/writes-<pid>.jsonl``: the epoch it was armed in,
+    its segments, the pieces the transport cuts them into (``piece_bytes``) and its bytes."""
+    import json
+    import os as _os
+    import time as _time
+
+    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    lens = lens[lens > 0]
+    row = {"t": _time.monotonic(), "epoch": epoch, "segments": int(lens.size), "bytes": int(lens.sum()),
+           "pieces": int((-(-lens // piece_bytes)).sum()), "piece_bytes": piece_bytes, "inflight": inflight}
+    with open(_os.path.join(folder, f"writes-{_os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def read_events(folder: str) -> list[dict]:
@@ -363,6 +398,33 @@ class FaultSwitch:
         import os as _os
 
         return _os.path.exists(self.started_path)
+
+    def held(self) -> dict:
+        """The batch that marked the transfer under way (held, with ``hold``): ``pid`` of the
+        process, ``batch`` (its number since the switch was armed), its ``pieces`` and ``bytes``."""
+        import json
+
+        try:
+            with open(self.started_path) as f:
+                return json.loads(f.read() or "{}")
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def writes(self, pid: int | None = None) -> list[dict]:
+        """The writes started while armed this time (``on``), oldest first, each with its
+        ``pid``, ``segments``, ``pieces`` (as the transport cut them) and ``bytes``."""
+        import glob
+        import json
+        import os as _os
+
+        out = []
+        for p in glob.glob(self._path("writes-*.jsonl")):
+            wpid = int(p.rsplit("-", 1)[1].split(".")[0])
+            if pid is not None and wpid != pid:
+                continue
+            with open(p) as f:
+                out += [dict(json.loads(line), pid=wpid) for line in f if line.strip()]
+        return sorted((w for w in out if w.get("epoch") == self._epoch), key=lambda w: w["t"])
 
     def events(self, since: float, pid: int | None = None) -> list[dict]:
         return [e for e in read_events(self.dir) if e["t"] >= since and (pid is None or e["pid"] == pid)]

@@ -350,11 +350,13 @@ def _abort_on(obj, when, timeout: float) -> float | None:
 
 
 def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort_after: float | str | None = None,
-         settle_s: float = 0.0, port: int | None = None):
+         settle_s: float = 0.0, port: int | None = None, released_path: str | None = None):
     """Decode side of one request, in decode.py's order; returns what landed. ``abort_after``:
     seconds, or a file whose appearance makes the decode abort; after a failure the request's
     pages are watched for ``settle_s`` more (nothing may write into them once it failed).
-    ``port``: the bootstrap server of another prefill instance than the case's."""
+    ``port``: the bootstrap server of another prefill instance than the case's.
+    ``released_path``: a file created the moment a failed request's pages go back to
+    SGLang (the parent watches it while ``pull`` waits for that)."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -416,6 +418,8 @@ def pull(r: Rank, room: int, num_tokens: int, prefix: int, timeout: float, abort
             while not r.mgr.is_abort_release_safe(room, 1) and time.monotonic() < hold_end:
                 time.sleep(0.002)
             out["t_released"] = time.monotonic()
+            if released_path:
+                open(released_path, "w").close()
             r.mgr.clear_deferred_abort_state(room)  # _do_release, decode.py 3013-3029
         if settle_s:  # the pages are the engine's again: not one byte may change from here on
             at_release = r.pages_content(pages)
