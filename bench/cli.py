@@ -112,6 +112,11 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         d = v["overhead_ms"]
         print(f"small request, {o}: overhead {d['median']} ms [{d['p10']}-{d['p90']}] over {d['n']} pairs "
               f"(handoff {v['handoff_ms']['median']}, raw {v['raw_ms']['median']}): {v['what']}")
+    if res.get("auth_cost"):
+        a = res["auth_cost"]
+        print(f"auth: small request sealed {a['sealed_ms']['median']} ms [{a['sealed_ms']['p10']}-{a['sealed_ms']['p90']}], "
+              f"without a secret {a['plain_ms']['median']} ms [{a['plain_ms']['p10']}-{a['plain_ms']['p90']}]; "
+              f"ratio {a['ratio']['median']} [{a['ratio']['p10']}-{a['ratio']['p90']}] over {a['ratio']['n']} pairs")
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
     for f in res.get("plots", []):

@@ -18,8 +18,10 @@ pool (NHD, page 64) and a decode peer with a TensorRT-LLM-format pool (HND, bloc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import multiprocessing as mp
 import os
+import secrets
 import statistics
 import time
 from typing import Callable
@@ -212,7 +214,60 @@ def _recv(conn, proc, timeout: float = 300.0):
 
 def transfer_steps(reps: int, sweep: tuple[int, ...] = (), link_only: bool = False) -> int:
     """How many times ``bench_transfer`` calls ``progress`` (for a progress bar)."""
-    return 3 + (0 if link_only else reps + len(sweep))
+    return 3 + (0 if link_only else reps + len(sweep) + 1)
+
+
+def _auth_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
+    """The small request between two fresh pairs of peers alike but for the secret (control
+    frames sealed, or plain), interleaved ``pairs`` times: what authentication costs."""
+    peers = {}
+    try:
+        for kind, secret in (("sealed", cfg["secret"]), ("plain", "")):
+            pc, pchild = ctx.Pipe()
+            dc, dchild = ctx.Pipe()
+            c = {**cfg, "secret": secret}
+            pre = ctx.Process(target=_prefill_peer, args=(pchild, n, c), daemon=True, name=f"prefill-{kind}")
+            dec = ctx.Process(target=_decode_peer, args=(dchild, n, c), daemon=True, name=f"decode-{kind}")
+            pre.start()
+            dec.start()
+            peers[kind] = (pc, pre, dc, dec)
+        endpoints = {}
+        for k, (pc, pre, dc, dec) in peers.items():
+            endpoints[k] = _recv(pc, pre)[1]
+            _recv(dc, dec)  # ready
+        rooms = itertools.count(1)
+
+        def handoff(kind: str) -> float:
+            pc, pre, dc, dec = peers[kind]
+            r = next(rooms)
+            pc.send(("serve", r, n))
+            _recv(pc, pre)
+            dc.send(("pull", r, endpoints[kind], n, False, False))
+            _, ok, dt, *rest = _recv(dc, dec)
+            if not ok:
+                raise RuntimeError(f"{kind} handoff failed: {rest[3]}")
+            return dt
+
+        got = {"sealed": [], "plain": []}
+        for k in got:  # warm: each first request connects
+            handoff(k)
+        for _ in range(pairs):
+            for k in got:
+                got[k].append(handoff(k))
+    finally:
+        for pc, pre, dc, dec in peers.values():
+            for conn, proc in ((pc, pre), (dc, dec)):
+                try:
+                    conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+    return {"sealed_ms": spread([x * 1e3 for x in got["sealed"]]), "plain_ms": spread([x * 1e3 for x in got["plain"]]),
+            "ratio": spread([a / b for a, b in zip(got["sealed"], got["plain"])], 1.0),
+            "what": f"the {n}-token request between two fresh pairs of peers, control frames sealed (HMAC-SHA256) "
+                    "over the same without a secret, interleaved pairs"}
 
 
 def bench_transfer(
@@ -236,8 +291,10 @@ def bench_transfer(
     say = progress or (lambda _m: None)
     ctx = mp.get_context("spawn")
     cap = max([tokens, small_tokens] + ([] if link_only else list(sweep)))
+    # sealed control frames, as deployed (a routable bind needs a secret); the same small
+    # request without one is measured beside it (``auth_cost``)
     cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, gather_team=gather_team,
-               inline_gather=inline_gather)
+               inline_gather=inline_gather, secret=secrets.token_hex(32))
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
     say("starting peers")
@@ -413,7 +470,10 @@ def bench_transfer(
                                              "repack": round(parts["repack_s"] * 1e3, 2),
                                              "transfer": round(wire * 1e3, 2),
                                              "notify": round(max(0.0, measured - parts["plan_s"] - parts["repack_s"] - wire) * 1e3, 2)}})
+        say("auth cost: sealed against plain control frames")
+        auth_cost = _auth_cost(ctx, small_tokens, cfg, 25 * reps)
         return {
+            "auth_cost": auth_cost,
             "geometry": {**GEOM, "tokens": tokens, "src": f"sglang page {SRC_PAGE} (NHD)",
                          "dst": f"trtllm tokens_per_block {DST_BLOCK} (HND)", "link": "mooncake tcp 127.0.0.1"},
             "bytes": nbytes,

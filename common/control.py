@@ -34,6 +34,8 @@ from typing import Callable
 
 import zmq
 
+from .limits import LogLimiter
+
 __all__ = ["ControlChannel"]
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class ControlChannel:
         # a frame this large (plus msgpack slack) makes ZMQ drop the sending peer's connection
         self._max_frame = int(max_message_bytes) + 4096
         self.refused_frames = 0  # messages dropped for having the wrong frame count
+        self._bad = LogLimiter(log, f"{name}: control messages refused")
         # ZMQ's default 1000-message queues drop a burst when the peer's reader is starved of
         # CPU (a non-blocking send fails with EAGAIN): control messages are small, so allow
         # deep queues and leave lost peers to the deadlines
@@ -279,15 +282,14 @@ class ControlChannel:
                     for frames in self._read(self._router):
                         if len(frames) != 2:  # [routing id, payload]; more frames could name another peer's id
                             self.refused_frames += 1
-                            log.warning("control message from %s refused: %d frames, expected 1",
-                                        frames[0].hex(), len(frames) - 1)
+                            self._bad.warn("frames", "from %s: %d frames, expected 1", frames[0].hex(), len(frames) - 1)
                             continue
                         self._dispatch(frames[0].hex(), frames[1])
                 for ep, s in list(self._dealers.items()):
                     for frames in self._read(s):
                         if len(frames) != 1:
                             self.refused_frames += 1
-                            log.warning("control message from %s refused: %d frames, expected 1", ep, len(frames))
+                            self._bad.warn("frames", "from %s: %d frames, expected 1", ep, len(frames))
                             continue
                         self._dispatch(ep, frames[0])
         finally:

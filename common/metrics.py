@@ -102,6 +102,11 @@ class KVBridgeMetrics:
                                  ["role", "reason"], registry=r)
         self.prestaged = Counter("kvbridge_prestaged_parts", "First parts a sender gathered before the request came, "
                                  "by whether the request could use them", ["outcome"], registry=r)
+        self.auth_refused = Counter("kvbridge_refused_frames", "Frames refused before they changed anything, by "
+                                    "channel (control, bus, rank_record, sglang_abort) and why (unsigned, unknown_key, "
+                                    "stale, bad_tag, replay, too_large, bad_message)", ["channel", "reason"], registry=r)
+        self.evictions = Counter("kvbridge_bounded_evictions", "Entries dropped from a peer-keyed map at its cap",
+                                 ["map"], registry=r)
 
         self._children: dict = {}
 

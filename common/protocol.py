@@ -11,14 +11,13 @@ field (``Expected `int` >= 0 - at `$.room```); it handles tagged unions natively
 and it is fast enough that a request with millions of block ids costs
 milliseconds, not seconds. ``decode`` turns every failure into ``ProtocolError``.
 
-Auth: ``sign`` / ``verify`` put and check an HMAC-SHA256 tag over the fields of a
-request that decide where bytes land; an empty secret turns auth off.
+Auth is the frame's, not the message's: ``pack`` / ``unpack`` seal and open every
+message with a ``kvbridge.common.auth.Keyring`` (HMAC-SHA256 over all of it, key ids,
+a replay window); without a keyring frames are the plain encoding.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -36,14 +35,13 @@ __all__ = [
     "TransferDone",
     "TransferFailed",
     "TransferRequest",
-    "auth_tag",
     "decode",
     "encode",
-    "sign",
-    "verify",
+    "pack",
+    "unpack",
 ]
 
-PROTOCOL_VERSION = 2  # 2: TransferDone.layer_bytes, StagedChunk.layer_start/layer_stop (layer-wise sends)
+PROTOCOL_VERSION = 3  # 3: auth moved from the messages to the frame (kvbridge.common.auth seals every one)
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_BLOCK_IDS = 1 << 24
 MAX_LAYERS = 1 << 12
@@ -89,7 +87,6 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
     receivers: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
     staging_addr: Addr = 0
     staging_bytes: Count = 0
-    auth: Annotated[str, Meta(max_length=128)] = ""
     sent_at: Seconds
 
     def __post_init__(self) -> None:
@@ -178,12 +175,10 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
 
 
 class Abort(_Msg, tag="abort", kw_only=True):
-    """Either way: stop room ``room``'s transfer and release its blocks. From a decode
-    rank that never asked for the room (it declined it: it computes the prompt itself),
-    ``auth`` carries the tag of ``sign`` when a secret is configured."""
+    """Either way: stop room ``room``'s transfer and release its blocks (also from a
+    decode rank that never asked for the room: it declined it, or the router)."""
 
     reason: Reason
-    auth: Annotated[str, Meta(max_length=128)] = ""
 
 
 Message = Union[TransferRequest, TransferDone, TransferFailed, Heartbeat, Abort]
@@ -248,56 +243,21 @@ def encode(msg: Message, max_bytes: int = MAX_MESSAGE_BYTES, validate: bool = Tr
     return data
 
 
-# -- auth ------------------------------------------------------------------------------
+# -- sealed frames -------------------------------------------------------------------
+
+CONTROL = b"control"  # the domain control frames are sealed for (kvbridge.common.auth)
 
 
-def _key(secret: str | bytes) -> bytes:
-    return secret.encode() if isinstance(secret, str) else bytes(secret)
+def pack(msg: Message, keyring=None) -> bytes:
+    """``msg`` encoded and, with a ``Keyring``, sealed: what goes on a control socket."""
+    data = encode(msg)
+    return keyring.seal(data, CONTROL) if keyring is not None else data
 
 
-def auth_tag(req: TransferRequest | Abort, secret: str | bytes) -> str:
-    """Hex HMAC-SHA256 over everything in ``req`` that decides where bytes are
-    written: version, room, session, block ids, token range, receivers, staging
-    buffer and layout (not ``auth`` itself, ``model`` or ``sent_at``); for an ``Abort``,
-    its version, room and reason."""
-    if isinstance(req, Abort):
-        covered = ["abort", req.version, req.room, req.reason]
-        body = msgspec.msgpack.encode(covered)
-        return hmac.new(_key(secret), b"kvbridge-auth-v1\x00" + body, hashlib.sha256).hexdigest()
-    covered = [
-        req.version,
-        req.room,
-        req.session,
-        req.block_ids,
-        req.first_token,
-        req.token_start,
-        req.token_stop,
-        req.receivers,
-        req.staging_addr,
-        req.staging_bytes,
-        req.layout,
-    ]
-    try:
-        # msgpack with sorted map keys is canonical: the same values give the same bytes.
-        body = msgspec.msgpack.encode(covered, order="sorted")
-    except Exception as e:
-        raise ProtocolError(f"cannot canonicalize room {req.room}'s request for auth: {e}") from None
-    return hmac.new(_key(secret), b"kvbridge-auth-v1\x00" + body, hashlib.sha256).hexdigest()
-
-
-def sign(req, secret: str | bytes):
-    """``req`` (a TransferRequest or an Abort) with its ``auth`` tag set for ``secret``
-    (unchanged if the secret is empty)."""
-    if not secret:
-        return req
-    return msgspec.structs.replace(req, auth=auth_tag(req, secret))
-
-
-def verify(req, secret: str | bytes) -> bool:
-    """True when ``req`` carries the right tag for ``secret`` (constant-time
-    compare); an empty secret accepts every request."""
-    if not secret:
-        return True
-    if not req.auth:
-        return False
-    return hmac.compare_digest(req.auth.encode(), auth_tag(req, secret).encode())
+def unpack(frame, keyring=None) -> Message:
+    """The message in control ``frame``: its seal checked first with a ``Keyring``
+    (``kvbridge.common.auth.AuthError``, before any byte of it is decoded), then decoded
+    (``ProtocolError``)."""
+    if keyring is not None:
+        frame = keyring.open(frame, CONTROL, MAX_MESSAGE_BYTES)
+    return decode(frame)

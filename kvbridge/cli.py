@@ -105,6 +105,9 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.demo.run import DemoError
     from kvbridge.demo.sglang_server import ServerError
 
+    from kvbridge.demo.secret import ensure_secret
+
+    ensure_secret()  # every server the demo starts shares it: control frames sealed, as deployed
     if args.router:
         return _demo_router(args)
 

@@ -196,7 +196,7 @@ class RouteConfig(_S):
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     limits: Limits = msgspec.field(default_factory=Limits)
     health: HealthSpec = msgspec.field(default_factory=HealthSpec)
-    secret: str = ""  # the servers' KVBRIDGE_SECRET: the router's room aborts are signed with it
+    secret: str = ""  # the servers' key (empty: KVBRIDGE_SECRET): the router's room aborts are sealed with it
 
     def server(self, name: str) -> ServerSpec:
         for s in self.servers:

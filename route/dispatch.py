@@ -372,7 +372,7 @@ class Dispatcher:
                     announced = [x for x in (d, p) if x.engine == "trtllm"]
                     await asyncio.wait_for(
                         E.announce_halves(p, d, job.ids, h, on_failure="fail", ttl_s=max(1.0, self._left(job) + 1.0),
-                                          timeout_s=max(0.1, self._left(job))),
+                                          timeout_s=max(0.1, self._left(job)), keyring=self.ranks.keyring),
                         max(0.0, self._left(job)))
                 except asyncio.TimeoutError:
                     raise self._deadline_error(job, "while announcing the handoff") from None

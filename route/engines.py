@@ -287,27 +287,27 @@ async def _status_error(server: Server, r: aiohttp.ClientResponse) -> EngineErro
     return EngineError(server, "http", f"HTTP {r.status}: {text}")
 
 
-async def _announce(server: Server, ids: list[int], handle, ttl_s: float, timeout_s: float) -> None:
+async def _announce(server: Server, ids: list[int], handle, ttl_s: float, timeout_s: float, keyring) -> None:
     from kvbridge.adapters.trtllm import AnnounceError, announce
 
     try:
         await asyncio.to_thread(announce, server.spec.bus, ids, handle, ttl_s=ttl_s,
-                                timeout_s=min(5.0, max(0.5, timeout_s)))
+                                timeout_s=min(5.0, max(0.5, timeout_s)), keyring=keyring)
     except AnnounceError as e:
         raise EngineError(server, "announce", str(e)) from None
 
 
 async def announce_halves(prefill: Server, decode: Server, ids: list[int], handoff: Handoff, *, on_failure: str,
-                          ttl_s: float, timeout_s: float) -> None:
+                          ttl_s: float, timeout_s: float, keyring=None) -> None:
     """Announce the handoff to whichever halves are TensorRT-LLM servers (decode first,
     so that nothing runs on the prefill for a decode that cannot take it); the server
-    keeps each handle ``ttl_s`` (the request's time left)."""
+    keeps each handle ``ttl_s`` (the request's time left); ``keyring``: the servers' key."""
     from kvbridge.adapters.trtllm import Handle
 
     if decode.engine == "trtllm":
-        await _announce(decode, ids, decode_handle(handoff, on_failure), ttl_s, timeout_s)
+        await _announce(decode, ids, decode_handle(handoff, on_failure), ttl_s, timeout_s, keyring)
     if prefill.engine == "trtllm":
-        await _announce(prefill, ids, Handle("send", handoff.room), ttl_s, timeout_s)
+        await _announce(prefill, ids, Handle("send", handoff.room), ttl_s, timeout_s, keyring)
 
 
 async def run_prefill(http: aiohttp.ClientSession, server: Server, model: str, ids: list[int], s: Sampling,

@@ -8,8 +8,8 @@ never found; see ``KVBridgeConnectorScheduler._discovered``).
 
 Abort: when a decode half fails (or a prefill half is given up), the prefill may hold the
 prompt's KV for a decode that will never ask. The router tells every kvbridge rank of
-that prefill that the room is off: a kvbridge ``Abort`` (signed with the deployment's
-secret when one is set) on the control channel, as a declining decode sends it
+that prefill that the room is off: a kvbridge ``Abort`` (sealed with the deployment's
+secret when one is set, as every control frame) on the control channel, as a declining decode sends it
 (``KVReceiver.decline``). A sender ends the room and releases its blocks at once, or as
 soon as its engine adds the room when the request is still queued
 (``KVSender._on_abort``). An unknown room is answered and forgotten.
@@ -33,9 +33,9 @@ __all__ = ["PrefillRanks", "bus_endpoints", "bootstrap_endpoints"]
 log = logging.getLogger(__name__)
 
 
-def bus_endpoints(bus: str, timeout_s: float = 2.0) -> list[str]:
-    """A TensorRT-LLM server's rank endpoints, asked on its kvbridge bus (``Who``).
-    Raises TimeoutError or ValueError (a bad answer)."""
+def bus_endpoints(bus: str, timeout_s: float = 2.0, keyring=None) -> list[str]:
+    """A TensorRT-LLM server's rank endpoints, asked on its kvbridge bus (``Who``, sealed
+    with ``keyring`` when one is given). Raises TimeoutError or ValueError (a bad answer)."""
     import zmq
 
     from kvbridge.adapters.trtllm import bus as B
@@ -44,13 +44,13 @@ def bus_endpoints(bus: str, timeout_s: float = 2.0) -> list[str]:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(bus)
-        sock.send(B.encode(B.Who()))
+        sock.send(B.pack(B.Who(), keyring))
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 raise TimeoutError(f"bus {bus} did not answer Who within {timeout_s:g} s")
-            msg = B.decode(sock.recv())
+            msg = B.unpack(sock.recv(), keyring)
             if isinstance(msg, B.Endpoints):
                 return list(msg.endpoints)
     finally:
@@ -68,8 +68,10 @@ class PrefillRanks:
     """Prefill rank endpoints (cached per server) and room aborts to them; one control
     channel for the router."""
 
-    def __init__(self, secret: str = ""):
-        self.secret = secret
+    def __init__(self, secret: str = "", accepted_secrets: tuple[str, ...] = ()):
+        from kvbridge.common.auth import Keyring
+
+        self.keyring = Keyring.from_settings(secret, accepted_secrets)
         self._eps: dict[str, list[str]] = {}
         self._chan = None
         self.sent = 0
@@ -87,8 +89,8 @@ class PrefillRanks:
         from kvbridge.common import protocol as P
 
         try:
-            msg = P.decode(payload)
-        except Exception:
+            msg = P.unpack(payload, self.keyring)
+        except Exception:  # unsigned, stale, malformed: no reply changes anything here
             return
         room = getattr(msg, "room", None)
         if isinstance(msg, P.TransferFailed) and room is not None:
@@ -101,7 +103,7 @@ class PrefillRanks:
             if server.bootstrap:
                 eps = await asyncio.to_thread(bootstrap_endpoints, server.bootstrap, timeout_s)
             elif server.bus:
-                eps = await asyncio.to_thread(bus_endpoints, server.bus, timeout_s)
+                eps = await asyncio.to_thread(bus_endpoints, server.bus, timeout_s, self.keyring)
             else:
                 raise ValueError(f"{server.name}: neither a bootstrap address nor a bus to find its ranks")
             self._eps[server.name] = eps
@@ -118,10 +120,7 @@ class PrefillRanks:
             self._eps.pop(server.name, None)
             log.info("route: cannot abort room %s on %s: %s", room, server.name, e)
             return False
-        msg = P.Abort(room=int(room), reason=reason[:4000])
-        if self.secret:
-            msg = P.sign(msg, self.secret)
-        payload = P.encode(msg)
+        payload = P.pack(P.Abort(room=int(room), reason=reason[:4000]), self.keyring)
         chan = self._channel()
         for ep in eps:
             chan.send(ep, payload)

@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+# secure defaults in the tests too: every server and peer process a test starts inherits
+# this session's secret (a routable bind refuses to start without one)
+from kvbridge.demo.secret import ensure_secret  # noqa: E402
+
+ensure_secret()
 
 
 @pytest.fixture(scope="session")

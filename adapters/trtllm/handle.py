@@ -100,15 +100,31 @@ class Handle:
 _nonces = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
 
 
+def deployment_keyring():
+    """A ``Keyring`` for the deployment's ``KVBRIDGE_SECRET`` / ``KVBRIDGE_ACCEPTED_SECRETS``
+    (None when no secret is set: auth off)."""
+    from kvbridge.common.auth import Keyring
+
+    return Keyring.from_settings(os.environ.get("KVBRIDGE_SECRET", ""),
+                                 [k for k in os.environ.get("KVBRIDGE_ACCEPTED_SECRETS", "").split(",") if k.strip()])
+
+
 def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s: float = 60.0,
-             timeout_s: float = 5.0) -> None:
+             timeout_s: float = 5.0, keyring=None) -> None:
     """Tell the TensorRT-LLM server whose bus is ``bus`` (its kvbridge scheduler,
     ``tcp://host:bus_port``) that its next request with this prompt plays ``handle``.
     Returns once the server has it; call it before sending the request. Raises
-    AnnounceError when the server does not answer in ``timeout_s`` or refuses."""
+    AnnounceError when the server does not answer in ``timeout_s`` or refuses.
+    ``keyring``: the deployment's ``Keyring`` (default: one for ``KVBRIDGE_SECRET``), the
+    announcement and its answer are sealed with it."""
     import zmq
 
+    from kvbridge.common.auth import AuthError
+
     from . import bus as B
+
+    if keyring is None:
+        keyring = deployment_keyring()
 
     key = prompt_key(prompt_token_ids)
     nonce = next(_nonces)
@@ -117,15 +133,15 @@ def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(bus)
-        sock.send(B.encode(B.Expect(key=key, handle=handle.to_dict(), ttl_s=float(ttl_s), nonce=nonce)))
+        sock.send(B.pack(B.Expect(key=key, handle=handle.to_dict(), ttl_s=float(ttl_s), nonce=nonce), keyring))
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 raise AnnounceError(f"{bus} did not answer the announcement of room {handle.room} within {timeout_s:.1f} s")
             try:
-                msg = B.decode(sock.recv())
-            except B.BusError as e:
+                msg = B.unpack(sock.recv(), keyring)
+            except (B.BusError, AuthError) as e:
                 raise AnnounceError(f"{bus}: {e}") from None
             if isinstance(msg, B.Expected) and msg.nonce == nonce:
                 if not msg.ok:

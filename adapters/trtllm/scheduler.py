@@ -27,13 +27,15 @@ from typing import Any, List, Tuple
 
 import msgspec
 
+from kvbridge.common.auth import check_bind
 from kvbridge.common.bootstrap import BootstrapError, endpoints_by_tp_rank, fetch_ranks
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import default_metrics
+from kvbridge.common.limits import LogLimiter
 
 from . import bus as B
 from ._compat import KvCacheConnectorScheduler
-from .config import BridgeConfig
+from .config import BridgeConfig, ConfigError
 from .geometry import _get
 from .handle import Handle, HandleError, prompt_key
 
@@ -120,6 +122,12 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self.layerwise_chooser = self.cfg.layerwise_chooser_for(_get(llm_args, "model", None))  # layerwise=auto
         self.layerwise_decisions: OrderedDict[int, bool] = OrderedDict()  # request id -> layer-wise or not (prefill halves)
         self.fallbacks: OrderedDict[int, dict] = OrderedDict()  # request id -> why it is computed here
+        self._keyring = self.cfg.keyring()  # every bus message sealed (kvbridge.common.auth)
+        self._bad_bus = LogLimiter(log, "kvbridge scheduler: refused bus messages")
+        try:
+            check_bind(self.cfg.host, self.cfg.secret, self.cfg.allow_insecure, "the kvbridge TensorRT-LLM bus")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.bus = ControlChannel(self._on_bus, self._on_tick, bind_host=self.cfg.host, port=self.cfg.bus_port,
                                   name="kvbridge-trtllm-scheduler")
         self.bootstrap = None  # an SGLang-compatible bootstrap server (sglang_bootstrap_port)
@@ -294,16 +302,16 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         try:
             h = Handle.from_dict(msg.handle)
         except HandleError as e:
-            self.bus.send(peer, B.encode(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=str(e))))
+            self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=str(e)), self._keyring))
             return
         with self._lock:
             if self._n_expected >= _MAX_EXPECTED:
                 reason = f"{self._n_expected} announced handoffs are waiting for their requests already"
-                self.bus.send(peer, B.encode(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=reason)))
+                self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=reason), self._keyring))
                 return
             self._expected.setdefault(msg.key, deque()).append((h, time.monotonic() + msg.ttl_s))
             self._n_expected += 1
-        self.bus.send(peer, B.encode(B.Expected(key=msg.key, ok=True, nonce=msg.nonce)))
+        self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=True, nonce=msg.nonce), self._keyring))
 
     # -- declines and discovery ------------------------------------------------------------
     def _fall_back(self, rid: int, h: Handle, verdict: Any) -> None:
@@ -337,7 +345,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self._discovering.setdefault(key, time.monotonic())
         if first:
             if h.prefill:
-                self.bus.send(h.prefill, B.encode(B.Who()))
+                self.bus.send(h.prefill, B.pack(B.Who(), self._keyring))
             else:
                 threading.Thread(target=self._discover_bootstrap, args=(h.bootstrap,), daemon=True,
                                  name="kvbridge-trtllm-discover").start()
@@ -387,15 +395,13 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._log[order.seq] = order
         while len(self._log) > _LOG_KEEP:
             self._log.popitem(last=False)
-        payload = B.encode(B.Orders(orders=[order]))
+        payload = B.pack(B.Orders(orders=[order]), self._keyring)
         for ident in self._workers.values():
             self.bus.send(ident, payload)
 
     def _on_bus(self, peer: str, payload: bytes) -> None:
-        try:
-            msg = B.decode(payload)
-        except B.BusError as e:
-            log.warning("kvbridge scheduler: bad bus message from %s: %s", peer, e)
+        msg = B.receive(payload, self._keyring, self._bad_bus, peer)
+        if msg is None:
             return
         if isinstance(msg, B.Expect):
             self._expect(peer, msg)
@@ -407,7 +413,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                     self.bootstrap.register(msg.rank, dict(msg.record))
                 log.info("kvbridge scheduler: rank %d joined (sender %s)", msg.rank, msg.endpoint)
                 if self._log:
-                    self.bus.send(peer, B.encode(B.Orders(orders=list(self._log.values()))))
+                    self.bus.send(peer, B.pack(B.Orders(orders=list(self._log.values())), self._keyring))
                 self._answer_who()
             elif isinstance(msg, B.Who):
                 self._who_waiting.append(peer)
@@ -422,7 +428,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
     def _answer_who(self) -> None:
         if len(self._endpoints) < self.world_size or not self._who_waiting:
             return
-        payload = B.encode(B.Endpoints(endpoints=[self._endpoints[r] for r in range(self.world_size)]))
+        payload = B.pack(B.Endpoints(endpoints=[self._endpoints[r] for r in range(self.world_size)]), self._keyring)
         for peer in self._who_waiting:
             self.bus.send(peer, payload)
         self._who_waiting.clear()

@@ -25,6 +25,7 @@ import torch
 from kvbridge.common.bootstrap import rank_record
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import KVReceiver, KVSender
+from kvbridge.common.limits import LogLimiter
 from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 from . import bus as B
@@ -168,10 +169,12 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                  self.rank, self.tp_size, self.layout.engine, self.layout.num_blocks, self.layout.tokens_per_block,
                  self.layout.num_heads, self.layout.head_dim, self.layout.dtype, self.sender.endpoint)
         self._scheduler_ep = self._find_scheduler(world_size(self._llm_args, cfg))
+        self._keyring = cfg.keyring()  # the bus is sealed as the control channel is (kvbridge.common.auth)
+        self._bad_bus = LogLimiter(log, f"kvbridge worker rank {self.rank}: refused bus messages")
         self.bus = ControlChannel(self._on_bus, None, name=f"kvbridge-trtllm-worker{self.rank}")
         record = rank_record(endpoint=self.sender.endpoint, session=self.transport.session_id, engine="trtllm",
                              page_size=self.layout.tokens_per_block, layout=self.layout.describe())
-        self.bus.send(self._scheduler_ep, B.encode(B.Hello(rank=self.rank, endpoint=self.sender.endpoint, record=record)))
+        self.bus.send(self._scheduler_ep, B.pack(B.Hello(rank=self.rank, endpoint=self.sender.endpoint, record=record), self._keyring))
 
     def _find_scheduler(self, world: int) -> str:
         """Rank 0's bus: in this process on rank 0, learned by MPI broadcast elsewhere
@@ -344,10 +347,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
 
     # -- orders ---------------------------------------------------------------------------
     def _on_bus(self, peer: str, payload: bytes) -> None:
-        try:
-            msg = B.decode(payload)
-        except B.BusError as e:
-            log.warning("kvbridge worker rank %d: bad bus message from %s: %s", self.rank, peer, e)
+        msg = B.receive(payload, self._keyring, self._bad_bus, peer)
+        if msg is None:
             return
         if isinstance(msg, B.Orders):
             self._apply(msg.orders)
@@ -389,8 +390,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             self._report(ld)
 
     def _report(self, ld: _Loading) -> None:
-        self.bus.send(self._scheduler_ep, B.encode(B.LoadResult(req=ld.req, rank=self.rank, ok=ld.ok,
-                                                                 reason=ld.reason[:4000])))
+        self.bus.send(self._scheduler_ep, B.pack(B.LoadResult(req=ld.req, rank=self.rank, ok=ld.ok,
+                                                               reason=ld.reason[:4000]), self._keyring))
 
     def _verdict(self, o: B.Verdict) -> None:
         ld = self._loads.setdefault(o.req, _Loading(o.req, o.room, o.start))

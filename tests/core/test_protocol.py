@@ -1,6 +1,6 @@
 """Control messages: exact round trips, and ProtocolError (never anything else) for
 garbage, truncation, wrong types, unknown tags, wrong versions, oversize and absurd
-values; HMAC auth."""
+values (auth is the frame's: tests/core/test_auth.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from kvbridge.common.protocol import (
     TransferRequest,
     decode,
     encode,
-    sign,
-    verify,
 )
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -57,7 +55,6 @@ def requests(draw):
         receivers=draw(st.integers(1, 1 << 16)),
         staging_addr=draw(st.integers(1, 2**63 - 1)) if staged else 0,
         staging_bytes=draw(st.integers(1, 2**63 - 1)) if staged else 0,
-        auth=draw(st.text(alphabet="0123456789abcdef", max_size=64)),
         sent_at=draw(secs),
     )
 
@@ -290,63 +287,3 @@ def test_encode_refuses_invalid_messages():
     # Without validation the peer is the one who refuses.
     with pytest.raises(ProtocolError):
         decode(encode(Heartbeat(room=-3, sender="x"), validate=False))
-
-
-# ------------------------------------------------------------------------- auth
-
-
-def test_sign_and_verify():
-    req = _request()
-    signed = sign(req, "s3cret")
-    assert len(signed.auth) == 64 and signed.room == req.room
-    assert verify(decode(encode(signed)), "s3cret") is True
-    assert verify(decode(encode(signed)), b"s3cret") is True
-    assert verify(signed, "other") is False
-    assert verify(req, "s3cret") is False  # unsigned
-    assert verify(msgspec.structs.replace(signed, auth="zz"), "s3cret") is False
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("room", 8),
-        ("session", "127.0.0.1:15556"),
-        ("block_ids", [3, 4, 10]),
-        ("block_ids", [3, 4, 9, 11]),
-        ("token_start", 17),
-        ("token_stop", 39),
-        ("first_token", 1),
-        ("staging_addr", 4096),
-        ("receivers", 2),
-        ("layout", {"engine": "sglang", "tokens_per_block": 16, "num_layers": 3}),
-    ],
-)
-def test_tampering_breaks_the_tag(field, value):
-    signed = sign(_request(staging_addr=8192, staging_bytes=4096), "k")
-    assert verify(signed, "k")
-    assert not verify(msgspec.structs.replace(signed, **{field: value}), "k")
-
-
-def test_unsigned_fields_and_auth_off():
-    signed = sign(_request(), "k")
-    assert verify(msgspec.structs.replace(signed, sent_at=99.0, model="other"), "k")  # not covered
-    assert verify(_request(), "")  # empty secret: auth off
-    assert sign(_request(), "") == _request()
-    # Key order inside the layout does not matter.
-    a = sign(_request(layout={"a": 1, "b": 2}), "k")
-    assert verify(msgspec.structs.replace(a, layout={"b": 2, "a": 1}), "k")
-
-
-@FAST
-@given(requests(), st.binary(min_size=1, max_size=32))
-def test_sign_verify_round_trip(req, secret):
-    assert verify(decode(encode(sign(req, secret))), secret)
-
-
-def test_abort_auth_covers_room_and_reason():
-    a = sign(Abort(room=5, reason="recompute: below break-even"), "k")
-    assert a.auth and verify(decode(encode(a)), "k")
-    assert not verify(msgspec.structs.replace(a, room=6), "k")
-    assert not verify(msgspec.structs.replace(a, reason="other"), "k")
-    assert not verify(a, "wrong") and not verify(Abort(room=5, reason="x"), "k")
-    assert verify(Abort(room=5, reason="x"), "")  # auth off

@@ -90,10 +90,10 @@ def test_every_plugin_takes_the_link_from_the_same_setting():
 
 
 def test_sglang_settings_keep_their_environment_names_and_defaults(tmp_path):
-    env = {"KVBRIDGE_PEER_TIMEOUT_S": "2.5", "KVBRIDGE_SECRET": "s", "KVBRIDGE_MODEL": "m",
+    env = {"KVBRIDGE_PEER_TIMEOUT_S": "2.5", "KVBRIDGE_SECRET": "s" * 16, "KVBRIDGE_MODEL": "m",
            "KVBRIDGE_RECV_STAGING_BYTES": "4096", "MOONCAKE_PROTOCOL": "rdma"}
     c = SglangBridgeConfig.load(ib_device="mlx5_0", sglang_timeout_s=42.0, environ=env)
-    assert (c.peer_timeout_s, c.secret, c.model, c.deadline_s, c.protocol, c.device_name) == (2.5, "s", "m", 42.0, "rdma",
+    assert (c.peer_timeout_s, c.secret, c.model, c.deadline_s, c.protocol, c.device_name) == (2.5, "s" * 16, "m", 42.0, "rdma",
                                                                                               "mlx5_0")
     assert c.handoff(receiver=True).recv_staging_bytes == 4096 and c.handoff().recv_staging_bytes == 0
     assert c.link_profile() is LINK_PRESETS["rdma"]  # derived from the protocol in use

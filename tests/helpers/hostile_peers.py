@@ -47,6 +47,15 @@ def _common(op, args, keep, alloc):
         return ("free", alloc.free_count, alloc.double_frees)
     if op == "ping":
         return ("pong", os.getpid())
+    if op == "rss":  # this process's resident set, bytes
+        with open("/proc/self/status") as f:
+            return ("rss", next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:")))
+    if op == "refused":  # kvbridge_refused_frames by (channel, reason)
+        from kvbridge.common.rooms import default_metrics
+
+        fam = default_metrics().auth_refused.collect()[0]
+        return ("refused", {f"{s.labels['channel']}/{s.labels['reason']}": s.value for s in fam.samples
+                            if s.name.endswith("_total")})
     return None
 
 

@@ -140,7 +140,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                 s = zmq.Context.instance().socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(endpoint)
-                s.send(P.encode(P.sign(req, recv.config.secret) if recv.config.secret else req))
+                s.send(P.pack(req, recv.config.keyring()))
                 raw.append(s)
                 until(lambda: os.path.exists(opts["replay_first"]), time.monotonic() + 20, "the replay's write started")
             recv.request(room, endpoint, blocks, 0, ntok, release=poison(room), deadline_s=opts.get("deadline_s"))

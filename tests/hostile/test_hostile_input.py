@@ -9,9 +9,12 @@ layout description off the wire either rebuilds or raises ``LayoutError``.
 and Mooncake TCP on 127.0.0.1, with a raw ZMQ DEALER in this process as the hostile
 peer: fuzzed, replayed, out-of-order and cross-room messages, block ids outside the
 room or the pool, token ranges past the end, the victim's valid transfer session
-without the shared secret or with a wrong one. The prefill process never crashes or
-hangs (every frame is followed by a ping answered within a bound), each hostile
-request is refused with a reason sent back and logged, no byte of the decode pool
+unsealed, sealed with a wrong key, tampered, stale or replayed (each refused before
+it is decoded, counted in ``kvbridge_refused_frames``, answered at most with a bare
+rate-limited refusal), and requests
+sealed by a peer that holds the secret but is wrong anyway (refused with a reason sent
+back). The prefill process never crashes or hangs (every frame is followed by a sealed
+ping answered within a bound), no byte of the decode pool
 outside the room's blocks changes (the whole pool is compared with a snapshot), and
 the legitimate handoff that was waiting all along then succeeds byte-exact.
 
@@ -35,6 +38,7 @@ from hypothesis import strategies as st
 from tests.helpers import hostile_peers
 from tests.helpers.handoff_peers import build_pool
 from kvbridge.common import protocol as P
+from kvbridge.common.auth import OVERHEAD, Keyring
 from kvbridge.common.control import ControlChannel
 from kvbridge.layout import KVLayout, LayoutError
 from tests.helpers.kvhelpers import PipePeer
@@ -48,7 +52,9 @@ FUZZ = settings.get_profile("kvbridge-fuzz-local" if _N else "kvbridge-fuzz-ci")
 # examples that go through the real peers cost a few round trips each
 PEER_FUZZ = settings(FUZZ, max_examples=_N or 25)
 
-SECRET = "s3cret"
+SECRET = "hostile-test-secret-0123456789abcdef"
+RING = Keyring(SECRET)  # what a peer holding the secret seals with
+WRONG = Keyring("not-the-secret-" + "x" * 24)
 CFG = dict(deadline_s=120.0, heartbeat_s=0.2, peer_timeout_s=30.0, quiesce_s=1.0, chunk_bytes=1 << 20)
 REPLY_S = 10.0  # every hostile frame is answered (or the ping after it is) within this
 
@@ -64,7 +70,7 @@ def _valid_messages():
     done = P.TransferDone(room=5, bytes=10, segments=1, plan="direct", seconds=0.1, aux={"output_ids": [3]},
                           src_layout=LAY.describe(),
                           staged=[P.StagedChunk(first_token=0, start=0, stop=16, offset=0, blocks=[1])])
-    return [P.sign(req, SECRET), done, P.TransferFailed(room=5, reason="x", code="timeout"),
+    return [req, done, P.TransferFailed(room=5, reason="x", code="timeout"),
             P.Heartbeat(room=5, sender="tcp://x"), P.Abort(room=5, reason="r")]
 
 
@@ -226,7 +232,8 @@ def pair():
 
 
 class Hostile:
-    """A raw DEALER: sends anything, pings after it, collects every reply."""
+    """A raw DEALER: sends anything, pings after it (sealed: only an authenticated ping is
+    answered), collects every reply (sealed with the secret)."""
 
     _pings = itertools.count(1 << 40)
 
@@ -241,12 +248,12 @@ class Hostile:
         """Send ``frame``, then a ping; the decoded replies that came before the ping's echo."""
         ping = next(self._pings)
         self.sock.send(frame)
-        self.sock.send(P.encode(P.Heartbeat(room=ping, sender="hostile")))
+        self.sock.send(P.pack(P.Heartbeat(room=ping, sender="hostile"), RING))
         replies, end = [], time.monotonic() + REPLY_S
         while time.monotonic() < end:
             if not self.sock.poll(100):
                 continue
-            m = P.decode(self.sock.recv())
+            m = P.unpack(self.sock.recv(), RING)
             if isinstance(m, P.Heartbeat) and m.room == ping:
                 return replies
             replies.append(m)
@@ -259,54 +266,67 @@ class Hostile:
 def _request_dict(room, session, layout, blocks, n, **over):
     d = dict(type="transfer_request", version=P.PROTOCOL_VERSION, room=room, model="", layout=layout,
              block_ids=list(blocks), first_token=0, token_start=0, token_stop=n, session=session, receivers=1,
-             staging_addr=0, staging_bytes=0, auth="", sent_at=time.time())
+             staging_addr=0, staging_bytes=0, sent_at=time.time())
     d.update(over)
     return d
 
 
-def _signed(d, secret):
-    """``d`` with the auth tag ``secret`` gives it (raises ProtocolError if it is not a valid request)."""
-    fields = {k: v for k, v in d.items() if k != "type"}
-    return {**d, "auth": P.auth_tag(P.TransferRequest(**{**fields, "auth": ""}), secret)}
+def _sealed(d, ring=RING) -> bytes:
+    """``d`` msgpack-encoded as is (valid or not) and sealed by ``ring``: what a peer
+    holding that key can send."""
+    return ring.seal(msgspec.msgpack.encode(d), P.CONTROL)
 
 
 @st.composite
 def hostile_frames(draw, room, session, layout, room_blocks, n, nblocks):
-    """(wire bytes, kind) of one hostile frame aimed at the waiting room (or at another one)."""
-    kind = draw(st.sampled_from(["garbage", "request", "request", "request", "other", "version"]))
+    """(wire bytes, why it must be refused) of one frame from a peer without the secret,
+    aimed at the waiting room (or another one)."""
+    kind = draw(st.sampled_from(["garbage", "request", "request", "other", "version"]))
     if kind == "garbage":
-        return draw(st.binary(max_size=256)), kind
+        return draw(st.binary(max_size=256)), "unsigned"
     target = draw(st.sampled_from([room, room, room + 1, draw(st.integers(0, 2**63 - 1))]))
     if kind == "other":
         cls = draw(st.sampled_from([P.TransferDone, P.TransferFailed, P.Abort, P.Heartbeat]))
         fill = {P.TransferDone: dict(bytes=1, segments=1, plan="direct", seconds=0.0),
                 P.TransferFailed: dict(reason="no", code="timeout"), P.Abort: dict(reason="stop"),
                 P.Heartbeat: dict(sender="x")}[cls]
-        return P.encode(cls(room=target, **fill)), cls.__struct_config__.tag
-    blocks = draw(st.one_of(
-        st.just(room_blocks),                                            # the room's own blocks
-        st.lists(st.integers(0, nblocks - 1), max_size=8),               # another room's / free blocks
-        st.lists(st.integers(-5, 2**31 - 1), min_size=1, max_size=8),    # outside the pool
-    ))
-    stop = draw(st.sampled_from([n, n + 1, 10**6, 2**31 - 1, 0]))
-    d = _request_dict(target, draw(st.sampled_from([session, "127.0.0.1:1", ""])), layout, blocks, stop,
-                      token_start=draw(st.sampled_from([0, 1, stop])))
-    how = draw(st.sampled_from(["none", "random", "wrong_secret", "other_room_tag", "tampered"]))
-    if how == "random":
-        d["auth"] = draw(st.text("0123456789abcdef", min_size=64, max_size=64))
-    elif how in ("wrong_secret", "other_room_tag", "tampered"):
-        try:
-            if how == "wrong_secret":
-                d = _signed(d, "not-the-secret")
-            elif how == "other_room_tag":  # a genuine tag, for another room, moved onto this one
-                d["auth"] = _signed({**d, "room": (target + 1) % 2**63}, SECRET)["auth"]
-            else:  # a genuine tag over other block ids
-                d["auth"] = _signed({**d, "block_ids": list(room_blocks)[::-1] + [1]}, SECRET)["auth"]
-        except P.ProtocolError:
-            pass  # values the protocol refuses to sign go unsigned
-    if kind == "version":
-        d["version"] = draw(st.sampled_from([0, 2, 65535, -1, "1"]))
-    return msgspec.msgpack.encode(d), "request" if kind == "request" else kind
+        body = P.encode(cls(room=target, **fill))
+    else:
+        blocks = draw(st.one_of(
+            st.just(room_blocks),                                            # the room's own blocks
+            st.lists(st.integers(0, nblocks - 1), max_size=8),               # another room's / free blocks
+            st.lists(st.integers(-5, 2**31 - 1), min_size=1, max_size=8),    # outside the pool
+        ))
+        stop = draw(st.sampled_from([n, n + 1, 10**6, 2**31 - 1, 0]))
+        d = _request_dict(target, draw(st.sampled_from([session, "127.0.0.1:1", ""])), layout, blocks, stop,
+                          token_start=draw(st.sampled_from([0, 1, stop])))
+        if kind == "version":
+            d["version"] = draw(st.sampled_from([0, 2, 65535, -1, "1"]))
+        body = msgspec.msgpack.encode(d)
+    how = draw(st.sampled_from(["unsigned", "unknown_key", "bad_tag", "stale", "moved_tag"]))
+    if how == "unsigned":
+        return body, how
+    if how == "unknown_key":
+        return WRONG.seal(body, P.CONTROL), how
+    if how == "stale":  # sealed by the right key, a minute ago
+        return Keyring(SECRET, clock=lambda: time.time() - 60).seal(body, P.CONTROL), how
+    genuine = RING.seal(body, P.CONTROL)
+    if how == "moved_tag":  # a genuine header and tag, over another frame's content
+        other = RING.seal(P.encode(P.Abort(room=target, reason="x")), P.CONTROL)
+        return genuine[:OVERHEAD] + other[OVERHEAD:], "bad_tag"
+    i = draw(st.integers(0, len(genuine) - 1))  # one byte changed anywhere
+    flipped = bytearray(genuine)
+    flipped[i] ^= draw(st.integers(1, 255))
+    return bytes(flipped), None  # refused; which check says so depends on the byte
+
+
+def _only_refusals(replies) -> bool:
+    """Nothing but the rate-limited bare refusal (room 0, code ``auth``) came back."""
+    return all(isinstance(m, P.TransferFailed) and (m.room, m.code) == (0, "auth") for m in replies)
+
+
+def _refused(peer) -> dict:
+    return peer.call("refused")[1]
 
 
 def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
@@ -319,30 +339,36 @@ def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
     dec.call("snap", "before")
     pre.call("logs")
     hostile = Hostile(endpoint)
-    seen = {"request": 0}
     try:
         @PEER_FUZZ
         @given(hostile_frames(room, session, layout, dst_blocks, n, 64))
         def attack(case):
-            frame, kind = case
+            frame, why = case
+            before = _refused(pre)
             replies = hostile.exchange(frame)
-            logs = pre.call("logs")[1]
-            assert replies or logs, f"{kind} frame: neither a reply nor a log line"
-            if kind in ("request", "version", "garbage"):
-                fails = [m for m in replies if isinstance(m, P.TransferFailed)]
-                assert fails and all(m.code in ("auth", "bad_message") for m in fails), replies
-                assert all(m.reason for m in fails)
-                assert any("refused" in text for _, text in logs), logs
-                seen["request"] += kind == "request"
+            after = _refused(pre)
+            grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            # refused before it was decoded: counted once; answered at most with the bare refusal
+            # (rate-limited: a decode with another key learns why), never with anything of a room
+            assert sum(grew.values()) == 1 and _only_refusals(replies), (why, grew, replies)
+            if why is not None:
+                assert grew == {f"control/{why}": 1}, (why, grew)
             # no byte of the decode pool changed: the room's KV is not even computed yet
             assert dec.call("changed", "before", [])[1] == 0
 
         attack()
+        logs = [t for _, t in pre.call("logs")[1]]
+        # a flood of refusals costs a log line per reason per second, not one per frame
+        assert 0 < len([t for t in logs if "refused control frames" in t]) < 20, logs
         assert pre.call("ping")[0] == "pong" and dec.call("ping")[0] == "pong"
-        # a captured request, replayed from another connection: same room, same tag -> refused, not served twice
-        legit = _signed(_request_dict(room, session, layout, dst_blocks, n), SECRET)
-        replies = hostile.exchange(msgspec.msgpack.encode(legit))
+        # a captured request (sealed with the secret), sent twice: the first is refused as a
+        # conflict (the decode rank's own request for the room came first), the second as a replay
+        captured = _sealed(_request_dict(room, session, layout, dst_blocks, n))
+        replies = hostile.exchange(captured)
         assert [m.code for m in replies if isinstance(m, P.TransferFailed)] == ["conflict"], replies
+        before = _refused(pre)
+        assert _only_refusals(hostile.exchange(captured))
+        assert _refused(pre).get("control/replay", 0) == before.get("control/replay", 0) + 1
     finally:
         hostile.close()
     # the legitimate handoff that waited through all of it: byte-exact, nothing else in the pool touched
@@ -382,7 +408,7 @@ def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
 
 
 def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
-    """A peer holding the secret (so its tag verifies) names blocks outside the pool,
+    """A peer holding the secret (so its seal verifies) names blocks outside the pool,
     tokens past the end, an inverted range or a broken layout: each is refused with the
     reason, the room fails and its prefill blocks come back; the decode pool is unchanged."""
     pre, dec = pair
@@ -400,16 +426,17 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
             pre.call("register", room, 16)
             d["room"] = room
             try:
-                frame = msgspec.msgpack.encode(_signed(d, SECRET))
-            except (P.ProtocolError, TypeError, ValueError, OverflowError):
-                frame = msgspec.msgpack.encode(d)  # the protocol will not sign it: it goes out unsigned
+                frame = _sealed(d)
+            except (TypeError, ValueError, OverflowError):
+                return  # msgpack cannot carry it
             replies = hostile.exchange(frame)
             fails = [m for m in replies if isinstance(m, P.TransferFailed)]
             assert fails, (what, replies)
-            assert fails[0].code in ("incompatible", "bad_message", "auth"), (what, fails)
+            assert fails[0].code in ("incompatible", "bad_message"), (what, fails)
             assert fails[0].reason
             logs = pre.call("logs")[1]
-            assert any(f"refused room {fails[0].room}" in t or "malformed" in t for _, t in logs), logs
+            # refused with the reason logged (a malformed one: counted, logged at most once a second)
+            assert fails[0].code == "bad_message" or any(f"refused room {fails[0].room}" in t for _, t in logs), logs
             if fails[0].code == "incompatible":  # the room fails and gives its blocks back, once
                 st_ = pre.call("state", room, 10)
                 assert st_[1] == "FAILED" and st_[2], st_
@@ -424,8 +451,8 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
 
 
 def test_out_of_order_and_cross_room_messages(pair):
-    """Abort, Done and Failed for rooms the peer is not part of; a request after the room
-    succeeded; then a legitimate handoff of a fresh room still works byte-exact."""
+    """Aborts without the secret; Done and Failed (sealed) from a peer that is not a sender;
+    a request after the room succeeded; the room is served byte-exact all the same."""
     pre, dec = pair
     endpoint = pre.ready[1]
     session, layout = dec.ready[1], dec.ready[3]
@@ -435,13 +462,14 @@ def test_out_of_order_and_cross_room_messages(pair):
     dec.call("snap", "ooo")
     hostile = Hostile(endpoint)
     try:
-        for msg in [P.Abort(room=room, reason="not mine"), P.TransferDone(room=room, bytes=1, segments=1, plan="direct",
-                                                                          seconds=0.0),
-                    P.TransferFailed(room=room, reason="fake", code="timeout"), P.Abort(room=room + 1, reason="x")]:
-            hostile.exchange(P.encode(msg))
+        before = _refused(pre).get("control/unsigned", 0)
+        for msg in [P.Abort(room=room, reason="not mine"), P.Abort(room=room + 1, reason="x")]:
+            assert _only_refusals(hostile.exchange(P.encode(msg)))  # without the secret: refused unread
+        assert _refused(pre)["control/unsigned"] == before + 2
+        for msg in [P.TransferDone(room=room, bytes=1, segments=1, plan="direct", seconds=0.0),
+                    P.TransferFailed(room=room, reason="fake", code="timeout")]:
+            hostile.exchange(P.pack(msg, RING))  # a peer holding the secret, saying what only a sender may say
         logs = [t for _, t in pre.call("logs")[1]]
-        for r in (room, room + 1):  # an Abort from a peer that never asked, without the secret's tag: ignored
-            assert any(t.startswith(f"sender: ignored an unauthenticated abort of room {r} from ") for t in logs), logs
         for name in ("TransferDone", "TransferFailed"):  # what only a sender may say: refused by name
             assert any(t.startswith(f"sender: refused room {room} from ") and f"unexpected {name} from a decode peer" in t
                        for t in logs), (name, logs)
@@ -452,8 +480,7 @@ def test_out_of_order_and_cross_room_messages(pair):
         assert ok and changed == 0
         # the room is over: a request for it now (replayed with a genuine tag) moves nothing
         dec.call("snap", "after_success")
-        replies = hostile.exchange(msgspec.msgpack.encode(_signed(_request_dict(room, session, layout, dst_blocks, n),
-                                                                  SECRET)))
+        replies = hostile.exchange(_sealed(_request_dict(room, session, layout, dst_blocks, n)))
         assert any(isinstance(m, P.TransferFailed) for m in replies), replies
         assert dec.call("changed", "after_success", [])[1] == 0
     finally:
@@ -476,7 +503,7 @@ def hostile_answers(draw, room):
             continue
         target = room if kind != "other_room" else draw(st.sampled_from([room + 1, 0, 2**63 - 1]))
         if kind == "failed":
-            out.append(P.encode(P.TransferFailed(room=target, reason="hostile", code="transfer")))
+            out.append(P.pack(P.TransferFailed(room=target, reason="hostile", code="transfer"), RING))
             continue
         staged = []
         if kind == "staged":
@@ -490,9 +517,9 @@ def hostile_answers(draw, room):
         try:
             msg = P.TransferDone(room=target, bytes=1, segments=1, plan="staged_recv", seconds=0.0, staged=staged,
                                  src_layout=lay if staged else {})
-            out.append(P.encode(msg))
+            out.append(P.pack(msg, RING))
         except P.ProtocolError:
-            out.append(msgspec.msgpack.encode(msgspec.to_builtins(msg)))
+            out.append(RING.seal(msgspec.msgpack.encode(msgspec.to_builtins(msg)), P.CONTROL))
     return out
 
 
@@ -504,7 +531,7 @@ _REFUSALS = re.compile(r"^(prefill peers reported 1 B written, but the room's to
 
 
 def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
-    """A decode rank asks a hostile endpoint for a room; whatever comes back (Done with
+    """A decode rank asks a hostile endpoint (one that holds the secret) for a room; whatever comes back (Done with
     staged chunks past the staging or the room, a lying source layout, answers for other
     rooms, garbage), the room ends with a reason or with success, its blocks come back
     once, and no byte of the decode pool outside the room's blocks changes."""
@@ -526,16 +553,16 @@ def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
             while True:  # the decode rank's signed request (heartbeats may come first)
                 assert router.poll(int(max(0.0, end - time.monotonic()) * 1000)), "no request from the decode rank"
                 ident, payload = router.recv_multipart()
-                msg = P.decode(payload)
+                msg = P.unpack(payload, RING)  # sealed with the secret, or this raises
                 if isinstance(msg, P.TransferRequest):
                     break
-            assert msg.room == room and P.verify(msg, SECRET) and msg.block_ids == blocks
+            assert msg.room == room and msg.block_ids == blocks
             for frame in data.draw(hostile_answers(room)):
                 router.send_multipart([ident, frame])
             # the peer ends the room saying nothing of it is in flight (without that the blocks stay
             # quarantined: tests/faults/test_release_rule.py)
-            router.send_multipart([ident, P.encode(P.TransferFailed(room=room, reason="closing", code="transfer",
-                                                                    quiet=True))])
+            router.send_multipart([ident, P.pack(P.TransferFailed(room=room, reason="closing", code="transfer",
+                                                                  quiet=True), RING)])
             state, reason, free = dec.call("wait", room, REPLY_S)[1:]
             # whatever it claims, a peer that wrote nothing cannot end the room Success
             assert state == "FAILED" and _REFUSALS.match(reason), (state, reason)
@@ -549,6 +576,38 @@ def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
     assert dec.call("free")[2] == 0
 
 
+def test_a_fake_prefill_without_the_secret_cannot_end_a_room(pair):
+    """Discovery poisoned: a decode rank asks an endpoint that does not hold the secret.
+    It cannot read the request's seal, and its unsigned Done with the right byte count
+    (the room "succeeds with nothing written" without frame auth) is refused unread and
+    counted; the room never succeeds, and ends by its deadline."""
+    _, dec = pair
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        room, n = 60_001, 64
+        dec.call("snap", "fake_prefill")
+        before = _refused(dec).get("control/unsigned", 0)
+        blocks = dec.call("start_pull", room, [endpoint], n, {"deadline_s": 3})[1]
+        assert router.poll(int(REPLY_S * 1000)), "no request from the decode rank"
+        ident, payload = router.recv_multipart()
+        with pytest.raises(Exception):
+            P.decode(payload)  # sealed: not a bare message
+        dl = build_pool(_spec("trtllm", 32, 72))[0]
+        need = n * dl.num_layers * dl.kv_factor * dl.token_bytes  # what the room's tokens take: a Done that adds up
+        for frame in (P.encode(P.TransferDone(room=room, bytes=need, segments=1, plan="direct", seconds=0.0,
+                                                layer_bytes=[need // dl.num_layers] * dl.num_layers)),
+                      P.encode(P.Heartbeat(room=room, sender=endpoint))):
+            router.send_multipart([ident, frame])
+        state, reason, _ = dec.call("wait", room, REPLY_S)[1:]
+        assert state == "FAILED" and "Success" not in reason, (state, reason)
+        assert _refused(dec)["control/unsigned"] >= before + 2
+        assert dec.call("changed", "fake_prefill", blocks)[1] == 0
+    finally:
+        router.close(0)
+
+
 def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
     """A 17 MiB frame is not buffered (ZMQ drops that connection); a two-frame message that
     puts someone else's routing id first is refused; the sender keeps serving others."""
@@ -560,8 +619,8 @@ def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
     try:
         pre.call("logs")
         big.sock.send(b"\x00" * (P.MAX_MESSAGE_BYTES + (1 << 20)))
-        spoof.sock.send_multipart([b"\x00victim", P.encode(P.Abort(room=1, reason="as someone else"))])
-        (reply,) = fresh.exchange(P.encode(P.Heartbeat(room=5, sender="x")))
+        spoof.sock.send_multipart([b"\x00victim", P.pack(P.Abort(room=1, reason="as someone else"), RING)])
+        (reply,) = fresh.exchange(P.pack(P.Heartbeat(room=5, sender="x"), RING))
         assert (reply.room, reply.sender) == (5, endpoint) and len(reply.incarnation) == 16, reply
         logs = [t for _, t in pre.call("logs")[1]]
         assert any("2 frames, expected 1" in t for t in logs), logs
@@ -570,19 +629,3 @@ def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
         for h in (big, spoof, fresh):
             h.close()
     assert pre.call("ping")[0] == "pong"
-
-
-def test_a_sender_off_loopback_without_a_secret_warns(caplog):
-    from kvbridge.common.handoff import HandoffConfig, KVSender
-    from kvbridge.common.transport import MooncakeTransport
-
-    lay = build_pool(_spec("sglang", 4, 1, blocks=4))[0]
-    t = MooncakeTransport("127.0.0.1")
-    try:
-        with caplog.at_level("WARNING", logger="kvbridge"):
-            for host, secret in (("0.0.0.0", ""), ("127.0.0.1", ""), ("0.0.0.0", SECRET)):
-                KVSender(lay, t, host=host, config=HandoffConfig(chunk_bytes=1 << 20, secret=secret)).close()
-        warned = [r.getMessage() for r in caplog.records if "unauthenticated requests" in r.getMessage()]
-        assert len(warned) == 1 and "tcp://0.0.0.0:" in warned[0], warned
-    finally:
-        t.close()

@@ -24,15 +24,16 @@ from kvbridge.demo.models import random_prompt, reference_generate
 pytestmark = [pytest.mark.slow]
 
 PLUGIN = {"host": "127.0.0.1", "deadline_s": 30.0, "peer_timeout_s": 3.0, "heartbeat_s": 0.2, "quiesce_s": 0.5}
+S1, S2 = "route-test-secret-one-0123456789", "route-test-secret-two-0123456789"
 MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
 def trt(tiny_llama_dir):
-    """{"prefill": 1.2 (secret s1), "decode": main (secret s1), "bad": 1.2 decode (secret s2)}."""
+    """{"prefill": 1.2 (secret S1), "decode": main (secret S1), "bad": 1.2 decode (secret S2)}."""
     from kvbridge.demo.trtllm.http import StandInHTTP
 
-    specs = {"prefill": ("1.2", "s1"), "decode": ("main", "s1"), "bad": ("1.2", "s2")}
+    specs = {"prefill": ("1.2", S1), "decode": ("main", S1), "bad": ("1.2", S2)}
     with ThreadPoolExecutor(3) as ex:
         futs = {k: ex.submit(StandInHTTP, v, tiny_llama_dir, tokens_per_block=32, num_blocks=64,
                              plugin={**PLUGIN, "secret": s}) for k, (v, s) in specs.items()}
@@ -53,7 +54,7 @@ def _cfg(md, servers: list[dict], **sections) -> "object":
     from kvbridge.route.config import parse_config
     from kvbridge.route.local import route_yaml
 
-    cfg = {"model": {"name": "tiny-llama", "tokenizer": str(md)}, "servers": servers, "secret": "s1",
+    cfg = {"model": {"name": "tiny-llama", "tokenizer": str(md)}, "servers": servers, "secret": S1,
            "health": {"interval_s": 0.5, "fail_after": 1}, **sections}
     return parse_config(route_yaml(cfg))
 

@@ -18,6 +18,8 @@ from kvbridge.adapters.trtllm import (AnnounceError, BridgeConfig, ConfigError, 
 from kvbridge.adapters.trtllm import bus as B
 from kvbridge.layout import LayoutError, tp_head_slice
 
+SECRET = os.environ["KVBRIDGE_SECRET"]  # the session's (tests/conftest.py): announce() seals with it
+
 
 def test_package_imports_without_tensorrt_llm_or_mooncake():
     code = ("import sys; sys.modules['tensorrt_llm'] = None; sys.modules['mooncake'] = None; "
@@ -85,7 +87,7 @@ def test_announce_is_refused_with_a_reason_and_times_out_on_silence():
     """A scheduler refuses an invalid handle by name; a bus nobody serves fails in time."""
     from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
 
-    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig())
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
     try:
         announce(sched.endpoint, [5, 6, 7], Handle("send", 1))
         with pytest.raises(AnnounceError, match="refused room 2.*a decode handle needs"):
@@ -234,7 +236,7 @@ def test_announce_command_hands_the_server_its_handle():
     prompt gets the handle; a bad handle exits 2 naming the field."""
     from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
 
-    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig())
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
     try:
         cmd = [sys.executable, "-m", "kvbridge.cli", "announce", "--bus", sched.endpoint, "--prompt-ids", "4,5,6",
                "--handle", '{"op": "recv", "room": 9, "endpoints": ["tcp://10.0.0.1:5000"]}']
@@ -245,4 +247,52 @@ def test_announce_command_hands_the_server_its_handle():
                              text=True, timeout=120)
         assert bad.returncode == 2 and "not a tcp:// address" in bad.stderr, bad.stderr
     finally:
+        sched.close()
+
+
+def test_the_bus_takes_only_sealed_messages():
+    """A forged Hello (a rank's endpoint replaced), LoadResult (a failed load made to look
+    loaded) or Expect, unsealed, sealed with another key, or replayed, is refused before it
+    is decoded and counted; the sealed announcement beside them is served."""
+    import time
+
+    import zmq
+
+    from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
+    from kvbridge.common.auth import Keyring
+    from kvbridge.common.handoff import default_metrics
+
+    def refused(code):
+        m = default_metrics()
+        return m.child(m.auth_refused, "bus", code)._value.get()
+
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(sched.endpoint)
+    try:
+        forged = [B.Hello(rank=0, endpoint="tcp://attacker:1", record={}),
+                  B.LoadResult(req=7, rank=0, ok=True, reason=""),
+                  B.Expect(key="k" * 32, handle=Handle("send", 5).to_dict(), ttl_s=60.0, nonce=1)]
+        before = {c: refused(c) for c in ("unsigned", "unknown_key", "replay")}
+        other = Keyring("another-deployment-" + "z" * 20)
+        for msg in forged:
+            sock.send(B.encode(msg))
+            sock.send(B.pack(msg, other))
+        captured = B.pack(B.Expect(key="c" * 32, handle=Handle("send", 6).to_dict(), ttl_s=60.0, nonce=2),
+                          Keyring(SECRET))
+        sock.send(captured)
+        sock.send(captured)  # the same frame again: a replay
+        announce(sched.endpoint, [1, 2, 3], Handle("send", 8))  # the honest one, beside them
+        deadline = time.monotonic() + 10
+        while refused("replay") < before["replay"] + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refused("unsigned") == before["unsigned"] + 3
+        assert refused("unknown_key") == before["unknown_key"] + 3
+        assert refused("replay") == before["replay"] + 1
+        assert sched._endpoints.get(0) != "tcp://attacker:1" and not sched._workers
+        assert sched._take_expected(prompt_key([1, 2, 3]), "send") == Handle("send", 8)
+        assert sched._take_expected("k" * 32, "send") is None
+    finally:
+        sock.close(0)
         sched.close()
