@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import requests
 
+from .secret import ensure_secret
+
 HERE = Path(__file__).resolve().parent
 SHIM_DIR = HERE / "sgl_shim"
 # An SGLang plugin that lets torch_native serve MLA models (see its docstring).
@@ -336,7 +338,9 @@ def is_mla_model(model_dir: str | os.PathLike) -> bool:
 def server_env(
     backend: str, extra_env: Mapping[str, str] | None, *, mla: bool = False
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """(full environment, the part that differs from os.environ) for a server process."""
+    """(full environment, the part that differs from os.environ) for a server process;
+    every server started from this process shares its ``KVBRIDGE_SECRET`` (``ensure_secret``)."""
+    ensure_secret()
     delta = dict(BASE_ENV)
     delta.update(BACKEND_ENV.get(backend, {}))
     if extra_env:

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from .secret import ensure_secret
 from .sglang_server import HOST, Server, ServerError, free_ports, healthy_or_retry, post_json
 
 __all__ = ["VLLM_ENV", "VllmServer", "complete", "start_vllm_server", "vllm_python", "vllm_server"]
@@ -139,6 +140,7 @@ def start_vllm_server(model_dir: str | os.PathLike, role: str = "kv_both", *, bo
         argv = server_argv(python, model_dir, port, role, extra, block_size=block_size, kv_cache_bytes=kv_cache_bytes,
                            dtype=dtype, failure_policy=failure_policy, prefix_caching=prefix_caching,
                            extra_args=extra_args)
+        ensure_secret()  # every server started from this process shares it
         delta = {**VLLM_ENV, **(extra_env or {})}
         env = {k: v for k, v in os.environ.items() if k not in _DROP}
         env.update(delta)
