@@ -17,6 +17,7 @@ idle server whose only request is loading (or saving) schedules none.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -31,7 +32,7 @@ from kvbridge.common.auth import check_bind
 from kvbridge.common.bootstrap import BootstrapError, endpoints_by_tp_rank, fetch_ranks
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import default_metrics
-from kvbridge.common.limits import LogLimiter
+from kvbridge.common.limits import BoundedMap, LogLimiter
 
 from . import bus as B
 from ._compat import KvCacheConnectorScheduler
@@ -44,7 +45,18 @@ __all__ = ["KVBridgeConnectorMetadata", "KVBridgeConnectorScheduler", "LOCAL_SCH
 log = logging.getLogger(__name__)
 
 _LOG_KEEP = 4096  # orders kept for replay to a (re)joining worker; finished records kept
-_MAX_EXPECTED = 1 << 16  # announced handles held at once
+_MAX_EXPECTED = 1 << 16  # announced handles held at once (then an Expect is refused by name)
+_MAX_PEERS = 4096  # prefill servers a scheduler keeps the ranks of; bus peers waiting for Endpoints
+
+
+@dataclass(eq=False)
+class _Announced:
+    """One announced handle waiting for its request; ``alive`` False once taken or expired
+    (the expiry heap drops it lazily)."""
+
+    handle: Handle
+    expires: float
+    alive: bool = True
 
 # Rank 0 runs the scheduler and a worker in one process; the worker finds the bus here.
 LOCAL_SCHEDULERS: list["KVBridgeConnectorScheduler"] = []
@@ -107,15 +119,21 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._log: OrderedDict[int, Any] = OrderedDict()
         self._workers: dict[int, str] = {}  # rank -> bus identity
         self._endpoints: dict[int, str] = {}  # rank -> KVSender control endpoint
-        self._expected: dict[str, deque] = {}  # prompt key -> deque of (Handle, expires)
-        self._n_expected = 0
+        self._expected: dict[str, deque] = {}  # prompt key -> its announced handles (_Announced), oldest first
+        self._expiry: list[tuple[float, int, str, _Announced]] = []  # heap: (expires, seq, key, entry)
+        self._n_expected = 0  # entries still alive
+        self._expiry_seq = itertools.count()
+        self._expired_log = LogLimiter(log, "kvbridge scheduler: announced handoffs expired")
         self._answers: dict[int, tuple[int, bool]] = {}  # request id -> its matched-token answer
         self._matched: dict[int, tuple[Handle, int, int]] = {}  # request id -> (handle, start, prompt_len)
         self._sending: dict[int, Handle] = {}  # request id -> prefill handle
         self._streams: dict[int, _Stream] = {}  # request id -> its layer-wise send (layerwise on)
         self._loads: dict[int, _Load] = {}
-        self._who_waiting: list[str] = []
-        self._discovered: dict[str, list[str]] = {}  # prefill bus / bootstrap -> its ranks' endpoints
+        self._who_waiting: deque = deque(maxlen=_MAX_PEERS)  # bus peers asking Who before every rank joined
+        # prefill bus / bootstrap -> its ranks' endpoints (the least recently learned dropped past the cap, counted)
+        self._discovered: dict[str, list[str]] = BoundedMap(_MAX_PEERS, name="trtllm_discovered", lru=True,
+                                                            on_evict=lambda n: default_metrics().child(
+                                                                default_metrics().evictions, n).inc())
         self._discovering: dict[str, float] = {}
         self._parked: dict[str, list] = {}  # prefill -> orders waiting for its endpoints
         self.gate = self.cfg.cost_gate(_get(llm_args, "model", None))
@@ -286,17 +304,34 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
     def _take_expected(self, key: str, op: str) -> Handle | None:
         now = time.monotonic()
         with self._lock:
-            q = self._expected.get(key)
-            if not q:
-                return None
-            for i, (h, expires) in enumerate(q):
-                if expires >= now and h.op == op:
-                    del q[i]
+            for e in self._expected.get(key, ()):
+                if e.alive and e.expires >= now and e.handle.op == op:
+                    e.alive = False
                     self._n_expected -= 1
-                    if not q:
-                        del self._expected[key]
-                    return h
+                    self._compact(key)
+                    return e.handle
         return None
+
+    def _compact(self, key: str) -> None:
+        """Drop the dead entries at the front of ``key``'s queue, and the key once it is empty (lock held)."""
+        q = self._expected.get(key)
+        while q and not q[0].alive:
+            q.popleft()
+        if q is not None and not q:
+            del self._expected[key]
+
+    def _expire(self, now: float) -> None:
+        """Announced handles past their TTL, in expiry order: O(log n) each (lock held)."""
+        n = 0
+        while self._expiry and self._expiry[0][0] < now:
+            _, _, key, e = heapq.heappop(self._expiry)
+            if e.alive:
+                e.alive = False
+                self._n_expected -= 1
+                n += 1
+                self._expired_log.warn("expired", "%s half of room %s: no request with its prompt came",
+                                       "decode" if e.handle.op == "recv" else "prefill", e.handle.room)
+            self._compact(key)
 
     def _expect(self, peer: str, msg: B.Expect) -> None:
         try:
@@ -309,7 +344,9 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                 reason = f"{self._n_expected} announced handoffs are waiting for their requests already"
                 self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=reason), self._keyring))
                 return
-            self._expected.setdefault(msg.key, deque()).append((h, time.monotonic() + msg.ttl_s))
+            e = _Announced(h, time.monotonic() + msg.ttl_s)
+            self._expected.setdefault(msg.key, deque()).append(e)
+            heapq.heappush(self._expiry, (e.expires, next(self._expiry_seq), msg.key, e))
             self._n_expected += 1
         self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=True, nonce=msg.nonce), self._keyring))
 
@@ -459,15 +496,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                 if now - t0 > limit:
                     self._discovering.pop(prefill, None)
                     self._fail_parked(prefill, f"no answer within {limit:.1f} s")
-            for key in list(self._expected):
-                q = self._expected[key]
-                for h, expires in [e for e in q if e[1] < now]:
-                    log.warning("kvbridge: announced %s half of room %s expired: no request with its prompt came",
-                                "decode" if h.op == "recv" else "prefill", h.room)
-                    q.remove((h, expires))
-                    self._n_expected -= 1
-                if not q:
-                    del self._expected[key]
+            self._expire(now)
 
     def close(self) -> None:
         """Stop the bus (and the SGLang-compatible bootstrap server)."""
