@@ -269,6 +269,9 @@ class KVReceiver(ControlSide):
         if isinstance(msg, P.Heartbeat):
             self._on_heartbeat(peer, msg)
             return
+        if isinstance(msg, P.TransferFailed) and msg.code == "auth" and msg.room == 0:
+            self._peer_refuses(peer, msg.reason)
+            return
         r = self._rooms.get(getattr(msg, "room", -1))
         if r is None or peer not in r.peers:
             if r is None and getattr(msg, "room", -1) in self._declined:
@@ -405,6 +408,21 @@ class KVReceiver(ControlSide):
             self._closed_at[peer] = (time.monotonic(), self._ping)
             self._send(peer, P.Heartbeat(room=self._ping, sender=self.transport.session_id))  # alive? it answers
 
+    def _peer_refuses(self, peer: str, reason: str) -> None:
+        """``peer`` answered (sealed with a key we accept) that it refuses our frames: a key
+        rotation rolled out in the wrong order. Its open rooms fail now, naming it, instead
+        of waiting out their deadline; their blocks stay quarantined (it is not proven quiet)."""
+        self._refusals[peer] = f"it refuses ours: {reason}"
+        for r in list(self._rooms.values()):
+            with self._lock:
+                if r.peers.get(peer) is not PeerState.PENDING:
+                    continue
+                r.peers[peer] = PeerState.STOPPING
+            if r.state not in TERMINAL and r.closing_since is None:
+                self._begin_fail(r.room, f"prefill peer {peer} refuses our frames ({reason}): its key differs from ours",
+                                 code="auth", notify=True)
+            self._advance(r)
+
     def _peer_gone(self, peer: str, why: str) -> None:
         """``peer``'s process is gone: nothing of it can be writing any more. Its rooms fail
         (if still open) and are released once otherwise quiet."""
@@ -462,7 +480,7 @@ class KVReceiver(ControlSide):
                         r.peers[ep] = state
                     refused = self._refusals.get(ep)
                     if refused:  # it answers, but not with our key: say so, not just "unreachable"
-                        why += f"; its frames are refused here ({refused})"
+                        why += f" ({refused})"
                     self._begin_fail(r.room, f"prefill peer {ep} unreachable for {cfg.peer_timeout_s:.1f} s{why}",
                                      code="peer_gone", notify=True)
                     self._advance(r)

@@ -133,6 +133,7 @@ class ControlSide:
         self._bad_frames = LogLimiter(log, f"{self.role}: refused control frames")
         # peer -> why its last frame was refused: a room that fails for its silence says so
         self._refusals = BoundedMap(MAX_PEERS, name="auth_refusals", on_evict=self._evicted, lru=True)
+        self._answered = BoundedMap(MAX_PEERS, name="auth_answers", on_evict=self._evicted, lru=True)  # peer -> last refusal sent
         self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
                                       on_disconnect=self._on_disconnect if bind_host is None else None,
                                       name=f"kvbridge-{self.role}")
@@ -149,13 +150,16 @@ class ControlSide:
         try:
             msg = P.unpack(payload, self._keyring)
         except AuthError as e:
-            # not answered: an answer would tell a prober what it got wrong, and cost a send per frame
             self.metrics.child(self.metrics.auth_refused, "control", e.code).inc()
-            self._refusals[peer] = f"{e.code}: {e}"
-            if self._bad_frames.warn(e.code, "from %s: %s", peer, e) and self._keyring is not None and self.channel.endpoint:
-                # a bound side answers at the log's rate (a flood gets one a second): a decode with
-                # another key learns it from the sealed answer, which its keyring refuses naming
-                # both key ids (a decode never answers one: two wrong keys would ping-pong)
+            self._refusals[peer] = f"its frames are refused here: {e.code}: {e}"
+            self._bad_frames.warn(e.code, "from %s: %s", peer, e)
+            now = time.monotonic()
+            if self._keyring is not None and self.channel.endpoint and now - self._answered.get(peer, -1e18) >= 1.0:
+                # a bound side answers each peer at most once a second, with the bare refusal: a
+                # decode with another key learns it (its keyring refuses the answer naming both
+                # key ids, or, if it accepts ours, it fails its rooms at once); a decode never
+                # answers one (two wrong keys would ping-pong)
+                self._answered[peer] = now
                 self._send(peer, P.TransferFailed(room=0, reason=f"frame refused: {e.code}", code="auth"))
             return
         except P.ProtocolError as e:

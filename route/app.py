@@ -36,7 +36,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,7 @@ import msgspec
 from aiohttp import web
 
 from . import capabilities as C
-from .ranks import PrefillRanks
+from .ranks import PrefillRanks, route_keyring
 from .admission import Admission
 from .config import RouteConfig
 from .dispatch import Dispatcher, Job, Trace
@@ -85,9 +84,7 @@ class Router:
         self.pool = ServerPool(cfg, on_change=self._server_changed)
         self.gates = PairGates(cfg)
         self.admission = Admission(cfg.limits.max_inflight, cfg.limits.max_queue, cfg.limits.retry_after_s, self.metrics)
-        # the servers' key: the config's, else the deployment's KVBRIDGE_SECRET (as the servers read it)
-        self.ranks = PrefillRanks(cfg.secret or os.environ.get("KVBRIDGE_SECRET", ""),
-                                  tuple(k for k in os.environ.get("KVBRIDGE_ACCEPTED_SECRETS", "").split(",") if k))
+        self.ranks = PrefillRanks(route_keyring(cfg.secret))
         self.http: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None
         self._health: asyncio.Task | None = None

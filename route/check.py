@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from . import capabilities as C
-from .ranks import bootstrap_endpoints, bus_endpoints
+from .ranks import bootstrap_endpoints, bus_endpoints, route_keyring
 from .config import RouteConfig, ServerSpec, pairable
 
 __all__ = ["check", "format_report"]
@@ -100,7 +100,8 @@ async def _probe_vllm(http: aiohttp.ClientSession, s: ServerSpec, url: str, mode
     return None
 
 
-async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, model: str = "", context: int = 0) -> dict:
+async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, model: str = "", context: int = 0,
+                 keyring=None) -> dict:
     url = s.url.rstrip("/")
     out: dict = {"name": s.name, "engine": s.engine, "role": s.role, "url": url, "ok": True, "checks": [],
                  "not_checked": []}
@@ -142,7 +143,7 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, mod
              + (" (a vLLM server: /v1/models is owned_by vllm)" if vllm else ""))
         if s.bus:
             try:
-                eps = await asyncio.to_thread(bus_endpoints, s.bus, timeout)
+                eps = await asyncio.to_thread(bus_endpoints, s.bus, timeout, keyring)
                 note("kvbridge connector", True, f"bus {s.bus} answers: {len(eps)} rank(s)")
                 out["ranks"] = len(eps)
             except Exception as e:
@@ -208,7 +209,8 @@ async def check(cfg: RouteConfig, timeout_s: float = 5.0) -> dict:
 
     async with aiohttp.ClientSession(trust_env=False) as http:
         ctx = C.model_context(cfg)
-        results = await asyncio.gather(*(_probe(http, s, timeout_s, cfg.model.name, ctx) for s in cfg.servers))
+        keyring = route_keyring(cfg.secret)
+        results = await asyncio.gather(*(_probe(http, s, timeout_s, cfg.model.name, ctx, keyring) for s in cfg.servers))
     by_name = {r["name"]: r for r in results}
     cross = _cross_checks(cfg, by_name)
     gates = PairGates(cfg)

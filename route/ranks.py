@@ -23,6 +23,7 @@ up once per server and again after a failure.
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 
@@ -64,14 +65,23 @@ def bootstrap_endpoints(address: str, timeout_s: float = 2.0) -> list[str]:
     return endpoints_by_tp_rank(fetch_ranks(address, timeout_s), address)
 
 
+def route_keyring(secret: str = ""):
+    """The router's ``Keyring``: its config's ``secret``, else the deployment's
+    ``KVBRIDGE_SECRET``, accepting ``KVBRIDGE_ACCEPTED_SECRETS`` too (None: no secret)."""
+    from kvbridge.common.auth import Keyring
+
+    env = Keyring.from_env()
+    if not secret:
+        return env
+    return Keyring(secret, [k for k in os.environ.get("KVBRIDGE_ACCEPTED_SECRETS", "").split(",") if k.strip()])
+
+
 class PrefillRanks:
     """Prefill rank endpoints (cached per server) and room aborts to them; one control
     channel for the router."""
 
-    def __init__(self, secret: str = "", accepted_secrets: tuple[str, ...] = ()):
-        from kvbridge.common.auth import Keyring
-
-        self.keyring = Keyring.from_settings(secret, accepted_secrets)
+    def __init__(self, keyring=None):
+        self.keyring = keyring  # the servers' key (route_keyring), or None
         self._eps: dict[str, list[str]] = {}
         self._chan = None
         self.sent = 0

@@ -100,15 +100,6 @@ class Handle:
 _nonces = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
 
 
-def deployment_keyring():
-    """A ``Keyring`` for the deployment's ``KVBRIDGE_SECRET`` / ``KVBRIDGE_ACCEPTED_SECRETS``
-    (None when no secret is set: auth off)."""
-    from kvbridge.common.auth import Keyring
-
-    return Keyring.from_settings(os.environ.get("KVBRIDGE_SECRET", ""),
-                                 [k for k in os.environ.get("KVBRIDGE_ACCEPTED_SECRETS", "").split(",") if k.strip()])
-
-
 def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s: float = 60.0,
              timeout_s: float = 5.0, keyring=None) -> None:
     """Tell the TensorRT-LLM server whose bus is ``bus`` (its kvbridge scheduler,
@@ -119,12 +110,12 @@ def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s
     announcement and its answer are sealed with it."""
     import zmq
 
-    from kvbridge.common.auth import AuthError
+    from kvbridge.common.auth import AuthError, Keyring
 
     from . import bus as B
 
     if keyring is None:
-        keyring = deployment_keyring()
+        keyring = Keyring.from_env()
 
     key = prompt_key(prompt_token_ids)
     nonce = next(_nonces)

@@ -203,6 +203,9 @@ def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
     good = peers("decode", spec("trtllm", tpb=32, seed=13), {"secret": SECRET, "deadline_s": 3.0})
     bad_auth = peers("decode", spec("trtllm", tpb=32, seed=14), {"secret": "wrong-" + SECRET, "deadline_s": 3.0})
     bad_geom = peers("decode", spec("trtllm", tpb=32, head_dim=64, seed=15), {"secret": SECRET, "deadline_s": 3.0})
+    # a rotation rolled out in the wrong order: it signs with a key the prefill does not know yet, and accepts the old
+    rotated = peers("decode", spec("trtllm", tpb=32, seed=16), {"secret": "rotated-" + SECRET, "deadline_s": 3.0,
+                                                                "accepted_secrets": (SECRET,)})
 
     # unknown room: no prefill registers it; both ends fail within the deadline, blocks freed
     t0 = time.monotonic()
@@ -217,6 +220,12 @@ def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
     res = pull(bad_auth, 1002, [pre], 0, 64, [], verify=False)
     assert res["state"] == "FAILED" and "unknown_key" in res["reason"] and "key id" in res["reason"], res["reason"]
     assert res["free"] < bad_auth.free0
+    # the other half-way: the prefill's sealed refusal reaches it, so its room fails at once (not at the peer
+    # timeout: the refusals would otherwise look like a live peer until the deadline), naming why
+    t0 = time.monotonic()
+    res = pull(rotated, 1005, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and "refuses our frames" in res["reason"] and "unknown_key" in res["reason"], res
+    assert time.monotonic() - t0 < 1.5, time.monotonic() - t0
 
     # incompatible layouts (head_dim 64 vs 32): both sides fail, naming the mismatch
     pre.call_raw("register", 1003, 64)

@@ -24,19 +24,20 @@ from kvbridge.demo.models import random_prompt, reference_generate
 pytestmark = [pytest.mark.slow]
 
 PLUGIN = {"host": "127.0.0.1", "deadline_s": 30.0, "peer_timeout_s": 3.0, "heartbeat_s": 0.2, "quiesce_s": 0.5}
-S1, S2 = "route-test-secret-one-0123456789", "route-test-secret-two-0123456789"
+S1 = "route-test-secret-one-0123456789"
 MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
 def trt(tiny_llama_dir):
-    """{"prefill": 1.2 (secret S1), "decode": main (secret S1), "bad": 1.2 decode (secret S2)}."""
+    """{"prefill": 1.2, "decode": main, "bad": a 1.2 decode that names another model}, all with secret S1."""
     from kvbridge.demo.trtllm.http import StandInHTTP
 
-    specs = {"prefill": ("1.2", S1), "decode": ("main", S1), "bad": ("1.2", S2)}
+    # "bad" serves another model: the prefill refuses its pulls by name (incompatible)
+    specs = {"prefill": ("1.2", "tiny-llama"), "decode": ("main", "tiny-llama"), "bad": ("1.2", "another-model")}
     with ThreadPoolExecutor(3) as ex:
         futs = {k: ex.submit(StandInHTTP, v, tiny_llama_dir, tokens_per_block=32, num_blocks=64,
-                             plugin={**PLUGIN, "secret": s}) for k, (v, s) in specs.items()}
+                             plugin={**PLUGIN, "secret": S1, "model": m}) for k, (v, m) in specs.items()}
         servers = {}
         try:
             for k, f in futs.items():
@@ -181,7 +182,7 @@ def test_short_prompt_is_computed_by_the_trtllm_decode_alone(trt, tiny_llama_dir
 
 
 def test_decode_failure_is_a_clear_error_and_the_prefill_room_is_aborted(trt, tiny_llama_dir):
-    """A decode whose pulls the prefill refuses (another secret) fails its request; the
+    """A decode whose pulls the prefill refuses (another model) fails its request; the
     client gets 502 naming the decode, and the router aborts the room on the prefill,
     which releases the prompt's blocks at once (its own deadline is 30 s)."""
     from kvbridge.route.app import BackgroundRouter
@@ -208,7 +209,7 @@ def test_decode_failure_is_a_clear_error_and_the_prefill_room_is_aborted(trt, ti
         assert router.router.metrics.value("kvbridge_route_failures_total",
                                            {"route": "trtllm->trtllm", "reason": "decode_failed"}) == 1
     assert took < 15 and released < 8, (took, released)
-    assert any("auth" in str(v).lower() or "refused" in str(v).lower() for v in _state(bad)["finished_loads"].values())
+    assert any("model mismatch" in str(v) for v in _state(bad)["finished_loads"].values())
 
 
 def test_saturation_429_and_deadline_504(trt, tiny_llama_dir):
