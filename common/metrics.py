@@ -119,6 +119,14 @@ class KVBridgeMetrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def refused(self, channel: str, reason: str) -> None:
+        """Count one frame refused on ``channel`` for ``reason`` (``kvbridge_refused_frames_total``)."""
+        self.child(self.auth_refused, channel, reason).inc()
+
+    def evicted(self, name: str) -> None:
+        """Count one entry dropped from peer-keyed map ``name`` at its cap (``kvbridge_bounded_evictions_total``)."""
+        self.child(self.evictions, name).inc()
+
     def observe(self, rec: HandoffRecord) -> None:
         """Account one finished handoff."""
         plan = rec.plan or "none"

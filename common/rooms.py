@@ -150,7 +150,7 @@ class ControlSide:
         try:
             msg = P.unpack(payload, self._keyring)
         except AuthError as e:
-            self.metrics.child(self.metrics.auth_refused, "control", e.code).inc()
+            self.metrics.refused("control", e.code)
             self._refusals[peer] = f"its frames are refused here: {e.code}: {e}"
             self._bad_frames.warn(e.code, "from %s: %s", peer, e)
             now = time.monotonic()
@@ -163,7 +163,7 @@ class ControlSide:
                 self._send(peer, P.TransferFailed(room=0, reason=f"frame refused: {e.code}", code="auth"))
             return
         except P.ProtocolError as e:
-            self.metrics.child(self.metrics.auth_refused, "control", "bad_message").inc()
+            self.metrics.refused("control", "bad_message")
             self._bad_frames.warn("bad_message", "from %s: %s", peer, e)
             self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
             return
@@ -171,7 +171,7 @@ class ControlSide:
         self._on_message(peer, msg)
 
     def _evicted(self, name: str) -> None:
-        self.metrics.child(self.metrics.evictions, name).inc()
+        self.metrics.evicted(name)  # self.metrics is looked up now: a map may be made before ControlSide.__init__
 
     def _on_disconnect(self, peer: str) -> None:
         """I/O thread: the control connection to ``peer`` closed (receivers only)."""

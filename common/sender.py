@@ -132,7 +132,7 @@ class KVSender(ControlSide, SendPipeline):
         self._rooms: dict[int, _SendRoom] = {}
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = BoundedMap(  # room -> (reason, when): declined before add_room
-            MAX_DECLINED, name="declined", on_evict=lambda name: self.metrics.child(self.metrics.evictions, name).inc())
+            MAX_DECLINED, name="declined", on_evict=self._evicted)
         self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
         self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
         self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers

@@ -23,8 +23,8 @@ up once per server and again after a failure.
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import time
 
 from .config import ServerSpec
@@ -70,10 +70,7 @@ def route_keyring(secret: str = ""):
     ``KVBRIDGE_SECRET``, accepting ``KVBRIDGE_ACCEPTED_SECRETS`` too (None: no secret)."""
     from kvbridge.common.auth import Keyring
 
-    env = Keyring.from_env()
-    if not secret:
-        return env
-    return Keyring(secret, [k for k in os.environ.get("KVBRIDGE_ACCEPTED_SECRETS", "").split(",") if k.strip()])
+    return Keyring.from_env({**os.environ, "KVBRIDGE_SECRET": secret} if secret else None)
 
 
 class PrefillRanks:

@@ -235,7 +235,6 @@ def receive(payload: bytes, keyring, limiter, peer: str) -> Any:
         return unpack(payload, keyring)
     except (AuthError, BusError) as e:
         code = getattr(e, "code", "bad_message")
-        m = default_metrics()
-        m.child(m.auth_refused, "bus", code).inc()
+        default_metrics().refused("bus", code)
         limiter.warn(code, "from %s: %s", peer, e)
         return None

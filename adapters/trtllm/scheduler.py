@@ -132,8 +132,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._who_waiting: deque = deque(maxlen=_MAX_PEERS)  # bus peers asking Who before every rank joined
         # prefill bus / bootstrap -> its ranks' endpoints (the least recently learned dropped past the cap, counted)
         self._discovered: dict[str, list[str]] = BoundedMap(_MAX_PEERS, name="trtllm_discovered", lru=True,
-                                                            on_evict=lambda n: default_metrics().child(
-                                                                default_metrics().evictions, n).inc())
+                                                            on_evict=default_metrics().evicted)
         self._discovering: dict[str, float] = {}
         self._parked: dict[str, list] = {}  # prefill -> orders waiting for its endpoints
         self.gate = self.cfg.cost_gate(_get(llm_args, "model", None))
@@ -322,13 +321,11 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
 
     def _expire(self, now: float) -> None:
         """Announced handles past their TTL, in expiry order: O(log n) each (lock held)."""
-        n = 0
         while self._expiry and self._expiry[0][0] < now:
             _, _, key, e = heapq.heappop(self._expiry)
             if e.alive:
                 e.alive = False
                 self._n_expected -= 1
-                n += 1
                 self._expired_log.warn("expired", "%s half of room %s: no request with its prompt came",
                                        "decode" if e.handle.op == "recv" else "prefill", e.handle.room)
             self._compact(key)

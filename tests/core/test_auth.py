@@ -150,7 +150,6 @@ def test_routable_bind_without_a_secret_is_refused():
 
 def test_a_sender_refuses_a_routable_bind_without_a_secret():
     """At start, naming the setting; with allow_insecure or a secret it starts."""
-    pytest.importorskip("mooncake")
     from prometheus_client import CollectorRegistry
 
     from kvbridge.common.handoff import HandoffFailed, KVSender
