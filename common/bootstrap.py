@@ -17,12 +17,39 @@ client a non-SGLang decode uses to find an SGLang prefill (or a ``BootstrapServe
 The SGLang adapter's own bootstrap server (a subclass of SGLang's) answers
 ``/kvbridge/ranks`` with ``ranks_payload`` too.
 
+Sealed records (``kvbridge.common.auth``, domain ``b"rank-record"``): with a secret set,
+nobody without it can publish a rank or make a reader trust one. Two seals, because a
+seal lives only ``replay_window_s`` and is accepted once per process, while a record is
+read for as long as the prefill runs:
+
+* Publishing (``PUT /route``): the rank seals the canonical JSON (``canonical``: sorted
+  keys, no spaces) of its whole registration body, the ``"kvbridge"`` record included, and
+  sends it base64 in the body's ``"kvbridge_seal"`` field (``seal_registration``). A
+  bootstrap server with a keyring opens it (fresh, not replayed, an accepted key) and
+  checks it covers the body as received, field for field; anything else is refused
+  with HTTP 401 naming why (``check_registration``), changes nothing, and is counted in
+  ``kvbridge_refused_frames_total{channel="rank_record"}``. A TensorRT-LLM rank's record
+  comes over the sealed bus instead (``Hello``), a vLLM rank's in-process.
+* Reading: the bootstrap server (a key holder in the prefill's deployment) seals each
+  rank entry it serves, at serve time: in ``GET /kvbridge/ranks`` each entry's
+  ``"kvbridge_seal"`` covers the entry (its TP/DP/CP/PP slot, endpoint, session, layout,
+  ``rank_ip`` / ``rank_port``); in ``GET /route`` the rank answer's ``"kvbridge_seal"``
+  covers ``{"key": [dp, cp, tp, pp], "kvbridge": record, "rank_ip", "rank_port"}``.
+  A reader with a keyring (``fetch_ranks(..., keyring=)``, ``open_route_info``) keeps
+  only what the seal carries: an entry without a valid seal is dropped, counted and
+  logged (rate-limited), so a forged or altered record is never used.
+
+Without a secret (keyring None) records are plain, as before. The ranks a server holds
+are capped (``MAX_RANKS``: SGLang's PUT keys come from the body).
+
 Imports aiohttp (server) lazily; the client uses only the standard library.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import socket
@@ -33,11 +60,154 @@ import urllib.request
 from typing import Any, Mapping
 
 __all__ = ["BootstrapError", "BootstrapServer", "endpoints_by_tp_rank", "fetch_ranks", "parse_address", "rank_record",
-           "ranks_payload"]
+           "ranks_payload", "canonical", "seal_registration", "check_registration", "seal_entry", "open_entry",
+           "seal_route_info", "open_route_info", "read_registration", "RECORD_DOMAIN", "SEAL_FIELD", "MAX_RANKS"]
 
 log = logging.getLogger(__name__)
 
 RANKS_PATH = "/kvbridge/ranks"
+RECORD_DOMAIN = b"rank-record"  # kvbridge.common.auth domain of every rank-record seal
+SEAL_FIELD = "kvbridge_seal"  # base64 of the seal, beside what it covers
+MAX_RANKS = 4096  # rank entries a bootstrap server holds (dp x cp x tp x pp slots)
+_MAX_SEALED = 1 << 20  # bytes of one sealed record
+
+
+# -- seals -------------------------------------------------------------------------------
+
+
+def canonical(obj: Any) -> bytes:
+    """The bytes a record seal covers: JSON with sorted keys, no spaces, ASCII."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _unsealed(d: Mapping) -> dict:
+    return {k: v for k, v in d.items() if k != SEAL_FIELD}
+
+
+def _seal(obj: Any, keyring) -> str:
+    return base64.b64encode(keyring.seal(canonical(obj), RECORD_DOMAIN)).decode("ascii")
+
+
+def _open(d: Mapping, keyring) -> Any:
+    """What ``d``'s seal carries (parsed), or ``AuthError``."""
+    from .auth import AuthError
+
+    seal = d.get(SEAL_FIELD) if isinstance(d, Mapping) else None
+    if not isinstance(seal, str) or not seal:
+        raise AuthError("unsigned", f"no {SEAL_FIELD} (the publisher has no secret, or is not kvbridge)")
+    try:
+        frame = base64.b64decode(seal, validate=True)
+    except (binascii.Error, ValueError):
+        raise AuthError("unsigned", f"{SEAL_FIELD} is not base64") from None
+    payload = keyring.open(frame, RECORD_DOMAIN, _MAX_SEALED)
+    try:
+        return json.loads(payload)
+    except ValueError:  # sealed by a key holder, yet not JSON: refuse all the same
+        raise AuthError("bad_message", "sealed record is not JSON") from None
+
+
+def seal_registration(body: dict, keyring) -> dict:
+    """A rank's ``PUT /route`` body with its seal (unchanged when ``keyring`` is None)."""
+    if keyring is None:
+        return body
+    body = _unsealed(body)
+    return {**body, SEAL_FIELD: _seal(body, keyring)}
+
+
+def check_registration(body: Any, keyring) -> None:
+    """Raise ``AuthError`` unless ``body`` (a ``PUT /route`` body as received) carries a
+    valid seal covering exactly its other fields; no keyring: nothing checked."""
+    from .auth import AuthError
+
+    if keyring is None:
+        return
+    if not isinstance(body, dict):
+        raise AuthError("bad_message", "registration is not a JSON object")
+    if canonical(_open(body, keyring)) != canonical(_unsealed(body)):
+        raise AuthError("bad_tag", "registration differs from what its seal covers (altered)")
+
+
+def seal_entry(entry: dict, keyring) -> dict:
+    """A ``/kvbridge/ranks`` entry with a seal over all of it (unchanged without keyring)."""
+    if keyring is None:
+        return entry
+    entry = _unsealed(entry)
+    return {**entry, SEAL_FIELD: _seal(entry, keyring)}
+
+
+def open_entry(entry: Any, keyring) -> dict:
+    """The entry its seal carries (``AuthError`` when there is none valid); no keyring:
+    the entry as it is."""
+    from .auth import AuthError
+
+    if keyring is None:
+        return entry
+    rec = _open(entry, keyring)
+    if not isinstance(rec, dict):
+        raise AuthError("bad_message", "sealed rank entry is not an object")
+    return rec
+
+
+def seal_route_info(body: dict, key: tuple, keyring) -> dict:
+    """A ``GET /route`` rank answer (``rank_ip``, ``rank_port``, ``kvbridge``) with a seal
+    binding them to the rank slot ``key`` (dp, cp, tp, pp)."""
+    if keyring is None or not isinstance(body.get("kvbridge"), dict):
+        return body
+    covered = {"key": [int(k) for k in key], "kvbridge": body["kvbridge"], "rank_ip": body.get("rank_ip"),
+               "rank_port": body.get("rank_port")}
+    return {**_unsealed(body), SEAL_FIELD: _seal(covered, keyring)}
+
+
+def open_route_info(info: dict, key: tuple, keyring) -> dict:
+    """``info`` (a ``GET /route`` rank answer for slot ``key``) with ``kvbridge``,
+    ``rank_ip`` and ``rank_port`` as its seal carries them; ``AuthError`` when the seal is
+    missing, invalid or for another slot. No keyring: ``info`` as it is."""
+    from .auth import AuthError
+
+    if keyring is None:
+        return info
+    c = _open(info, keyring)
+    if not isinstance(c, dict) or c.get("key") != [int(k) for k in key] or not isinstance(c.get("kvbridge"), dict):
+        raise AuthError("bad_tag", f"sealed route answer is for rank slot {c.get('key') if isinstance(c, dict) else '?'}, "
+                                   f"not {list(key)}")
+    return {**_unsealed(info), "kvbridge": c["kvbridge"], "rank_ip": c.get("rank_ip"), "rank_port": c.get("rank_port")}
+
+
+async def read_registration(request, keyring, where: str):
+    """A ``PUT /route`` body (aiohttp ``request``) and None, or None and the answer that
+    refuses it: 400 when it is not JSON, 401 naming why when ``keyring`` is set and its
+    seal does not hold (counted and logged, ``refused``)."""
+    from aiohttp import web
+
+    from .auth import AuthError
+
+    try:
+        data = await request.json()
+    except ValueError as e:
+        return None, web.Response(text=f"bad registration: not JSON: {e}", status=400)
+    try:
+        check_registration(data, keyring)
+    except AuthError as e:
+        refused(e, f"{where}: PUT /route from {request.remote}")
+        return None, web.Response(text=f"registration refused ({e.code}): {e}; a rank must seal its registration "
+                                       "with the deployment's secret (KVBRIDGE_SECRET)", status=401)
+    return data, None
+
+
+_refusal_logs: dict[str, Any] = {}
+
+
+def refused(err: Exception, where: str, channel: str = "rank_record") -> None:
+    """Count a refused record (``kvbridge_refused_frames_total{channel}``) and log it, rate-limited."""
+    from .limits import LogLimiter
+    from .rooms import default_metrics
+
+    code = getattr(err, "code", "bad_message")
+    default_metrics().refused(channel, code)
+    lim = _refusal_logs.get(channel)
+    if lim is None:
+        lim = _refusal_logs.setdefault(channel, LogLimiter(log, f"kvbridge: refused {channel.replace('_', ' ')}s"))
+    lim.warn(code, "%s: %s", where, err)
 
 
 class BootstrapError(RuntimeError):
@@ -88,11 +258,32 @@ def _get_json(url: str, timeout: float) -> tuple[int, Any]:
         return e.code, e.read().decode("utf-8", "replace")[:300]
 
 
-def fetch_ranks(address: str, timeout_s: float = 30.0, poll_s: float = 0.2) -> dict:
+def _verified(body: dict, keyring, address: str) -> tuple[dict, list[str]]:
+    """``body`` with only the rank entries whose seal holds (each as its seal carries it),
+    and why the others were refused (each counted and logged, rate-limited)."""
+    from .auth import AuthError
+
+    if keyring is None:
+        return body, []
+    kept, why = [], []
+    ranks = body.get("ranks")
+    for entry in ranks if isinstance(ranks, list) else []:
+        try:
+            kept.append(open_entry(entry, keyring))
+        except AuthError as e:
+            refused(e, f"bootstrap server {address}: rank entry")
+            why.append(getattr(e, "code", "bad_message"))
+    return {**body, "ranks": kept}, why
+
+
+def fetch_ranks(address: str, timeout_s: float = 30.0, poll_s: float = 0.2, keyring=None) -> dict:
     """The prefill's ``GET /kvbridge/ranks`` answer from the bootstrap server at
     ``address`` ("host:port"), polled until every rank registered. Raises
     BootstrapError after ``timeout_s`` saying what it last saw (refused connection,
-    HTTP status, not ready: a prefill without the kvbridge backend answers 404)."""
+    HTTP status, not ready: a prefill without the kvbridge backend answers 404).
+    ``keyring`` (the deployment's ``Keyring``; None: auth off): only rank entries whose
+    seal holds are kept, as their seal carries them; while any entry is refused the
+    answer is not taken (asked again until ``timeout_s``)."""
     host, port = parse_address(address)
     url = f"http://{host}:{port}{RANKS_PATH}"
     end, last = time.monotonic() + timeout_s, "no answer"
@@ -100,9 +291,14 @@ def fetch_ranks(address: str, timeout_s: float = 30.0, poll_s: float = 0.2) -> d
         try:
             status, body = _get_json(url, timeout=max(0.5, min(5.0, end - time.monotonic())))
             if status == 200 and isinstance(body, dict):
-                if body.get("ready") and body.get("ranks"):
+                body, why = _verified(body, keyring, address)
+                if why:
+                    last = (f"{len(why)} rank record(s) refused ({', '.join(sorted(set(why)))}): not sealed with this "
+                            "deployment's secret")
+                elif body.get("ready") and body.get("ranks"):
                     return body
-                last = f"{len(body.get('ranks') or [])} rank(s) registered, not ready"
+                else:
+                    last = f"{len(body.get('ranks') or [])} rank(s) registered, not ready"
             elif status == 404:
                 last = "HTTP 404: not a kvbridge prefill (is it running with the kvbridge transfer backend?)"
             else:
@@ -141,7 +337,10 @@ class BootstrapServer:
     Serves ``GET /route`` (topology, and each rank's address with its kvbridge record),
     ``PUT /route`` (what SGLang prefill ranks send, for completeness), ``GET /health``,
     ``POST /query_dp_ranks`` (one DP group: none routed) and ``GET /kvbridge/ranks``.
-    Ranks registered in-process with ``register(tp_rank, record)``.
+    Ranks registered in-process with ``register(tp_rank, record)``. With ``keyring``
+    (the deployment's; module docstring) a ``PUT /route`` must be sealed and every rank
+    entry served is sealed; a routable ``host`` without one refuses to start unless
+    ``allow_insecure``.
 
     ``page_size`` is what the server REPORTS, and it must be the page size of the SGLang
     DECODE servers that pull from it: SGLang's decode refuses a prefill whose registered
@@ -156,12 +355,19 @@ class BootstrapServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, page_size: int = 1, tp_size: int = 1,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, keyring=None, allow_insecure: bool = False):
         import zmq
         from aiohttp import web
 
+        from .auth import check_bind
+
         if page_size <= 0 or tp_size <= 0:
             raise ValueError(f"page_size and tp_size must be positive, got {page_size}, {tp_size}")
+        if tp_size > MAX_RANKS:
+            raise ValueError(f"tp_size {tp_size} exceeds {MAX_RANKS} ranks")
+        # a routable bind needs the deployment's keyring (its records sealed) unless allow_insecure
+        check_bind(host, "keyring" if keyring is not None else "", allow_insecure, "the kvbridge bootstrap server")
+        self.keyring = keyring
         self.host, self.page_size, self.tp_size, self.kv_cache_dtype = host, int(page_size), int(tp_size), kv_cache_dtype
         self._ranks: dict[tuple[int, int, int, int], dict] = {}
         self._lock = threading.Lock()
@@ -243,7 +449,9 @@ class BootstrapServer:
     async def _route(self, request):
         web = self._web
         if request.method == "PUT":
-            data = await request.json()
+            data, refusal = await read_registration(request, self.keyring, f"bootstrap server {self.address}")
+            if refusal is not None:
+                return refusal
             try:
                 tp_rank = int(data["attn_tp_rank"])
                 rec = data.get("kvbridge") or {}
@@ -269,7 +477,7 @@ class BootstrapServer:
             return web.Response(text=f"Bootstrap info not found for {key}", status=404)
         body = {"rank_ip": rec["rank_ip"], "rank_port": rec["rank_port"],
                 "kvbridge": {k: v for k, v in rec.items() if k not in ("rank_ip", "rank_port")}}
-        return web.json_response(body)
+        return web.json_response(seal_route_info(body, key, self.keyring))
 
     async def _health(self, request):
         return self._web.Response(text="OK", status=200)
@@ -280,9 +488,10 @@ class BootstrapServer:
     async def _kvbridge_ranks(self, request):
         with self._lock:
             ranks = dict(self._ranks)
-        return self._web.json_response(ranks_payload(
-            ranks, ready=len(ranks) >= self.tp_size, attn_tp_size=self.tp_size, attn_cp_size=1, dp_size=1, pp_size=1,
-            page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype))
+        body = ranks_payload(ranks, ready=len(ranks) >= self.tp_size, attn_tp_size=self.tp_size, attn_cp_size=1,
+                             dp_size=1, pp_size=1, page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype)
+        body["ranks"] = [seal_entry(e, self.keyring) for e in body["ranks"]]
+        return self._web.json_response(body)
 
     # -- SGLang's ZMQ frames to rank_port ----------------------------------------------
     def _drain(self) -> None:

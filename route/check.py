@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from . import capabilities as C
-from .ranks import bootstrap_endpoints, bus_endpoints, route_keyring
+from .ranks import bus_endpoints, route_keyring
 from .config import RouteConfig, ServerSpec, pairable
 
 __all__ = ["check", "format_report"]
@@ -155,10 +155,10 @@ async def _probe(http: aiohttp.ClientSession, s: ServerSpec, timeout: float, mod
             out["not_checked"].append(left)
     if s.role == "prefill" and s.bootstrap:
         try:
-            from kvbridge.common.bootstrap import fetch_ranks
+            from kvbridge.common.bootstrap import endpoints_by_tp_rank, fetch_ranks
 
-            body = await asyncio.to_thread(fetch_ranks, s.bootstrap, timeout)
-            eps = await asyncio.to_thread(bootstrap_endpoints, s.bootstrap, timeout)
+            body = await asyncio.to_thread(fetch_ranks, s.bootstrap, timeout, keyring=keyring)
+            eps = endpoints_by_tp_rank(body, s.bootstrap)
             out["layout"] = (body["ranks"][0].get("layout") or {}) if body.get("ranks") else {}
             out["tp"] = len(eps)
             out["bootstrap_page_size"] = body.get("page_size")

@@ -58,11 +58,12 @@ def bus_endpoints(bus: str, timeout_s: float = 2.0, keyring=None) -> list[str]:
         sock.close(0)
 
 
-def bootstrap_endpoints(address: str, timeout_s: float = 2.0) -> list[str]:
-    """A prefill's rank endpoints from its bootstrap server (``/kvbridge/ranks``)."""
+def bootstrap_endpoints(address: str, timeout_s: float = 2.0, keyring=None) -> list[str]:
+    """A prefill's rank endpoints from its bootstrap server (``/kvbridge/ranks``); with
+    ``keyring`` only rank records sealed by the deployment are taken."""
     from kvbridge.common.bootstrap import endpoints_by_tp_rank, fetch_ranks
 
-    return endpoints_by_tp_rank(fetch_ranks(address, timeout_s), address)
+    return endpoints_by_tp_rank(fetch_ranks(address, timeout_s, keyring=keyring), address)
 
 
 def route_keyring(secret: str = ""):
@@ -108,7 +109,7 @@ class PrefillRanks:
         eps = self._eps.get(server.name)
         if eps is None:
             if server.bootstrap:
-                eps = await asyncio.to_thread(bootstrap_endpoints, server.bootstrap, timeout_s)
+                eps = await asyncio.to_thread(bootstrap_endpoints, server.bootstrap, timeout_s, self.keyring)
             elif server.bus:
                 eps = await asyncio.to_thread(bus_endpoints, server.bus, timeout_s, self.keyring)
             else:

@@ -22,7 +22,8 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import get_local_ip_auto
 
-from kvbridge.common.bootstrap import rank_record
+from kvbridge.common.auth import AuthError, check_bind
+from kvbridge.common.bootstrap import rank_record, refused, seal_registration
 from kvbridge.common.handoff import KVReceiver, KVSender, RoomState
 from kvbridge.layout import KVLayout, LayoutError, tp_head_slice
 
@@ -30,7 +31,7 @@ from .config import SglangBridgeConfig
 from .geometry import layout_from_kv_args, names_kv_dtype, resolve_kv_dtype, served_model_config
 from .layerwise import install_prefill_hooks, layerwise_wanted
 
-__all__ = ["KVBridgeKVManager", "REGISTER_TAG", "AUX_ROWS", "AUX_LENS"]
+__all__ = ["KVBridgeKVManager", "REGISTER_TAG", "AUX_ROWS", "AUX_LENS", "ABORT_DOMAIN", "abort_seal_payload"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ REGISTER_TAG = b"KVBRIDGE_REGISTER"
 REFUSAL_RECHECK_S = 5.0  # decode: a prefill address SGLang refused is asked again after this long
 AUX_ROWS = "sglang_aux_rows"  # base64 of the prefill's metadata row, buffer after buffer
 AUX_LENS = "sglang_aux_lens"  # bytes of each buffer's row, to check the decode's rows agree
+ABORT_DOMAIN = b"sglang-abort"  # kvbridge.common.auth domain of the seal on SGLang's ABORT notices
+
+
+def abort_seal_payload(target: str, frames: List[bytes]) -> bytes:
+    """What the seal on an ABORT notice covers: the prefill rank it is for
+    (``rank_ip:rank_port``, as registered) and every frame before the seal."""
+    return b"\0".join([target.encode("ascii", "replace"), *(bytes(f) for f in frames)])
 
 
 class KVBridgeKVManager(CommonKVManager):
@@ -85,6 +93,13 @@ class KVBridgeKVManager(CommonKVManager):
                                                     sglang_timeout_s=timeout)
         self.kvb_config = self.kvb_settings.handoff(receiver=decode)
         self.kvb_gate = self.kvb_settings.cost_gate_for(server_args) if decode else None
+        # every rank record and ABORT notice sealed with the deployment's secret (None: auth off);
+        # a prefill's sender and its Common PULL socket (ABORT notices) bind self._kvb_host, a
+        # routable address: refused without a secret unless allow_insecure (ValueError)
+        self.kvb_keyring = self.kvb_settings.keyring()
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            check_bind(self._kvb_host, self.kvb_settings.secret, self.kvb_settings.allow_insecure,
+                       "the kvbridge SGLang prefill (its control endpoint and ABORT socket)")
         self.transport = self.kvb_settings.transport(self._kvb_host)
         self.kv_sender: Optional[KVSender] = None
         self.kv_receiver: Optional[KVReceiver] = None
@@ -176,7 +191,26 @@ class KVBridgeKVManager(CommonKVManager):
     def _register_topology_row(self, url: str, payload):
         if self.kv_sender is not None:
             payload = {**payload, "kvbridge": self.kvbridge_record()}
-        return super()._register_topology_row(url, payload)
+        if self.kvb_keyring is None:
+            return super()._register_topology_row(url, payload)
+        # sealed (kvbridge.common.bootstrap). Common's loop retries the same body, but a seal
+        # is taken once and lives replay_window_s: the same retries here, each sealed afresh
+        import requests
+
+        delay = 1.0
+        for attempt in range(5):
+            try:
+                r = requests.put(url, json=seal_registration(payload, self.kvb_keyring), timeout=5)
+                if r.status_code == 200:
+                    return
+                log.warning("kvbridge: prefill registration attempt %d/5 refused: HTTP %d %s", attempt + 1,
+                            r.status_code, r.text[:300])
+            except Exception as e:
+                log.warning("kvbridge: prefill registration attempt %d/5 failed: %s", attempt + 1, e)
+            if attempt < 4:
+                time.sleep(delay)
+                delay = min(2 * delay, 30.0)
+        log.error("kvbridge: prefill rank failed to register with the bootstrap server %s after 5 tries", url)
 
     # -- pairing with a prefill instance (decode) ---------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -230,6 +264,8 @@ class KVBridgeKVManager(CommonKVManager):
             if msg[0] == REGISTER_TAG:
                 log.debug("kvbridge: decode rank %s registered", msg[1:2])
             elif msg[0] == ABORT_TAG:
+                if not self._abort_is_sealed(msg):
+                    continue
                 try:
                     room = int(msg[1].decode("ascii"))
                 except (IndexError, ValueError, UnicodeDecodeError):
@@ -238,6 +274,23 @@ class KVBridgeKVManager(CommonKVManager):
                     self.kv_sender.abort(room, "aborted by decode (SGLang abort notice)")
             else:
                 log.debug("kvbridge: ignored control frame %r", msg[0][:32])
+
+    def _abort_is_sealed(self, msg: List[bytes]) -> bool:
+        """With a keyring: whether an ABORT notice ends with a valid seal (``ABORT_DOMAIN``)
+        over this rank's address and the frames before it; a refused one is counted in
+        ``kvbridge_refused_frames_total{channel="sglang_abort"}`` and logged, rate-limited."""
+        if self.kvb_keyring is None:
+            return True
+        try:
+            if len(msg) < 3:
+                raise AuthError("unsigned", "ABORT notice without a seal frame")
+            target = f"{self.local_ip}:{self.rank_port}"
+            if self.kvb_keyring.open(msg[-1], ABORT_DOMAIN, 4096) != abort_seal_payload(target, msg[:-1]):
+                raise AuthError("bad_tag", f"ABORT notice sealed for another rank or other frames (this rank: {target})")
+        except AuthError as e:
+            refused(e, "kvbridge SGLang prefill: ABORT notice", channel="sglang_abort")
+            return False
+        return True
 
     # -- decode-side hooks of CommonKVReceiver ------------------------------------------
     def build_receiver_registration_message(self) -> List[bytes]:

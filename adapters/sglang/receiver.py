@@ -9,14 +9,16 @@ from typing import List, Optional
 import numpy as np
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
-from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+from sglang.srt.disaggregation.common.conn import AbortNotification, CommonKVReceiver
 
 from kvbridge.common import protocol as P
+from kvbridge.common.auth import AuthError
+from kvbridge.common.bootstrap import open_route_info, refused
 from kvbridge.common.handoff import TERMINAL, RoomState
 from kvbridge.layout import LayoutError
 
 from .failures import fails_the_request as _fails_the_request
-from .manager import KVBridgeKVManager
+from .manager import ABORT_DOMAIN, KVBridgeKVManager, abort_seal_payload
 
 __all__ = ["KVBridgeKVReceiver"]
 
@@ -119,6 +121,46 @@ class KVBridgeKVReceiver(CommonKVReceiver):
         self._requested = True
         self._aux_index = aux_index
         self.init_time = time.time()
+
+    def _get_bootstrap_info_from_server(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank):
+        """Common's fetch of one prefill rank's route; with the deployment's keyring its
+        kvbridge record, ``rank_ip`` and ``rank_port`` are taken from the answer's seal
+        (``kvbridge.common.bootstrap.open_route_info``), and an answer without a valid one
+        loses its record (counted, logged): the request then fails naming it."""
+        info = super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
+        keyring = getattr(self.kv_mgr, "kvb_keyring", None)
+        if info is None or keyring is None:
+            return info
+        key = (prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
+        try:
+            return open_route_info(info, key, keyring)
+        except (AuthError, TypeError, ValueError) as e:
+            refused(e if isinstance(e, AuthError) else AuthError("bad_message", str(e)),
+                    f"bootstrap server {self.bootstrap_addr}: rank {list(key)}")
+            return {**info, "kvbridge": None}
+
+    def _send_abort_notification(self, *, force_arm: bool = False):
+        """SGLang's ABORT notice to each prefill rank (Common's, as in SGLang 0.5.23), with
+        one more frame: a seal (``ABORT_DOMAIN``) over the rank's address and the notice, so
+        the kvbridge prefill acts only on notices from key holders. No keyring: Common's."""
+        mgr: KVBridgeKVManager = self.kv_mgr
+        keyring = getattr(mgr, "kvb_keyring", None)
+        if keyring is None:
+            return super()._send_abort_notification(force_arm=force_arm)
+        if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
+            self._abort_generation = mgr.register_deferred_abort_room(self.bootstrap_room)
+        for info in self.bootstrap_infos:
+            try:
+                frames = AbortNotification(room=self.bootstrap_room, decode_ip=mgr.local_ip, decode_port=mgr.rank_port,
+                                           generation=self._abort_generation).to_zmq()
+                target = f"{info.get('rank_ip')}:{info.get('rank_port')}"
+                frames.append(keyring.seal(abort_seal_payload(target, frames), ABORT_DOMAIN))
+                sock, lock = self._connect_to_bootstrap_server(info)
+                with lock:
+                    sock.send_multipart(frames)
+            except Exception as e:  # best effort, as Common's: kvbridge's own abort travels on its channel
+                log.debug("kvbridge: room %s: ABORT notice to %s:%s not sent: %s", self.bootstrap_room,
+                          info.get("rank_ip"), info.get("rank_port"), e)
 
     @_fails_the_request(result=KVPoll.Failed)
     def poll(self) -> KVPoll:

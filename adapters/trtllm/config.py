@@ -43,7 +43,10 @@ class BridgeConfig(BridgeSettings):
     ``discovery_timeout_s``: how long a decode request whose handle names an SGLang
     bootstrap address (``Handle.bootstrap``) waits for that prefill's ranks.
     Announced handles (``handle.announce``) are held until their request comes, at most
-    for the ``ttl_s`` the router gave.
+    for the ``ttl_s`` the router gave and never more than an hour; a server holds at most
+    65536 of them, 256 per prompt (more are refused, with the reason, to the router).
+    Bus messages are sealed with ``secret`` (``kvbridge.common.auth``, domain ``b"bus"``);
+    a routable ``host`` without one refuses to start unless ``allow_insecure``.
 
     Behaviour: ``on_failure`` is what a decode server does when a handoff fails:
     ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing, auth,

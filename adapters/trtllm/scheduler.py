@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 
 _LOG_KEEP = 4096  # orders kept for replay to a (re)joining worker; finished records kept
 _MAX_EXPECTED = 1 << 16  # announced handles held at once (then an Expect is refused by name)
+_MAX_EXPECTED_PER_KEY = 256  # announced handles for one prompt
+_MAX_EXPECT_TTL_S = 3600.0  # an announced handle is held at most this long, whatever ttl_s asked
 _MAX_PEERS = 4096  # prefill servers a scheduler keeps the ranks of; bus peers waiting for Endpoints
+_MAX_PARKED = 4096  # orders waiting for one prefill's endpoints (past it, or _MAX_PEERS prefills, an order fails)
 
 
 @dataclass(eq=False)
@@ -124,12 +127,15 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._n_expected = 0  # entries still alive
         self._expiry_seq = itertools.count()
         self._expired_log = LogLimiter(log, "kvbridge scheduler: announced handoffs expired")
+        self._full_log = LogLimiter(log, "kvbridge scheduler: discovery at its caps")
         self._answers: dict[int, tuple[int, bool]] = {}  # request id -> its matched-token answer
         self._matched: dict[int, tuple[Handle, int, int]] = {}  # request id -> (handle, start, prompt_len)
         self._sending: dict[int, Handle] = {}  # request id -> prefill handle
         self._streams: dict[int, _Stream] = {}  # request id -> its layer-wise send (layerwise on)
         self._loads: dict[int, _Load] = {}
-        self._who_waiting: deque = deque(maxlen=_MAX_PEERS)  # bus peers asking Who before every rank joined
+        # bus peers asking Who before every rank joined (-> None, in the order they asked; the oldest dropped past the cap, counted)
+        self._who_waiting: dict[str, None] = BoundedMap(_MAX_PEERS, name="trtllm_who_waiting",
+                                                        on_evict=default_metrics().evicted)
         # prefill bus / bootstrap -> its ranks' endpoints (the least recently learned dropped past the cap, counted)
         self._discovered: dict[str, list[str]] = BoundedMap(_MAX_PEERS, name="trtllm_discovered", lru=True,
                                                             on_evict=default_metrics().evicted)
@@ -153,7 +159,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
 
             try:
                 self.bootstrap = BootstrapServer(self.cfg.host, self.cfg.sglang_bootstrap_port,
-                                                 page_size=self.cfg.sglang_page_size, tp_size=self.world_size)
+                                                 page_size=self.cfg.sglang_page_size, tp_size=self.world_size,
+                                                 keyring=self._keyring, allow_insecure=self.cfg.allow_insecure)
             except BaseException:
                 self.bus.close()
                 raise
@@ -337,11 +344,18 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=str(e)), self._keyring))
             return
         with self._lock:
+            now = time.monotonic()
+            self._expire(now)
+            q = self._expected.get(msg.key, ())
+            reason = ""
             if self._n_expected >= _MAX_EXPECTED:
                 reason = f"{self._n_expected} announced handoffs are waiting for their requests already"
+            elif sum(e.alive for e in q) >= _MAX_EXPECTED_PER_KEY:
+                reason = f"{_MAX_EXPECTED_PER_KEY} announced handoffs are waiting for a request with this prompt already"
+            if reason:
                 self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=reason), self._keyring))
                 return
-            e = _Announced(h, time.monotonic() + msg.ttl_s)
+            e = _Announced(h, now + min(float(msg.ttl_s), _MAX_EXPECT_TTL_S))
             self._expected.setdefault(msg.key, deque()).append(e)
             heapq.heappush(self._expiry, (e.expires, next(self._expiry_seq), msg.key, e))
             self._n_expected += 1
@@ -374,8 +388,17 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             if eps:
                 self._issue(msgspec.structs.replace(order, endpoints=eps))
                 return
-            self._parked.setdefault(key, []).append(order)
             first = key not in self._discovering
+            full = ""
+            if first and len(self._discovering) >= _MAX_PEERS:
+                full = f"{len(self._discovering)} prefill servers are being discovered already"
+            elif len(self._parked.get(key, ())) >= _MAX_PARKED:
+                full = f"{_MAX_PARKED} orders wait for this prefill's endpoints already"
+            if full:
+                self._full_log.warn("full", "%s; %s for room %s fails", full, type(order).__name__, order.room)
+                self._fail_orders([order], key, full)
+                return
+            self._parked.setdefault(key, []).append(order)
             self._discovering.setdefault(key, time.monotonic())
         if first:
             if h.prefill:
@@ -386,7 +409,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
 
     def _discover_bootstrap(self, address: str) -> None:
         try:
-            eps = endpoints_by_tp_rank(fetch_ranks(address, self.cfg.discovery_timeout_s), address)
+            eps = endpoints_by_tp_rank(fetch_ranks(address, self.cfg.discovery_timeout_s, keyring=self._keyring), address)
         except (BootstrapError, ValueError) as e:
             with self._lock:
                 if not self._closed and self._discovering.pop(address, None) is not None:
@@ -398,7 +421,10 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                 self._on_discovered(address, eps)
 
     def _on_discovered(self, prefill: str, eps: list[str]) -> None:
-        self._discovering.pop(prefill, None)
+        if self._discovering.pop(prefill, None) is None:
+            # nobody asked this peer (or it answered too late): an unsolicited Endpoints names nothing we use
+            self._full_log.warn("unsolicited", "Endpoints from %s, which was not asked; ignored", prefill)
+            return
         if not eps:
             self._fail_parked(prefill, "prefill server reported no ranks")
             return
@@ -412,7 +438,11 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self._issue(order)
 
     def _fail_parked(self, prefill: str, reason: str) -> None:
-        for order in self._parked.pop(prefill, []):
+        self._fail_orders(self._parked.pop(prefill, []), prefill, reason)
+
+    def _fail_orders(self, orders: list, prefill: str, reason: str) -> None:
+        """Fail ``orders`` (waiting for ``prefill``'s endpoints) naming ``reason``."""
+        for order in orders:
             if isinstance(order, B.Decline):  # its room ends at the prefill's deadline
                 log.warning("kvbridge: room %s: cannot tell prefill %s it was declined: %s", order.room, prefill, reason)
                 continue
@@ -442,6 +472,10 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             return
         with self._lock:
             if isinstance(msg, B.Hello):
+                if not 0 <= msg.rank < self.world_size:
+                    self._bad_bus.warn("rank", "Hello from %s names rank %d of %d; ignored", peer, msg.rank,
+                                       self.world_size)
+                    return
                 self._workers[msg.rank], self._endpoints[msg.rank] = peer, msg.endpoint
                 if self.bootstrap is not None and msg.record:
                     self.bootstrap.register(msg.rank, dict(msg.record))
@@ -450,7 +484,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                     self.bus.send(peer, B.pack(B.Orders(orders=list(self._log.values())), self._keyring))
                 self._answer_who()
             elif isinstance(msg, B.Who):
-                self._who_waiting.append(peer)
+                self._who_waiting[peer] = None
                 self._answer_who()
             elif isinstance(msg, B.Endpoints):
                 self._on_discovered(peer, list(msg.endpoints))

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.common.bootstrap import BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record
+from kvbridge.common.bootstrap import (BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record,
+                                       seal_registration)
 from kvbridge.common.handoff import KVReceiver, KVSender
 from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout
 
@@ -130,6 +131,7 @@ class KVBridgeWorker:
     def __init__(self, vllm_config: Any, cfg: VllmBridgeConfig):
         self.vllm_config = vllm_config
         self.cfg = cfg
+        self._record_keyring = cfg.keyring()  # bootstrap records sealed (kvbridge.common.bootstrap)
         ktc = vllm_config.kv_transfer_config
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self.layout: KVLayout | None = None
@@ -182,15 +184,18 @@ class KVBridgeWorker:
                              page_size=self.layout.tokens_per_block, layout=self.layout.describe())
         if self.tp_rank == 0:
             self.bootstrap = BootstrapServer(self.cfg.host, self.cfg.bootstrap_port, page_size=self.cfg.sglang_page_size,
-                                             tp_size=self.tp_size)
+                                             tp_size=self.tp_size, keyring=self._record_keyring,
+                                             allow_insecure=self.cfg.allow_insecure)
             self.bootstrap.register(0, record)
             log.info("kvbridge vLLM: bootstrap server at %s", self.bootstrap.address)
             return
-        body = json.dumps({"attn_tp_rank": self.tp_rank, "kvbridge": record}).encode()
         url = f"http://{self.cfg.host}:{self.cfg.bootstrap_port}/route"
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         end = time.monotonic() + self.cfg.discovery_timeout_s
         while True:  # rank 0 may not be up yet
+            # sealed afresh each try (a seal lives replay_window_s and is taken once)
+            body = json.dumps(seal_registration({"attn_tp_rank": self.tp_rank, "kvbridge": record},
+                                                self._record_keyring)).encode()
             try:
                 with opener.open(urllib.request.Request(url, data=body, method="PUT"), timeout=5) as r:
                     if r.status == 200:
@@ -309,7 +314,7 @@ class KVBridgeWorker:
         try:
             records = self._discovered.get(o.bootstrap)
             if records is None:
-                body = fetch_ranks(o.bootstrap, self.cfg.discovery_timeout_s)
+                body = fetch_ranks(o.bootstrap, self.cfg.discovery_timeout_s, keyring=self._record_keyring)
                 endpoints_by_tp_rank(body, o.bootstrap)  # checks the topology
                 records = sorted(body["ranks"], key=lambda r: int(r["tp_rank"]))
                 self._discovered[o.bootstrap] = records

@@ -130,3 +130,79 @@ def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridg
     nxt = random_prompt(33, seed=78)
     assert kvbridge_pair.generate(nxt, MAX_NEW) == reference_generate(tiny_llama_dir, nxt, MAX_NEW).token_ids
     print(f"[kvbridge pair] decode abort: prefill answered {pre.status_code} in {dt:.1f}s: {pre.text[:300]}")
+
+
+def test_strangers_cannot_repoint_a_rank_or_abort_a_room(kvbridge_pair, tiny_llama_dir):
+    """With the deployment's secret set (as every test server runs, tests/conftest.py):
+    a stranger's unsealed ``PUT /route`` naming rank 0 at its own address is refused
+    with 401 and the rank's sealed ``GET /route`` answer still names the real rank; and
+    unsigned ``[ABORT, room]`` frames (plus ones sealed with another key) sent to the
+    prefill rank's SGLang socket throughout an honest request for that very room abort
+    nothing: its output equals transformers'."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import zmq
+
+    from kvbridge.adapters.sglang.manager import ABORT_DOMAIN, abort_seal_payload
+    from kvbridge.common.auth import Keyring
+    from kvbridge.common.bootstrap import open_route_info
+    from tests.helpers.sglang_servers import new_room
+
+    ring = Keyring.from_env()
+    assert ring is not None, "the test servers run with KVBRIDGE_SECRET (tests/conftest.py)"
+    boot = f"http://127.0.0.1:{kvbridge_pair.bootstrap_port}"
+    q = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+    with urllib.request.urlopen(boot + q, timeout=10) as r:
+        info = open_route_info(json.loads(r.read()), (0, 0, 0, 0), ring)
+    forged = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+              "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+              "rank_ip": "127.0.0.1", "rank_port": 1, "page_size": 1, "kv_cache_dtype": "auto",
+              "kvbridge": {**info["kvbridge"], "endpoint": "tcp://127.0.0.1:1"}}
+    put = urllib.request.Request(boot + "/route", data=json.dumps(forged).encode(), method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(put, timeout=10)
+    assert e.value.code == 401 and "KVBRIDGE_SECRET" in e.value.read().decode()
+    with urllib.request.urlopen(boot + q, timeout=10) as r:
+        again = open_route_info(json.loads(r.read()), (0, 0, 0, 0), ring)
+    assert (again["rank_ip"], again["rank_port"], again["kvbridge"]) == (info["rank_ip"], info["rank_port"],
+                                                                          info["kvbridge"])
+
+    room = new_room()
+    target = f"{info['rank_ip']}:{info['rank_port']}"
+    stranger = Keyring("a-stranger-with-its-own-key-0123456")
+    stop = threading.Event()
+    sent = [0]
+
+    def flood():
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{target}")
+        try:
+            while not stop.is_set():
+                frames = [b"ABORT", str(room).encode()]
+                sock.send_multipart(frames)
+                sock.send_multipart([*frames, stranger.seal(abort_seal_payload(target, frames), ABORT_DOMAIN)])
+                sent[0] += 2
+                time.sleep(0.005)
+        finally:
+            sock.close(0)
+
+    prompt = random_prompt(120, seed=131)
+    ref = reference_generate(tiny_llama_dir, prompt, MAX_NEW).token_ids
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.2)
+        got = kvbridge_pair.generate(prompt, MAX_NEW, room=room)
+    finally:
+        stop.set()
+        t.join(10)
+    assert sent[0] > 20, sent
+    assert got == ref, f"room {room} under {sent[0]} forged ABORT frames: {got} != transformers {ref}"
+    log = kvbridge_pair.prefill.log_path.read_text(errors="replace")
+    assert "refused sglang aborts" in log and "ABORT notice" in log, kvbridge_pair.log_tails()
+    print(f"[kvbridge pair] forged PUT refused (401); {sent[0]} forged ABORT frames for room {room} refused")

@@ -299,27 +299,34 @@ def test_the_bus_takes_only_sealed_messages():
 
 
 def test_an_expect_flood_expires_in_log_time():
-    """8,192 announcements (4,096 under one prompt, 4,096 under as many) expire in one
-    tick well under a second (a heap, not a scan per key); those taken first never
-    expire; the count and the maps end empty."""
+    """4,096 announcements under one prompt are held up to the per-prompt cap (the rest
+    refused by name); those held plus 4,096 under as many prompts expire in one tick well
+    under a second (a heap, not a scan per key); one taken first never expires; the count
+    and the maps end empty."""
     import time
 
     from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
+    from kvbridge.adapters.trtllm import scheduler as S
 
     sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
     try:
-        same = [B.Expect(key="s" * 32, handle=Handle("send", i).to_dict(), ttl_s=0.5, nonce=i) for i in range(4096)]
-        many = [B.Expect(key=f"{i:032d}", handle=Handle("send", i).to_dict(), ttl_s=0.5, nonce=i) for i in range(4096)]
+        same = [B.Expect(key="5" * 32, handle=Handle("send", i).to_dict(), ttl_s=60.0, nonce=i) for i in range(4096)]
+        many = [B.Expect(key=f"{i:032x}", handle=Handle("send", i).to_dict(), ttl_s=60.0, nonce=i) for i in range(4096)]
+        answers = []
+        sched.bus.send = lambda peer, payload: answers.append(B.unpack(payload, sched._keyring))
         for m in same + many:
             sched._expect("00", m)
-        assert sched._n_expected == 8192
-        assert sched._take_expected("s" * 32, "send") == Handle("send", 0)
+        cap = S._MAX_EXPECTED_PER_KEY
+        assert sched._n_expected == cap + 4096
+        refused = [a.reason for a in answers if not a.ok]
+        assert len(refused) == 4096 - cap and all("with this prompt" in r for r in refused), refused[:1]
+        assert sched._take_expected("5" * 32, "send") == Handle("send", 0)
         t0 = time.perf_counter()
         with sched._lock:
-            sched._expire(time.monotonic() + 1.0)
+            sched._expire(time.monotonic() + 61.0)
         took = time.perf_counter() - t0
         assert sched._n_expected == 0 and not sched._expected and not sched._expiry
-        assert took < 0.5, f"expiring 8,191 announcements took {took:.2f} s"
-        print(f"8,191 announcements expired in {took * 1e3:.1f} ms")
+        assert took < 0.5, f"expiring {cap + 4095:,} announcements took {took:.2f} s"
+        print(f"{cap + 4095:,} announcements expired in {took * 1e3:.1f} ms")
     finally:
         sched.close()
