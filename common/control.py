@@ -5,7 +5,13 @@ SGLang's bootstrap server); each decode side connects a DEALER per prefill endpo
 Messages are kvbridge protocol frames (``protocol.encode``), one frame each: a peer that
 sends more frames (which could name another peer's routing id) or a frame larger than
 ``max_message_bytes`` (ZMQ drops its connection before buffering it) is refused, so a
-hostile peer can neither speak for another one nor make us buffer gigabytes.
+hostile peer can neither speak for another one nor make us buffer gigabytes. What one
+connection can make this process hold is capped in bytes: its incoming queue holds
+``queue_bytes // (max_message_bytes + 4096)`` messages (at least 2; ZMQ's RCVHWM), so at
+most that many frames of the largest size plus the one being read wait here; past it ZMQ
+stops reading that connection and the bytes wait in the peer's process and the kernel's
+socket buffers (TCP flow control), never here. The number of connections is bounded by
+the process's file descriptors, not here.
 
 Any thread may ``send``: at once, on the caller's thread, when the peer's socket exists
 (every use of a socket holds one lock, which is what ZMQ asks of a socket shared between
@@ -44,7 +50,9 @@ _ids = itertools.count()
 
 class ControlChannel:
     """One process side of the control plane: an optional bound ROUTER plus DEALERs.
-    ``hwm``: messages queued per peer and direction before a send to it is dropped."""
+    ``hwm``: messages queued per peer for sending before a send to it is dropped;
+    ``queue_bytes``: bytes of one connection's incoming messages held here at most
+    (module docstring)."""
 
     def __init__(
         self,
@@ -58,6 +66,7 @@ class ControlChannel:
         name: str = "kvbridge-control",
         max_message_bytes: int = 16 << 20,
         hwm: int = 100_000,
+        queue_bytes: int = 64 << 20,
     ):
         self._ctx = zmq.Context.instance()
         self._on_message = on_message
@@ -83,13 +92,15 @@ class ControlChannel:
         # CPU (a non-blocking send fails with EAGAIN): control messages are small, so allow
         # deep queues and leave lost peers to the deadlines
         self._hwm = int(hwm)
+        # incoming messages queued per connection: a byte cap over frames of the largest size
+        self._rcv_hwm = max(2, int(queue_bytes) // self._max_frame)
         if bind_host is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._router.setsockopt(zmq.SNDHWM, self._hwm)
-            self._router.setsockopt(zmq.RCVHWM, self._hwm)
+            self._router.setsockopt(zmq.RCVHWM, self._rcv_hwm)
             if port:
                 self._router.bind(f"tcp://{bind_host}:{port}")
             else:
@@ -181,7 +192,7 @@ class ControlChannel:
             s.setsockopt(zmq.IMMEDIATE, 0)
             s.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
             s.setsockopt(zmq.SNDHWM, self._hwm)
-            s.setsockopt(zmq.RCVHWM, self._hwm)
+            s.setsockopt(zmq.RCVHWM, self._rcv_hwm)
             if self._on_disconnect is not None:  # before connect: no event is missed
                 mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
                 self._monitors[mon] = endpoint

@@ -4,7 +4,9 @@ set) while an honest decode rank keeps talking to it.
 - 100 frames over the size limit (ZMQ drops each connection before buffering one) and
   100 frames of 8 MiB under the deployment's key id with a wrong tag (each costs the
   sender one HMAC, then is refused unread);
-- 4096 early rooms from a peer that holds the secret (the cap), then more, refused by name.
+- 4096 early rooms from a peer that holds the secret (the cap), then more, refused by name;
+- a reader held on its first message while 800 MiB arrive on one connection: the bytes
+  held here stay within the channel's per-connection byte cap.
 
 Meanwhile a sealed ping goes out every 50 ms: its round trip stays under the peer timeout
 (a decode rank would otherwise give the prefill up), the sender's resident memory stays
@@ -155,3 +157,76 @@ def test_early_rooms_flood_is_capped(pre, dec):
     assert refused == 64
     assert ping.lost == 0 and max(ping.rtts) < PEER_TIMEOUT_S, (ping.lost, max(ping.rtts, default=None))
     print(f"ping rtt over {n_flood} early rooms: max {max(ping.rtts) * 1e3:.1f} ms ({len(ping.rtts)} pings)")
+
+
+_FLOODER = r"""
+import sys, time, zmq
+ep, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.setsockopt(zmq.SNDHWM, 100000)
+s.setsockopt(zmq.LINGER, 60000)
+s.connect(ep)
+frame = b"\x00" * size
+for _ in range(n):
+    s.send(frame)
+print("queued", flush=True)
+time.sleep(600)
+"""
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_stalled_reader_holds_a_bounded_number_of_bytes_per_connection():
+    """The window forced: the channel's handler is held on its first message while a
+    stranger (its own process) queues 100 frames of 8 MiB on one connection. What this
+    process holds meanwhile stays within the byte cap (queue_bytes: a few frames), not
+    the 800 MiB sent; the rest waits on the stranger's side. Let go, every frame is read,
+    in order, and a message sent afterwards arrives."""
+    import subprocess
+    import sys
+
+    from kvbridge.common.control import ControlChannel
+
+    n, size, cap = 100, 8 << 20, 64 << 20
+    hold, first = threading.Event(), threading.Event()
+    got: list[int] = []
+
+    def on_message(peer, payload):
+        got.append(len(payload))
+        first.set()
+        hold.wait(120)
+
+    chan = ControlChannel(on_message, bind_host="127.0.0.1", name="bytecap-test", queue_bytes=cap)
+    proc = subprocess.Popen([sys.executable, "-c", _FLOODER, chan.endpoint, str(n), str(size)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.wait(60), "the first frame never arrived"
+        before = _rss()
+        assert proc.stdout.readline().strip() == "queued"
+        time.sleep(2.0)  # ample for ZMQ to read all it is allowed to
+        held = _rss() - before
+        frames_held = max(2, cap // ((16 << 20) + 4096)) + 1  # the queue (RCVHWM, by the largest frame) and the one read
+        print(f"handler held: this process grew {held / 2**20:.1f} MiB while {n} x {size >> 20} MiB were sent "
+              f"(cap {cap >> 20} MiB: {frames_held} frames)")
+        assert held <= (frames_held + 2) * size, f"{held / 2**20:.0f} MiB held for one connection"
+        hold.set()
+        deadline = time.monotonic() + 120
+        while len(got) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got == [size] * n, (len(got), set(got))
+        with zmq.Context.instance().socket(zmq.DEALER) as s:
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(chan.endpoint)
+            s.send(b"after")
+            deadline = time.monotonic() + 10
+            while got[-1] != 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert got[-1] == 5
+    finally:
+        hold.set()
+        proc.kill()
+        proc.wait()
+        chan.close()

@@ -242,23 +242,61 @@ def trickle_body(url: str, head: bytes, body: bytes) -> tuple[float, int, dict]:
         sock.close()
 
 
+def test_64_concurrent_streams_keep_their_pace(router):
+    """64 streams at once (``limits.max_inflight``'s default) each end complete, in
+    order, and their inter-token gaps stay those of one stream alone: the median of
+    their median gaps within the lone stream's spread of gaps (its 95th percentile) plus
+    the fake server's interval, no stream stalled."""
+    import statistics
+
+    n, tokens = 64, 100
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": tokens, "temperature": 0, "stream": True}
+
+    def gaps(events):
+        times = [t for t, _ in events[:-1]]  # token events, [DONE] left out
+        return [b - a for a, b in zip(times, times[1:])]
+
+    status, alone = sse_events(router.url, body)
+    assert status == 200 and alone[-1][1] == "[DONE]"
+    base = sorted(gaps(alone))
+    p95 = base[int(0.95 * (len(base) - 1))]
+    with ThreadPoolExecutor(n) as ex:
+        outs = list(ex.map(lambda _: sse_events(router.url, body, timeout_s=120), range(n)))
+    medians, worst = [], 0.0
+    for status, events in outs:
+        assert status == 200 and events[-1][1] == "[DONE]", (status, events[-3:])
+        toks = [e["choices"][0]["text"] for _, e in events[:-1]]
+        assert len(toks) == tokens, len(toks)
+        g = gaps(events)
+        medians.append(statistics.median(g))
+        worst = max(worst, max(g))
+    mid = statistics.median(medians)
+    print(f"one stream alone: median gap {statistics.median(base) * 1e3:.1f} ms, p95 {p95 * 1e3:.1f} ms; "
+          f"{n} at once: median of medians {mid * 1e3:.1f} ms [{min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f}], "
+          f"largest gap {worst * 1e3:.0f} ms")
+    assert mid <= p95 + INTERVAL_S, (mid, p95)
+    assert worst < STALL_S, worst
+
+
 def test_shutdown_ends_open_streams_with_an_error_event(tiny_model, fake):
-    """At shutdown a request that ends within deadlines.shutdown_s ends as usual; then
-    each open stream gets an error event and [DONE], a request not streamed a 503; the
-    router is stopped within seconds and takes no new connection."""
+    """At shutdown during 16 open streams: a request that ends within
+    deadlines.shutdown_s ends as usual; then each open stream gets an error event and
+    [DONE], a request not streamed a 503; the router is stopped within seconds and takes
+    no new connection."""
     r = _router(tiny_model, fake, deadlines={"shutdown_s": 1.0})
     url = r.url
     long = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "stream": True}
     started = threading.Semaphore(0)
-    boxes = [{} for _ in range(4)]
+    n = 16
+    boxes = [{} for _ in range(n + 1)]
     threads = [threading.Thread(target=lambda b=b: b.update(r=sse_events(url, long, on_event=lambda i: i == 1 and
-                                                                         started.release()))) for b in boxes[:3]]
-    threads.append(threading.Thread(target=lambda: boxes[3].update(
+                                                                         started.release()))) for b in boxes[:n]]
+    threads.append(threading.Thread(target=lambda: boxes[n].update(
         r=_post(url, json.dumps({**long, "stream": False}).encode()))))
     short = {}
     for t in threads:
         t.start()
-    for _ in range(3):
+    for _ in range(n):
         assert started.acquire(timeout=30)
     t_short = threading.Thread(target=lambda: short.update(r=sse_events(url, {**long, "max_tokens": 20})))
     t_short.start()
@@ -270,13 +308,13 @@ def test_shutdown_ends_open_streams_with_an_error_event(tiny_model, fake):
         t.join(10)
         assert not t.is_alive(), "a client still waits"
     assert stopped < 8, stopped
-    for b in boxes[:3]:
+    for b in boxes[:n]:
         status, events = b["r"]
         err = events[-2][1]
         assert status == 200 and events[-1][1] == "[DONE]" and "error" in err, events[-3:]
         assert err["error"]["reason"] == "shutdown" and "shutting down" in err["error"]["message"], err
         assert 1 < len(events) < 1000, len(events)
-    status, ans, _ = boxes[3]["r"]
+    status, ans, _ = boxes[n]["r"]
     assert status == 503 and ans["error"]["reason"] == "shutdown", (status, ans)
     status, events = short["r"]
     assert status == 200 and events[-1][1] == "[DONE]" and "error" not in events[-2][1], events[-3:]
