@@ -117,6 +117,11 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         print(f"auth: small request sealed {a['sealed_ms']['median']} ms [{a['sealed_ms']['p10']}-{a['sealed_ms']['p90']}], "
               f"without a secret {a['plain_ms']['median']} ms [{a['plain_ms']['p10']}-{a['plain_ms']['p90']}]; "
               f"ratio {a['ratio']['median']} [{a['ratio']['p10']}-{a['ratio']['p90']}] over {a['ratio']['n']} pairs")
+    for c in res.get("integrity_cost", []):
+        print(f"integrity: {c['tokens']}-token request verified {c['verified_ms']['median']} ms "
+              f"[{c['verified_ms']['p10']}-{c['verified_ms']['p90']}], unverified {c['unverified_ms']['median']} ms "
+              f"[{c['unverified_ms']['p10']}-{c['unverified_ms']['p90']}]; ratio {c['ratio']['median']} "
+              f"[{c['ratio']['p10']}-{c['ratio']['p90']}] over {c['ratio']['n']} pairs")
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")
     for f in res.get("plots", []):

@@ -214,18 +214,19 @@ def _recv(conn, proc, timeout: float = 300.0):
 
 def transfer_steps(reps: int, sweep: tuple[int, ...] = (), link_only: bool = False) -> int:
     """How many times ``bench_transfer`` calls ``progress`` (for a progress bar)."""
-    return 3 + (0 if link_only else reps + len(sweep) + 1)
+    return 3 + (0 if link_only else reps + len(sweep) + 2)
 
 
-def _auth_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
-    """The small request between two fresh pairs of peers alike but for the secret (control
-    frames sealed, or plain), interleaved ``pairs`` times: what authentication costs."""
+def _paired_cost(ctx, n: int, cfg: dict, pairs: int, a: tuple[str, dict], b: tuple[str, dict], what: str) -> dict:
+    """The ``n``-token request between two fresh pairs of peers alike but for the settings
+    ``a`` and ``b`` ((name, HandoffConfig fields)), interleaved ``pairs`` times: medians and
+    p10-p90 of each (ms) and of their ratio, a over b."""
     peers = {}
     try:
-        for kind, secret in (("sealed", cfg["secret"]), ("plain", "")):
+        for kind, delta in (a, b):
             pc, pchild = ctx.Pipe()
             dc, dchild = ctx.Pipe()
-            c = {**cfg, "secret": secret}
+            c = {**cfg, **delta}
             pre = ctx.Process(target=_prefill_peer, args=(pchild, n, c), daemon=True, name=f"prefill-{kind}")
             dec = ctx.Process(target=_decode_peer, args=(dchild, n, c), daemon=True, name=f"decode-{kind}")
             pre.start()
@@ -248,7 +249,7 @@ def _auth_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
                 raise RuntimeError(f"{kind} handoff failed: {rest[3]}")
             return dt
 
-        got = {"sealed": [], "plain": []}
+        got = {a[0]: [], b[0]: []}
         for k in got:  # warm: each first request connects
             handoff(k)
         for _ in range(pairs):
@@ -264,10 +265,24 @@ def _auth_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
                 proc.join(10)
                 if proc.is_alive():
                     proc.kill()
-    return {"sealed_ms": spread([x * 1e3 for x in got["sealed"]]), "plain_ms": spread([x * 1e3 for x in got["plain"]]),
-            "ratio": spread([a / b for a, b in zip(got["sealed"], got["plain"])], 1.0),
-            "what": f"the {n}-token request between two fresh pairs of peers, control frames sealed (HMAC-SHA256) "
-                    "over the same without a secret, interleaved pairs"}
+    x, y = got[a[0]], got[b[0]]
+    return {f"{a[0]}_ms": spread([v * 1e3 for v in x]), f"{b[0]}_ms": spread([v * 1e3 for v in y]),
+            "ratio": spread([p / q for p, q in zip(x, y)], 1.0), "tokens": n, "what": what}
+
+
+def _auth_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
+    """What authentication costs: control frames sealed against plain."""
+    return _paired_cost(ctx, n, cfg, pairs, ("sealed", {"secret": cfg["secret"]}), ("plain", {"secret": ""}),
+                        f"the {n}-token request between two fresh pairs of peers, control frames sealed (HMAC-SHA256) "
+                        "over the same without a secret, interleaved pairs")
+
+
+def _integrity_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
+    """What the content digest costs: the decode's integrity on against off."""
+    return _paired_cost(ctx, n, cfg, pairs, ("verified", {"integrity": "on"}), ("unverified", {"integrity": "off"}),
+                        f"the {n}-token cross-layout request between two fresh pairs of peers, content digests "
+                        "taken and compared (XXH3-64 over the canonical rows, both sides) over the same without, "
+                        "interleaved pairs")
 
 
 def bench_transfer(
@@ -472,8 +487,11 @@ def bench_transfer(
                                              "notify": round(max(0.0, measured - parts["plan_s"] - parts["repack_s"] - wire) * 1e3, 2)}})
         say("auth cost: sealed against plain control frames")
         auth_cost = _auth_cost(ctx, small_tokens, cfg, 25 * reps)
+        say("integrity cost: content digests on against off")
+        integrity_cost = [_integrity_cost(ctx, small_tokens, cfg, 25 * reps), _integrity_cost(ctx, tokens, cfg, 5 * reps)]
         return {
             "auth_cost": auth_cost,
+            "integrity_cost": integrity_cost,
             "geometry": {**GEOM, "tokens": tokens, "src": f"sglang page {SRC_PAGE} (NHD)",
                          "dst": f"trtllm tokens_per_block {DST_BLOCK} (HND)", "link": "mooncake tcp 127.0.0.1"},
             "bytes": nbytes,

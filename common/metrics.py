@@ -47,6 +47,7 @@ class HandoffRecord:
     plan_s: float = 0.0
     repack_s: float = 0.0
     transfer_s: float = 0.0
+    digest_s: float = 0.0  # taking the content digest (sender) or taking and comparing it (receiver)
     # the handoff's timeline (time.monotonic(), host-wide; 0.0: not reached). Sender: the
     # first decode request arrived, the first piece went to the transport, the last
     # TransferDone was handed to the control channel. Receiver: ``started`` is its request.
@@ -107,6 +108,10 @@ class KVBridgeMetrics:
                                     "stale, bad_tag, replay, too_large, bad_message)", ["channel", "reason"], registry=r)
         self.evictions = Counter("kvbridge_bounded_evictions", "Entries dropped from a peer-keyed map at its cap",
                                  ["map"], registry=r)
+        self.integrity = Counter("kvbridge_integrity_checks", "Content digests a receiver compared, by result "
+                                 "(verified, mismatch, missing: the sender sent none)", ["result"], registry=r)
+        self.integrity_failures = Counter("kvbridge_integrity_failures", "Rooms failed because what landed is not "
+                                          "what the sender moved (content digest mismatch or missing)", registry=r)
 
         self._children: dict = {}
 

@@ -25,6 +25,7 @@ from msgspec import Meta
 
 __all__ = [
     "Abort",
+    "DigestPart",
     "Heartbeat",
     "StagedChunk",
     "MAX_BLOCK_IDS",
@@ -41,7 +42,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 3  # 3: auth moved from the messages to the frame (kvbridge.common.auth seals every one)
+PROTOCOL_VERSION = 4  # 3: auth moved to the frame (kvbridge.common.auth); 4: content digests (TransferDone.digest)
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_BLOCK_IDS = 1 << 24
 MAX_LAYERS = 1 << 12
@@ -88,6 +89,7 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
     staging_addr: Addr = 0
     staging_bytes: Count = 0
     sent_at: Seconds
+    digest: bool = False  # the receiver verifies this room's content: send a digest with the Done
 
     def __post_init__(self) -> None:
         # Runs on construction and on decode (where msgspec reports it as a validation error).
@@ -130,6 +132,19 @@ class StagedChunk(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ProtocolError(f"layer_start {self.layer_start} without a layer_stop")
 
 
+class DigestPart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The content digest of one piece the sender moved (``kvbridge.layout.digest``):
+    global layers ``[layers[0], layers[1])``, global heads ``heads[0] ..`` (``heads[1]``
+    of them), tokens ``[tokens[0], tokens[1])``, one XXH3-64 per unit of ``unit_tokens``
+    tokens, in the canonical order (layer, K/V, head, token)."""
+
+    layers: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_LAYERS)]], Meta(min_length=2, max_length=2)]
+    heads: Annotated[list[Annotated[int, Meta(ge=0, le=1 << 16)]], Meta(min_length=2, max_length=2)]
+    tokens: Annotated[list[Token], Meta(min_length=2, max_length=2)]
+    unit_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    values: Annotated[list[Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]], Meta(max_length=1 << 16)]  # uint64 as int64
+
+
 class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     """Prefill -> decode: room ``room``'s KV has landed (``bytes`` in ``segments``
     segments, by plan ``plan``, in ``seconds``); ``layer_bytes[l]`` of them into layer
@@ -147,6 +162,9 @@ class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     src_layout: Annotated[dict[str, Any], Meta(max_length=256)] = {}
     staged: Annotated[list[StagedChunk], Meta(max_length=1 << 16)] = []
     layer_bytes: Annotated[list[Count], Meta(max_length=MAX_LAYERS)] = []
+    # asked for (TransferRequest.digest): the content of every piece moved, for the receiver to compare
+    digest_algorithm: Annotated[str, Meta(max_length=64)] = ""
+    digest: Annotated[list[DigestPart], Meta(max_length=1 << 12)] = []
 
     def __post_init__(self) -> None:
         if self.layer_bytes and sum(self.layer_bytes) != self.bytes:

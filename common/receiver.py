@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvbridge.layout import CopySpec, KVLayout, LayoutError
+from kvbridge.layout import DIGEST_ALGORITHM, CopySpec, DigestGrid, KVLayout, LayoutError, first_difference, kv_digest
 from kvbridge.layout.repack import Scatter
 
 from . import protocol as P
@@ -65,6 +65,7 @@ class _RecvRoom:
     forgotten: bool = False  # forget() came while quarantined: dropped once released
     aux: dict = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
+    verify: bool = False  # compare the senders' content digests with what landed (HandoffConfig.integrity)
 
 
 class KVReceiver(ControlSide):
@@ -76,7 +77,7 @@ class KVReceiver(ControlSide):
 
     Threads: engine threads call the public methods; the control channel's I/O thread
     runs ``_on_message`` and ``_on_tick`` (heartbeats, deadlines, silent peers); one
-    scatter thread runs ``_scatter`` (staged_recv plans). ``_lock`` guards ``_rooms``,
+    scatter thread runs ``_land`` (the scatter of staged_recv plans, content digests). ``_lock`` guards ``_rooms``,
     ``_declined`` and every room's ``state``, ``peers``, ``closing_since`` and record.
     """
 
@@ -121,7 +122,7 @@ class KVReceiver(ControlSide):
             base = P.TransferRequest(
                 room=room, model=self.config.model, layout=self._layout_desc, block_ids=ids.tolist(),
                 first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
-                sent_at=time.time(), receivers=receivers,
+                sent_at=time.time(), receivers=receivers, digest=self.config.verifies(room),
             )
             payload = P.encode(base)  # checked as the peer will check it; sent as is where nothing changes
         except P.ProtocolError as e:
@@ -135,7 +136,7 @@ class KVReceiver(ControlSide):
                           {ep: PeerState.PENDING for ep in eps})
             self._rooms[room] = r
             self.metrics.child(self.metrics.inflight, self.role).inc()
-        r.first_token = first_token
+        r.first_token, r.verify = first_token, base.digest
         r.need_bytes = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
         r.layer_bytes = np.zeros(self.layout.num_layers, dtype=np.int64)
         # staging for staged_recv plans: one slice per sender, or none at all
@@ -280,10 +281,10 @@ class KVReceiver(ControlSide):
                 log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
             return
         if isinstance(msg, P.TransferDone):
-            if msg.staged and r.closing_since is None:
+            if (msg.staged or r.verify) and r.closing_since is None:
                 with self._lock:
-                    r.peers[peer] = PeerState.SCATTERING  # the sender is done writing; our scatter is not
-                self._scatter_pool.submit(self._scatter, r, peer, msg)
+                    r.peers[peer] = PeerState.SCATTERING  # the sender is done writing; our scatter or check is not
+                self._scatter_pool.submit(self._land, r, peer, msg)
                 return
             self._peer_done(r, peer, msg)
         elif isinstance(msg, P.TransferFailed):
@@ -343,33 +344,87 @@ class KVReceiver(ControlSide):
                     f"({short.size} layer(s) short), but each layer needs {per_layer} B")
         return ""
 
-    def _scatter(self, r: _RecvRoom, peer: str, msg) -> None:
-        """Move what a sender wrote into our staging to our blocks (staged_recv plans)."""
+    def _land(self, r: _RecvRoom, peer: str, msg) -> None:
+        """Scatter thread: what a sender's Done leaves this side to do before the room can be
+        admitted: scatter what it staged (staged_recv plans), then compare the content
+        digest (integrity on). Either failing fails the room, naming why."""
         try:
-            if peer not in r.staging:
-                raise LayoutError("sender used receiver staging that was not offered to it")
-            off, size = r.staging[peer]
-            src = KVLayout.from_description(msg.src_layout)
-            t0 = time.perf_counter()
-            for ch in msg.staged:
-                s_lay, d_lay = src, self.layout
-                if ch.layer_stop:  # one layer range of a layer-wise send
-                    s_lay, d_lay = src.layer_range(ch.layer_start, ch.layer_stop), d_lay.layer_range(ch.layer_start, ch.layer_stop)
-                spec = CopySpec.build(s_lay, ch.blocks, d_lay, r.lease.blocks, (ch.start, ch.stop),
-                                      src_first_token=ch.first_token, dst_first_token=r.first_token)
-                if ch.offset + spec.nbytes > size:
-                    raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
-                Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])
-            r.record.repack_s += time.perf_counter() - t0
+            if msg.staged:
+                self._scatter(r, peer, msg)
         except Exception as e:  # a sender's Done is input: whatever it triggers fails the room, with the reason
             if not isinstance(e, (LayoutError, ValueError)):
                 log.exception("receiver: room %s: scatter of what %s staged crashed", r.room, peer)
-            with self._lock:
-                r.peers[peer] = PeerState.FAILED  # it wrote into our staging only, and is done with it
-            self._begin_fail(r.room, f"cannot scatter what prefill {peer} staged: {e}", code="staging", notify=True)
-            self._advance(r)
+            self._refuse_done(r, peer, f"cannot scatter what prefill {peer} staged: {e}", "staging")
             return
+        if r.verify:
+            why = self._verify(r, peer, msg)
+            if why:
+                log.error("receiver: room %s: %s", r.room, why)
+                self._refuse_done(r, peer, why, "integrity")
+                return
         self._peer_done(r, peer, msg)
+
+    def _refuse_done(self, r: _RecvRoom, peer: str, reason: str, code: str) -> None:
+        """Fail ``r`` over ``peer``'s Done (the peer is done writing: proven quiet)."""
+        with self._lock:
+            r.peers[peer] = PeerState.FAILED
+        self._begin_fail(r.room, reason, code=code, notify=True)
+        self._advance(r)
+
+    def _scatter(self, r: _RecvRoom, peer: str, msg) -> None:
+        """Move what a sender wrote into our staging to our blocks (staged_recv plans)."""
+        if peer not in r.staging:
+            raise LayoutError("sender used receiver staging that was not offered to it")
+        off, size = r.staging[peer]
+        src = KVLayout.from_description(msg.src_layout)
+        t0 = time.perf_counter()
+        for ch in msg.staged:
+            s_lay, d_lay = src, self.layout
+            if ch.layer_stop:  # one layer range of a layer-wise send
+                s_lay, d_lay = src.layer_range(ch.layer_start, ch.layer_stop), d_lay.layer_range(ch.layer_start, ch.layer_stop)
+            spec = CopySpec.build(s_lay, ch.blocks, d_lay, r.lease.blocks, (ch.start, ch.stop),
+                                  src_first_token=ch.first_token, dst_first_token=r.first_token)
+            if ch.offset + spec.nbytes > size:
+                raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
+            Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])
+        r.record.repack_s += time.perf_counter() - t0
+
+    def _verify(self, r: _RecvRoom, peer: str, msg) -> str:
+        """'' when the content digest ``peer`` sent with its Done matches what landed in the
+        room's blocks and covers every byte it reports, else why not (counted)."""
+        m, t0 = self.metrics, time.perf_counter()
+        result, why = "verified", ""
+        try:
+            if not msg.digest:
+                result, why = "missing", (f"prefill {peer} sent no content digest (integrity is on here; does it run "
+                                          "a kvbridge without digests?)")
+            elif msg.digest_algorithm != DIGEST_ALGORITHM:
+                result, why = "missing", (f"prefill {peer} digests with {msg.digest_algorithm!r}, this side with "
+                                          f"{DIGEST_ALGORITHM!r}")
+            else:
+                covered = 0
+                for part in msg.digest:
+                    grid = DigestGrid(tuple(part.layers), self.layout.kv_factor, tuple(part.heads), tuple(part.tokens),
+                                      part.unit_tokens)
+                    if grid.units != len(part.values):
+                        raise LayoutError(f"a digest part has {len(part.values)} values for its {grid.units} units")
+                    got = kv_digest(self.layout, r.lease.blocks, r.first_token, grid)
+                    diff = first_difference(grid, np.asarray(part.values, dtype=np.int64).view(np.uint64), got)
+                    if diff:
+                        result = "mismatch"
+                        why = f"content digest mismatch: what landed from prefill {peer} is not what it sent, {diff}"
+                        break
+                    covered += ((grid.layers[1] - grid.layers[0]) * grid.kv_factor * grid.heads[1]
+                                * (grid.tokens[1] - grid.tokens[0]) * self.layout.head_bytes)
+                if not why and covered != msg.bytes:
+                    raise LayoutError(f"its digest covers {covered} B, but it reports {msg.bytes} B written")
+        except LayoutError as e:
+            result, why = "mismatch", f"content digest from prefill {peer} does not fit this room: {e}"
+        r.record.digest_s += time.perf_counter() - t0
+        m.child(m.integrity, result).inc()
+        if why:
+            m.integrity_failures.inc()
+        return why
 
     def _free_staging(self, r: _RecvRoom) -> None:
         for off, n in r.staging.values():

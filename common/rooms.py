@@ -46,7 +46,7 @@ class PeerState(str, enum.Enum):
     """Where one prefill peer of a receiver's room is."""
 
     PENDING = "pending"  # asked; it may be writing into the room's blocks
-    SCATTERING = "scattering"  # done writing into our staging; our scatter into the blocks is running
+    SCATTERING = "scattering"  # done writing; our scatter into the blocks, or our content check, is running
     DONE = "done"  # its part has landed (every write of it completed)
     STOPPING = "stopping"  # failed, told to stop, or silent: it may still be writing (not proven quiet)
     FAILED = "failed"  # proven quiet: it acknowledged with nothing in flight, or its process is gone
@@ -78,12 +78,33 @@ class HandoffConfig:
     kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
     costs: PlanCosts = field(default_factory=PlanCosts)  # from the link: BridgeSettings.handoff() / LinkProfile.plan_costs()
     recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
+    integrity: str = "off"  # receiver: "on" verifies every room's content digest, "sample" a fraction, "off" none
+    integrity_sample: float = 0.1  # the fraction of rooms "sample" verifies (chosen by room id)
+
+    def verifies(self, room: int) -> bool:
+        """Whether the receiver verifies ``room``'s content (``integrity``)."""
+        if self.integrity == "on":
+            return True
+        if self.integrity == "sample":
+            return sampled(room, self.integrity_sample)
+        return False
 
     def keyring(self):
         """A ``Keyring`` for these secrets (None: auth off); raises ValueError on a short key."""
         from .auth import Keyring
 
         return Keyring.from_settings(self.secret, self.accepted_secrets, self.replay_window_s)
+
+
+INTEGRITY_MODES = ("on", "off", "sample")
+
+
+def sampled(room: int, fraction: float) -> bool:
+    """Whether ``room`` falls in a ``fraction`` of all rooms: the same answer in every
+    process (a hash of the id), spread evenly whatever the ids look like."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(int(room).to_bytes(8, "little", signed=False)) < fraction * 2.0**64
 
 
 MAX_PEERS = 1 << 16  # peers one side keeps liveness (and refusal notes) for; the least recently heard goes first

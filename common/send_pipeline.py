@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvbridge.layout import HeadMap, KVLayout, LayoutError, PlanKind, TransferPlan, check_segments_inside, plan_transfer
+from kvbridge.layout import (DIGEST_ALGORITHM, MAX_UNITS, HeadMap, KVLayout, LayoutError, PlanKind, TransferPlan,
+                             check_segments_inside, grid_for, kv_digest, plan_transfer)
 from kvbridge.layout.repack import Gather
 
 from . import protocol as P
@@ -194,7 +195,8 @@ class SendPipeline:
                         room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
                         src_layout=self.layout.describe() if target.staged else {},
-                        layer_bytes=target.layer_bytes.tolist()) if chunk.last else None
+                        layer_bytes=target.layer_bytes.tolist(), digest=target.digest,
+                        digest_algorithm=DIGEST_ALGORITHM if target.digest else "") if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if done is not None:  # the decode side waits on it: out before our own bookkeeping
@@ -281,11 +283,26 @@ class SendPipeline:
                                           blocks=c.blocks.tolist(), layer_start=lo if c.layers else 0,
                                           layer_stop=hi if c.layers else 0))
             t.staged_bytes += plan.nbytes
+        if req.digest:  # what was moved, for the receiver to compare with what landed
+            t.digest.append(self._digest(lay, remote, c, start, stop, rec))
         t.layer_bytes[lo:hi] += plan.nbytes // (hi - lo)  # every layer of a range moves the same bytes
         rec.bytes += plan.nbytes
         rec.segments += plan.num_segments
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
+
+    def _digest(self, lay: KVLayout, remote: KVLayout, c: "_Chunk", start: int, stop: int, rec) -> P.DigestPart:
+        """The content digest of tokens ``[start, stop)`` of chunk ``c`` in ``lay``'s layers,
+        the heads ``remote`` holds (``kvbridge.layout.digest``); a layer range's part gets its
+        share of ``MAX_UNITS``, so a layer-wise room's Done stays as small as a whole one's."""
+        t0 = time.perf_counter()
+        hm = HeadMap.between(lay, remote)
+        share = max(1, MAX_UNITS * lay.num_layers // self.layout.num_layers)
+        grid = grid_for(lay, heads=(hm.global_start, hm.count), tokens=(start, stop), max_units=share)
+        values = kv_digest(lay, c.blocks, c.first_token, grid)
+        rec.digest_s += time.perf_counter() - t0
+        return P.DigestPart(layers=list(grid.layers), heads=list(grid.heads), tokens=[start, stop],
+                            unit_tokens=grid.unit_tokens, values=values.view(np.int64).tolist())
 
     def _layer_views(self, t: "_Target", lo: int, hi: int) -> tuple[KVLayout, KVLayout]:
         """This rank's and target ``t``'s layouts seen as layers ``[lo, hi)`` only, built once

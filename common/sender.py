@@ -81,6 +81,7 @@ class _Target:
     staged: list = field(default_factory=list)  # P.StagedChunk per staged_recv chunk
     layer_bytes: np.ndarray | None = None  # int64 [num_layers]: payload written into each layer
     views: dict = field(default_factory=dict)  # (first, stop) layer range -> ``remote.layer_range``
+    digest: list = field(default_factory=list)  # P.DigestPart per piece moved (asked: request.digest)
 
 
 @dataclass

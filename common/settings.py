@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, TypeVar
 
 from .costmodel import LinkProfile, resolve_link
-from .rooms import HandoffConfig
+from .rooms import INTEGRITY_MODES, HandoffConfig
 
 __all__ = ["BridgeSettings", "ConfigError", "LAYERWISE_AUTO", "parse_layerwise", "read_settings", "read_mapping_file"]
 
@@ -66,6 +66,11 @@ class BridgeSettings:
     is ever printed.
     ``model`` (a name both sides must agree on, empty: not checked),
     ``recv_staging_bytes`` (staging a decode rank offers senders for ``staged_recv``).
+    Integrity (decode side): ``integrity`` "on" compares a content digest of every room
+    (``kvbridge.layout.digest``, taken by the senders over what they moved and by this
+    rank over what landed) before the room is admitted, "sample" does so for a fraction
+    ``integrity_sample`` of the rooms, "off" for none; a mismatch fails the room
+    (``code="integrity"``), which the plugin's failure policy then handles.
     Transport: ``protocol`` (Mooncake's: ``tcp``, ``rdma``, ``nvlink``).
     Link: ``link``, a preset (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or a
     ``kvbridge bench link --out`` file; empty: the preset of ``protocol``. It sets both
@@ -94,6 +99,8 @@ class BridgeSettings:
     allow_insecure: bool = False
     model: str = ""
     recv_staging_bytes: int = 0
+    integrity: str = "off"
+    integrity_sample: float = 0.1
     protocol: str = "tcp"
     link: str = ""
     cost_gate_enabled: bool = False
@@ -118,6 +125,10 @@ class BridgeSettings:
             Keyring.from_settings(self.secret, self.accepted_list, self.replay_window_s)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.integrity not in INTEGRITY_MODES:
+            raise ConfigError(f"integrity must be one of {', '.join(INTEGRITY_MODES)}, got {self.integrity!r}")
+        if not 0.0 <= self.integrity_sample <= 1.0:
+            raise ConfigError(f"integrity_sample must be within [0, 1], got {self.integrity_sample}")
         if self.accepted_secrets and not self.secret:
             raise ConfigError("accepted_secrets is set without a secret to sign with")
         if self.chunk_bytes <= 0:
@@ -153,7 +164,8 @@ class BridgeSettings:
                              peer_timeout_s=self.peer_timeout_s, quiesce_s=self.quiesce_s,
                              chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model,
                              accepted_secrets=self.accepted_list, replay_window_s=self.replay_window_s,
-                             allow_insecure=self.allow_insecure,
+                             allow_insecure=self.allow_insecure, integrity=self.integrity,
+                             integrity_sample=self.integrity_sample,
                              recv_staging_bytes=self.recv_staging_bytes if receiver else 0,
                              costs=self.link_profile().plan_costs(), **extra)
 
@@ -227,7 +239,7 @@ def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:
 
 
 # settings every plugin also reads as KVBRIDGE_<NAME> (below its own prefix): the deployment's keys
-DEPLOYMENT_WIDE = ("secret", "accepted_secrets", "replay_window_s", "allow_insecure")
+DEPLOYMENT_WIDE = ("secret", "accepted_secrets", "replay_window_s", "allow_insecure", "integrity", "integrity_sample")
 
 
 def read_settings(cls: type[T], base: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,

@@ -1,9 +1,11 @@
 """kvbridge.layout: engine-neutral KV geometry, transfer plans and repack kernels.
 
-Pure: imports torch and numpy only; no engine, no network, no globals.
+Pure: imports torch and numpy (and xxhash, for content digests) only; no engine, no
+network, no globals.
 """
 
 from .copyspec import CopySpec, TokenRuns
+from .digest import DIGEST_ALGORITHM, MAX_UNITS, DigestGrid, first_difference, grid_for, kv_digest
 from .geometry import KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype, check_compatible, dtype_itemsize
 from .heads import HeadMap, tp_head_slice
 from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer, refused_kinds
@@ -15,6 +17,12 @@ from .trtllm_pool import trtllm_layout_from_geometry, trtllm_pool_layout
 from .vllm_pool import VLLM_CPU_ISAS, vllm_cpu_layout, vllm_cpu_layout_from_geometry, vllm_cpu_mla_layout
 
 __all__ = [
+    "DIGEST_ALGORITHM",
+    "MAX_UNITS",
+    "DigestGrid",
+    "first_difference",
+    "grid_for",
+    "kv_digest",
     "allocate_pool",
     "alias_memory",
     "CopySpec",

@@ -280,7 +280,8 @@ class Router:
     @staticmethod
     def _info(trace: Trace) -> dict:
         return {"route": trace.route, "mode": trace.mode, "why": trace.why, "servers": trace.servers,
-                "verdict": trace.verdict, "retries": trace.attempts, "rooms": trace.rooms}
+                "verdict": trace.verdict, "retries": trace.attempts, "rooms": trace.rooms,
+                "verified": trace.mode == "disaggregated" and trace.verified}
 
     async def _answer(self, request: web.Request, kind: str, job: Job, parsed: Parsed, trace: Trace,
                       arrived: float) -> web.StreamResponse:
@@ -298,7 +299,8 @@ class Router:
             m = self.metrics
             m.ttft.labels(trace.route, trace.mode).observe(ttft)
             headers = {"X-KVBridge-Route": trace.route, "X-KVBridge-Mode": trace.mode,
-                       "X-KVBridge-Servers": ",".join(trace.servers), "X-KVBridge-TTFT-Ms": f"{ttft * 1e3:.2f}"}
+                       "X-KVBridge-Servers": ",".join(trace.servers), "X-KVBridge-TTFT-Ms": f"{ttft * 1e3:.2f}",
+                       "X-KVBridge-Verified": "yes" if trace.mode == "disaggregated" and trace.verified else "no"}
             if not parsed.stream:
                 try:
                     ids, text, last = await self._until_cut(_collect(first, stream))

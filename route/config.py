@@ -197,6 +197,23 @@ class RouteConfig(_S):
     limits: Limits = msgspec.field(default_factory=Limits)
     health: HealthSpec = msgspec.field(default_factory=HealthSpec)
     secret: str = ""  # the servers' key (empty: KVBRIDGE_SECRET): the router's room aborts are sealed with it
+    # the decode servers' integrity setting (empty: KVBRIDGE_INTEGRITY, else off) and sample fraction (negative:
+    # KVBRIDGE_INTEGRITY_SAMPLE, else 0.1): which rooms' content the decode compares, reported per response
+    integrity: str = ""
+    integrity_sample: float = -1.0
+
+    def integrity_check(self):
+        """A ``HandoffConfig`` carrying the decode servers' integrity setting (``verifies(room)``)."""
+        import os
+
+        from kvbridge.common.rooms import INTEGRITY_MODES, HandoffConfig
+
+        mode = self.integrity or os.environ.get("KVBRIDGE_INTEGRITY", "") or "off"
+        frac = self.integrity_sample if self.integrity_sample >= 0 else float(os.environ.get("KVBRIDGE_INTEGRITY_SAMPLE", 0.1))
+        if mode not in INTEGRITY_MODES or not 0.0 <= frac <= 1.0:
+            raise ConfigError(f"integrity: {mode!r} (one of {', '.join(INTEGRITY_MODES)}), integrity_sample {frac} "
+                              "(within [0, 1])")
+        return HandoffConfig(integrity=mode, integrity_sample=frac)
 
     def server(self, name: str) -> ServerSpec:
         for s in self.servers:
@@ -348,7 +365,9 @@ def parse_config(text: str | bytes, source: str = "route.yaml") -> RouteConfig:
     except msgspec.DecodeError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
     try:
-        return _validate(cfg)
+        cfg = _validate(cfg)
+        cfg.integrity_check()
+        return cfg
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 

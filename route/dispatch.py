@@ -89,6 +89,7 @@ class Trace:
     servers: list[str] = field(default_factory=list)
     attempts: list[str] = field(default_factory=list)  # one line per failed try
     rooms: list[int] = field(default_factory=list)
+    verified: bool = False  # the decode compared the moved KV's content digest (its integrity setting) and took it
 
 
 class _HalfFailed(Exception):
@@ -144,6 +145,7 @@ class Dispatcher:
                  http: aiohttp.ClientSession, ranks: PrefillRanks):
         self.cfg, self.pool, self.gates, self.m, self.http, self.ranks = cfg, pool, gates, metrics, http, ranks
         self.model = cfg.model.name
+        self._integrity = cfg.integrity_check()
         self._background: set[asyncio.Task] = set()
         # (server name, prompt key) -> until when a TensorRT-LLM server may hold a handle announced
         # for a try that failed: its next request with that prompt would take it (announcements are
@@ -362,6 +364,7 @@ class Dispatcher:
         rid_p, rid_d = f"{job.rid}-p{n}", f"{job.rid}-d{n}"
         trace.route, trace.mode, trace.servers, trace.why = f"{p.engine}->{d.engine}", "disaggregated", [p.name, d.name], ""
         trace.rooms.append(room)
+        trace.verified = self._integrity.verifies(room)  # a room whose content differs fails: this try ends
         relay = prefill = None
         announced: list[Server] = []
         first_out = False

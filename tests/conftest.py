@@ -16,6 +16,9 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 from kvbridge.demo.secret import ensure_secret  # noqa: E402
 
 ensure_secret()
+# every room a decode pulls in the tests is verified: its content digest compared with the
+# sender's (KVBRIDGE_INTEGRITY, read by every plugin; HandoffConfig built by hand stays off)
+os.environ.setdefault("KVBRIDGE_INTEGRITY", "on")
 
 
 @pytest.fixture(scope="session")

@@ -202,7 +202,7 @@ def armed_mode(folder: str) -> dict | None:
 class _FaultEngine:
     """A Mooncake engine that applies the armed mode's per-piece delay, marks the
     ``started_at``-th piece submitted since the parent armed it, and holds that piece
-    while ``<dir>/hold`` exists."""
+    while ``<dir>/hold`` exists (``flip``: flips one byte of its first piece's source)."""
 
     def __init__(self, engine, folder: str):
         self._engine, self._dir, self._n, self._epoch = engine, folder, 0, None
@@ -230,6 +230,9 @@ class _FaultEngine:
                 if mode.get("poison_held"):  # the held batch carries the poison byte: wherever it lands, it shows
                     for src, n in zip(args[1], args[3]):
                         ctypes.memset(int(src), POISON_BYTE, int(n))
+                if mode.get("flip"):  # one byte of this batch's first piece flipped on its way (its source is a staging ring)
+                    byte = ctypes.c_uint8.from_address(int(args[1][0]) + int(args[3][0]) // 2)
+                    byte.value ^= 0xFF
             if mode.get("delay_s"):
                 _time.sleep(float(mode["delay_s"]))
         return self._engine.batch_transfer_async_write(*args)

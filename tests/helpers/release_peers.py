@@ -72,6 +72,24 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
 
             send_pipeline.plan_transfer = skewed
             return ("skewed",)
+        if op == "swap_blocks":  # a planner bug: the first two destination blocks swapped (bytes stay in the room)
+            from kvbridge.common import send_pipeline
+
+            real = send_pipeline.plan_transfer
+
+            def swapped(src, src_blocks, dst, dst_blocks, *a, **kw):
+                dst_blocks = np.array(dst_blocks, dtype=np.int64)
+                dst_blocks[[0, 1]] = dst_blocks[[1, 0]]
+                return real(src, src_blocks, dst, dst_blocks, *a, **kw)
+
+            send_pipeline.plan_transfer = swapped
+            return ("swapped",)
+        if op == "unswap":
+            from kvbridge.common import send_pipeline
+            from kvbridge.layout import plan_transfer
+
+            send_pipeline.plan_transfer = plan_transfer
+            return ("unswapped",)
         if op == "inflight":  # pieces (and bytes) in the transfer engine now, and the next piece (held past its guard)
             pieces = nbytes = held = 0
             for h in list(transport._handles):
@@ -155,6 +173,21 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
         if op == "abort":
             recv.abort(args[0], "aborted by decode (test)")
             return ("aborted", time.monotonic())
+        if op == "stale_before_check":  # a late write of an earlier room lands in the room's 2nd block before it is admitted
+            check = recv._verify
+
+            def late(r, peer, msg):
+                recv._verify = check
+                for v in _block_views(spec, tensors, pulled[r.room][1]):
+                    v.fill_(POISON)
+                return check(r, peer, msg)
+
+            recv._verify = late
+            return ("armed",)
+        if op == "integrity":  # this rank's checks, as counted
+            return ("integrity", {s.labels["result"]: s.value for m in REGISTRY.collect()
+                                  if m.name == "kvbridge_integrity_checks" for s in m.samples
+                                  if s.name.endswith("_total")})
         if op == "outside":  # blocks outside the room's that changed since it was asked for
             room = args[0]
             mine = set(pulled[room])

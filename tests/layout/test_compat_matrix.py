@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.layout import HeadMap, PlanKind, allocate_pool, plan_transfer, sglang_mha_layout, sglang_mla_layout, tp_head_slice
+from kvbridge.layout import (HeadMap, PlanKind, allocate_pool, grid_for, kv_digest, plan_transfer, sglang_mha_layout,
+                             sglang_mla_layout, tp_head_slice)
 from tests.helpers.kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_offsets, written_mask
 
 MATRIX: dict[tuple, str] = {}
@@ -138,6 +139,12 @@ def test_matrix_cell(sglang_pools, cell, mode):
                 so = unit_offsets(s, sblocks[i], 0, PREFIX, TOKENS, range(hm.src_start, hm.src_start + hm.count))
                 do = unit_offsets(d, dblocks, 0, PREFIX, TOKENS, range(hm.dst_start, hm.dst_start + hm.count))
                 assert np.array_equal(read_units(s, so), read_units(d, do)), f"rank {i} -> {d.head_offset}: wrong bytes"
+                # integrity: the content digest each side takes of the moved rows agrees (per layer, layer by layer)
+                spans = [(0, LAYERS)] if mode == "whole" else [(a, a + 1) for a in range(LAYERS)]
+                for a, b in spans:
+                    g = grid_for(s, heads=(hm.global_start, hm.count), tokens=(PREFIX, TOKENS), layers=(a, b))
+                    assert np.array_equal(kv_digest(s, sblocks[i], 0, g), kv_digest(d, dblocks, 0, g)), \
+                        f"rank {i} -> {d.head_offset}: content digests differ (layers {a}..{b})"
                 m = written_mask(d, do)
                 masks = m if masks is None else [x | y for x, y in zip(masks, m)]
             covered = sum(int(m.sum()) for m in masks)
@@ -147,7 +154,7 @@ def test_matrix_cell(sglang_pools, cell, mode):
     except AssertionError as e:
         MATRIX[key] = "FAIL"
         raise AssertionError(f"{cell}: {e}") from None
-    MATRIX[key] = "ok " + "+".join(sorted(k.replace("staged_", "s_") for k in kinds_used))
+    MATRIX[key] = "ok " + "+".join(sorted(k.replace("staged_", "s_") for k in kinds_used)) + " ="
 
 
 def format_matrix() -> list[str]:
@@ -159,7 +166,7 @@ def format_matrix() -> list[str]:
     lines = []
     for s, d in PAIRS:
         cols = list(itertools.product(PAGES[s], PAGES[d]))
-        head = f"{s + ' -> ' + d:<18}{'attn':<5}{'TP':<6}{'dtype':<6}" + "".join(f"{f'page {a}->{b}':>16}" for a, b in cols)
+        head = f"{s + ' -> ' + d:<18}{'attn':<5}{'TP':<6}{'dtype':<6}" + "".join(f"{f'page {a}->{b}':>20}" for a, b in cols)
         lines += ["", head, "-" * len(head)]
         for attn, tp, dt in itertools.product(("GQA", "MLA"), TPS, ("bf16", "fp8")):
             row = f"{'':<18}{attn:<5}{f'{tp[0]}->{tp[1]}':<6}{dt:<6}"
@@ -170,9 +177,10 @@ def format_matrix() -> list[str]:
                 lw = MATRIX.get(key + ("layerwise",))
                 if key in cells and lw is not None:
                     v += " lw" if lw.startswith("ok") else " LW-FAIL"
-                row += f"{v:>16}"
+                row += f"{v:>20}"
             lines.append(row)
-    lines += ["", "ok <kinds>: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv); "
+    lines += ["", "ok <kinds> =: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv), "
+              "and the content digests of both sides equal (the integrity check, kvbridge.layout.digest); "
               "lw: also byte-exact moved layer by layer (a plan per layer). "
               "n/a (pages): SGLang requires equal page sizes on both sides (vLLM -> vLLM: equal block sizes). "
               "n/a (vLLM): vLLM's CPU caches: no fp8; GQA blocks are multiples of 32, MLA blocks are 16."]
@@ -182,7 +190,7 @@ def format_matrix() -> list[str]:
 # -- one cell per engine pair through Mooncake, between two OS processes -------------------
 MOONCAKE_PAGE = {"sglang": 16, "trtllm": 32, "vllm": 32}  # vLLM -> vLLM needs equal blocks
 MOONCAKE_TOKENS, MOONCAKE_PREFIX = 150, 20
-_CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20)
+_CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20, integrity="on")
 
 
 def _peer_spec(engine: str, seed: int) -> dict:
@@ -238,5 +246,6 @@ def test_one_cell_per_engine_pair_through_mooncake(mooncake_peers, pair, layerwi
     assert np.array_equal(got, want), f"{src} -> {dst}: the decode engine reads other K/V than the prefill wrote"
     assert res["bytes_ok"] and res["untouched_ok"], res  # the decode peer's own check: nothing else changed
     assert res["record"]["bytes"] == res["written_bytes"] == want.nbytes, res["record"]
+    assert res["record"]["digest_s"] > 0, "the decode did not compare the room's content digest"
     assert done[4] == pre.ready[2] and done[5] == 0, "prefill blocks not all back once"
     assert dec.call("free")[1:] == (dec.ready[2], 0), "decode blocks not all back once"

@@ -90,6 +90,16 @@ def scenarios(draw):
                 dst_tpb=dst_tpb, start=start, stop=stop, chunked=chunked, seed=seed)
 
 
+def make_pair(sglang_pools, sc):
+    """A scenario's two live pools: (rng, (src layout, blocks, pool), (dst layout, blocks, pool))."""
+    rng = np.random.default_rng(sc["seed"])
+    common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
+                  head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
+    src = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
+    dst = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    return rng, src, dst
+
+
 def run_plan(plan, chunk_bytes=None):
     """Execute a plan in one process: repack with torch, wire segments with memmove;
     chunk by chunk through one reused staging buffer when ``chunk_bytes`` is given."""
@@ -112,11 +122,7 @@ def run_plan(plan, chunk_bytes=None):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
-    rng = np.random.default_rng(sc["seed"])
-    common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
-                  head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
-    src, sblocks, _ = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
-    dst, dblocks, _ = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    rng, (src, sblocks, _), (dst, dblocks, _) = make_pair(sglang_pools, sc)
     src_first = 0
     if sc["chunked"]:
         src_first = (sc["start"] // src.tokens_per_block) * src.tokens_per_block
@@ -180,11 +186,7 @@ def test_plans_agree_with_each_engines_own_indexing(sglang_pools, sc):
     (SGLang: ``k_buffer[l][page * page_size + t, h, :]``; TensorRT-LLM:
     ``pool[b, l, kv].view(H, T, D)[h, t, :]``), written independently of ``KVLayout``, so
     the layout constructors are checked against the engines, not against themselves."""
-    rng = np.random.default_rng(sc["seed"])
-    common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
-                  head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
-    src, sblocks, spool = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
-    dst, dblocks, dpool = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    rng, (src, sblocks, spool), (dst, dblocks, dpool) = make_pair(sglang_pools, sc)
     heads = HeadMap.between(src, dst)
     tokens = range(sc["start"], sc["stop"])
     fill_random(src, sc["seed"])
@@ -204,11 +206,7 @@ def test_plans_agree_with_each_engines_own_indexing(sglang_pools, sc):
 def test_staged_rows_depend_on_the_order_of_destination_blocks_only(sglang_pools, sc):
     """A staged send gathers the same rows, chunk by chunk, for every ascending destination
     block list (KVSender prestages a room's first part before it knows the block ids)."""
-    rng = np.random.default_rng(sc["seed"])
-    common = dict(mla=sc["mla"], dtype=sc["dtype"], layers=sc["layers"], total_heads=sc["total_heads"],
-                  head_dim=sc["head_dim"], tokens_needed=sc["stop"], rng=rng)
-    src, sblocks, _ = make_side(sc["pair"][0], sglang_pools, tp=sc["src_tp"], rank=sc["src_rank"], tpb=sc["src_tpb"], **common)
-    dst, dblocks, _ = make_side(sc["pair"][1], sglang_pools, tp=sc["dst_tp"], rank=sc["dst_rank"], tpb=sc["dst_tpb"], **common)
+    rng, (src, sblocks, _), (dst, dblocks, _) = make_pair(sglang_pools, sc)
     canonical = np.arange(dst.first_block, dst.first_block + dblocks.size)
     # the same pool geometry in another process: every address shifted by one constant
     d = dst.describe()

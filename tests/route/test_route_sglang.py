@@ -106,6 +106,7 @@ def test_openai_client_concurrent_completions_match_transformers(dep, tiny_llama
     for p, (ids, info, times) in zip(prompts, outs):
         assert ids == _ref(tiny_llama_dir, p, 32), info
         assert info["mode"] == "disaggregated" and info["route"] in ("sglang->sglang", "sglang->trtllm"), info
+        assert info["verified"] is True, info  # the session's KVBRIDGE_INTEGRITY=on: every room's content compared
     used = {s for _, info, _ in outs for s in info["servers"]}
     assert {"p0", "p1", "d0", "t0"} <= used, used
     time.sleep(0.5)  # the router's background clean-up, had there been any

@@ -1,0 +1,122 @@
+"""The KV content digest (kvbridge.layout.digest) against each engine's own indexing.
+
+For random geometry pairs (the layout properties' strategy: SGLang's real pools and
+TensorRT-LLM's pool geometry, MHA/GQA/MLA, page sizes, TP both ways, fp8 to fp32), the
+digest each side takes of its own pool equals one computed here from the bytes each
+engine's own indexing rule reads (tests/helpers/engine_kv.py, not ``KVLayout``), after
+any plan kind moved them; and one byte flipped in the destination (again through the
+engine's own indexing) changes the digest at exactly that (layer, K/V, head, token).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+
+from kvbridge.layout import DigestGrid, HeadMap, LayoutError, PlanKind, first_difference, grid_for, kv_digest, plan_transfer
+from tests.helpers.kvhelpers import fill_random
+from tests.layout.test_layout_properties import engine_kv_of, make_pair, run_plan, scenarios
+
+
+def reference_digest(kv_bytes: torch.Tensor, grid: DigestGrid) -> np.ndarray:
+    """XXH3-64 per unit of ``kv_bytes`` ([layers, kv, T, H, head_bytes] uint8, read by the
+    engine's indexing), cut as the grid says: (layer, K/V, head, ``unit_tokens`` tokens)."""
+    canon = kv_bytes.permute(0, 1, 3, 2, 4).contiguous().numpy()  # layer, kv, head, token, bytes
+    out = []
+    for layer in canon:
+        for kv in layer:
+            for head in kv:
+                for a in range(0, head.shape[0], grid.unit_tokens):
+                    out.append(xxhash.xxh3_64_intdigest(head[a:a + grid.unit_tokens].tobytes()))
+    return np.array(out, dtype=np.uint64)
+
+
+def flip_byte(kind: str, pool, blocks, tpb: int, head_dim: int, layer: int, kv: int, t: int, h: int, j: int) -> None:
+    """Flip byte ``j`` of (layer, kv, token t, local head h) through the engine's own indexing."""
+    b, slot = int(blocks[t // tpb]), t % tpb
+    if kind == "sglang":
+        if not hasattr(pool, "k_buffer"):
+            row = pool.kv_buffer[layer][b * tpb + slot, h]
+        else:
+            row = (pool.k_buffer if kv == 0 else pool.v_buffer)[layer][b * tpb + slot, h]
+    else:
+        heads = pool.shape[-1] // (tpb * head_dim)
+        row = pool[b, layer, kv].view(heads, tpb, head_dim)[h, slot]
+    row.view(torch.uint8)[j] ^= 0x5A
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios())
+def test_both_sides_digest_the_same_content_and_name_a_flipped_byte(sglang_pools, sc):
+    rng, (src, sblocks, spool), (dst, dblocks, dpool) = make_pair(sglang_pools, sc)
+    heads = HeadMap.between(src, dst)
+    tokens = range(sc["start"], sc["stop"])
+    fill_random(src, sc["seed"])
+    fill_random(dst, sc["seed"] + 1)
+    # a few units per row where the seed says so, else the default cut
+    grid = grid_for(src, heads=(heads.global_start, heads.count), tokens=(sc["start"], sc["stop"]),
+                    max_units=[4, 64, 1024][sc["seed"] % 3])
+    want = reference_digest(engine_kv_of(sc["pair"][0], spool, sblocks, sc["src_tpb"], tokens,
+                                         range(heads.src_start, heads.src_start + heads.count), sc["head_dim"]), grid)
+    assert np.array_equal(kv_digest(src, sblocks, 0, grid), want), "the sender's digest differs from the engine's bytes'"
+    kind = list(PlanKind)[sc["seed"] % 3]
+    run_plan(plan_transfer(src, sblocks, dst, dblocks, (sc["start"], sc["stop"]), kinds=tuple(PlanKind), force=kind))
+    got = kv_digest(dst, dblocks, 0, grid)
+    assert np.array_equal(got, want), f"{kind.value}: the receiver's digest differs after a correct move"
+    assert first_difference(grid, want, got) == ""
+
+    layer, kv = int(rng.integers(sc["layers"])), int(rng.integers(src.kv_factor))
+    t, i = int(rng.integers(sc["start"], sc["stop"])), int(rng.integers(heads.count))
+    j = int(rng.integers(dst.head_bytes))
+    flip_byte(sc["pair"][1], dpool, dblocks, sc["dst_tpb"], sc["head_dim"], layer, kv, t, heads.dst_start + i, j)
+    bad = kv_digest(dst, dblocks, 0, grid)
+    where = first_difference(grid, want, bad)
+    a = sc["start"] + (t - sc["start"]) // grid.unit_tokens * grid.unit_tokens
+    what = "latent" if src.kv_factor == 1 else "KV"[kv]
+    assert where.startswith(f"first at layer {layer} {what} head {heads.global_start + i} tokens [{a}, "), where
+    assert int((bad != want).sum()) == 1
+
+
+def test_grids_are_bounded_and_checked():
+    from kvbridge.layout import trtllm_pool_layout
+
+    pool = torch.zeros(8, 4, 2, 2 * 16 * 8, dtype=torch.float16)
+    lay = trtllm_pool_layout(pool, tokens_per_block=16, num_kv_heads=2, dtype="float16")
+    g = grid_for(lay, heads=(0, 2), tokens=(0, 100_000))
+    assert g.units <= 1024 and g.unit(g.units - 1) == (3, 1, 1, ((g.per_row - 1) * g.unit_tokens, 100_000))
+    assert grid_for(lay, heads=(0, 2), tokens=(3, 5)).unit_tokens == 1
+    with pytest.raises(LayoutError, match="heads"):
+        kv_digest(lay, range(8), 0, DigestGrid((0, 4), 2, (1, 2), (0, 4), 1))
+    with pytest.raises(LayoutError, match="layers"):
+        kv_digest(lay, range(8), 0, DigestGrid((2, 5), 2, (0, 2), (0, 4), 1))
+    with pytest.raises(LayoutError, match="tokens"):
+        kv_digest(lay, range(2), 0, DigestGrid((0, 4), 2, (0, 2), (0, 33), 1))
+    with pytest.raises(LayoutError, match="invalid digest grid"):
+        DigestGrid((0, 4), 2, (0, 2), (5, 5), 1)
+    assert "units" in first_difference(g, [1, 2], [1])
+
+
+def test_vllm_cpu_cache_digests_as_its_own_indexing_reads_it():
+    """vLLM's CPU cache stores K transposed inside a (block, head) (element-strided rows):
+    its digest equals one over the bytes vLLM's own indexing reads (engine_kv.vllm_kv),
+    and equals a TensorRT-LLM pool's holding the same K and V."""
+    from kvbridge.layout import trtllm_pool_layout, vllm_cpu_layout
+    from tests.helpers.engine_kv import vllm_kv
+
+    torch.manual_seed(0)
+    layers, heads, bs, hd, nb = 2, 2, 16, 32, 6
+    caches = [torch.randn(nb, heads, bs, 2 * hd, dtype=torch.bfloat16) for _ in range(layers)]
+    lay = vllm_cpu_layout(caches)
+    blocks, ntok = [4, 1, 3], 40
+    grid = grid_for(lay, heads=(0, heads), tokens=(3, ntok), max_units=32)
+    kv = vllm_kv(caches, blocks, bs, range(3, ntok))
+    want = reference_digest(kv.contiguous().view(torch.uint8).view(layers, 2, ntok - 3, heads, 2 * hd), grid)
+    assert np.array_equal(kv_digest(lay, blocks, 0, grid), want)
+    pool = torch.zeros(5, layers, 2, heads * 8 * hd, dtype=torch.bfloat16)  # blocks of 8 tokens, HND
+    trt = trtllm_pool_layout(pool, tokens_per_block=8, num_kv_heads=heads, dtype="bfloat16")
+    for t in range(ntok):
+        pool.view(5, layers, 2, heads, 8, hd)[t // 8, :, :, :, t % 8] = vllm_kv(caches, blocks, bs, [t])[:, :, 0]
+    assert np.array_equal(kv_digest(trt, range(5), 0, grid), want)
