@@ -202,7 +202,7 @@ def armed_mode(folder: str) -> dict | None:
 class _FaultEngine:
     """A Mooncake engine that applies the armed mode's per-piece delay, marks the
     ``started_at``-th piece submitted since the parent armed it, and holds that piece
-    while ``<dir>/hold`` exists (``flip``: flips one byte of its first piece's source)."""
+    while ``<dir>/hold`` exists (``flip``: its first piece leaves with one byte flipped)."""
 
     def __init__(self, engine, folder: str):
         self._engine, self._dir, self._n, self._epoch = engine, folder, 0, None
@@ -230,12 +230,22 @@ class _FaultEngine:
                 if mode.get("poison_held"):  # the held batch carries the poison byte: wherever it lands, it shows
                     for src, n in zip(args[1], args[3]):
                         ctypes.memset(int(src), POISON_BYTE, int(n))
-                if mode.get("flip"):  # one byte of this batch's first piece flipped on its way (its source is a staging ring)
-                    byte = ctypes.c_uint8.from_address(int(args[1][0]) + int(args[3][0]) // 2)
-                    byte.value ^= 0xFF
+                if mode.get("flip"):  # this batch's first piece leaves with one byte flipped; its source stays as it is
+                    args = self._flipped(args)
             if mode.get("delay_s"):
                 _time.sleep(float(mode["delay_s"]))
         return self._engine.batch_transfer_async_write(*args)
+
+    def _flipped(self, args):
+        """``args`` with the first piece read from a registered copy of its bytes, one flipped."""
+        src, n = int(args[1][0]), int(args[3][0])
+        copy = ctypes.create_string_buffer(n)
+        ctypes.memmove(copy, src, n)
+        copy[n // 2] = copy[n // 2][0] ^ 0xFF
+        if self._engine.register_memory(ctypes.addressof(copy), n) != 0:
+            raise RuntimeError("flip: cannot register the flipped copy")
+        self._keep = getattr(self, "_keep", []) + [copy]  # registered for the process's life
+        return (args[0], [ctypes.addressof(copy), *list(args[1])[1:]], *args[2:])
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
