@@ -24,7 +24,7 @@ read for as long as the prefill runs:
 
 * Publishing (``PUT /route``): the rank seals the canonical JSON (``canonical``: sorted
   keys, no spaces) of its whole registration body, the ``"kvbridge"`` record included, and
-  sends it base64 in the body's ``"kvbridge_seal"`` field (``seal_registration``). A
+  sends it base64 in the body's ``"kvbridge_seal"`` field (``seal_record``). A
   bootstrap server with a keyring opens it (fresh, not replayed, an accepted key) and
   checks it covers the body as received, field for field; anything else is refused
   with HTTP 401 naming why (``check_registration``), changes nothing, and is counted in
@@ -60,7 +60,7 @@ import urllib.request
 from typing import Any, Mapping
 
 __all__ = ["BootstrapError", "BootstrapServer", "endpoints_by_tp_rank", "fetch_ranks", "parse_address", "rank_record",
-           "ranks_payload", "canonical", "seal_registration", "check_registration", "seal_entry", "open_entry",
+           "ranks_payload", "canonical", "seal_record", "check_registration", "open_entry",
            "seal_route_info", "open_route_info", "read_registration", "RECORD_DOMAIN", "SEAL_FIELD", "MAX_RANKS"]
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,13 @@ def _open(d: Mapping, keyring) -> Any:
         raise AuthError("bad_message", "sealed record is not JSON") from None
 
 
-def seal_registration(body: dict, keyring) -> dict:
-    """A rank's ``PUT /route`` body with its seal (unchanged when ``keyring`` is None)."""
+def seal_record(record: dict, keyring) -> dict:
+    """``record`` (a rank's ``PUT /route`` body, or a ``/kvbridge/ranks`` entry) with a
+    seal over all of it (unchanged when ``keyring`` is None)."""
     if keyring is None:
-        return body
-    body = _unsealed(body)
-    return {**body, SEAL_FIELD: _seal(body, keyring)}
+        return record
+    record = _unsealed(record)
+    return {**record, SEAL_FIELD: _seal(record, keyring)}
 
 
 def check_registration(body: Any, keyring) -> None:
@@ -125,14 +126,6 @@ def check_registration(body: Any, keyring) -> None:
         raise AuthError("bad_message", "registration is not a JSON object")
     if canonical(_open(body, keyring)) != canonical(_unsealed(body)):
         raise AuthError("bad_tag", "registration differs from what its seal covers (altered)")
-
-
-def seal_entry(entry: dict, keyring) -> dict:
-    """A ``/kvbridge/ranks`` entry with a seal over all of it (unchanged without keyring)."""
-    if keyring is None:
-        return entry
-    entry = _unsealed(entry)
-    return {**entry, SEAL_FIELD: _seal(entry, keyring)}
 
 
 def open_entry(entry: Any, keyring) -> dict:
@@ -235,13 +228,15 @@ def rank_record(*, endpoint: str, session: str, engine: str, page_size: int, lay
 
 
 def ranks_payload(ranks: Mapping[tuple[int, int, int, int], dict], *, ready: bool, attn_tp_size: Any,
-                  attn_cp_size: Any, dp_size: Any, pp_size: Any, page_size: Any, kv_cache_dtype: Any) -> dict:
+                  attn_cp_size: Any, dp_size: Any, pp_size: Any, page_size: Any, kv_cache_dtype: Any,
+                  keyring=None) -> dict:
     """The ``GET /kvbridge/ranks`` answer: the topology and, per registered rank keyed
-    (dp, cp, tp, pp), its kvbridge record and SGLang address, in key order."""
+    (dp, cp, tp, pp), its kvbridge record and SGLang address, in key order; with
+    ``keyring`` each entry sealed (``seal_record``)."""
     return {
         "ready": bool(ready), "attn_tp_size": attn_tp_size, "attn_cp_size": attn_cp_size, "dp_size": dp_size,
         "pp_size": pp_size, "page_size": page_size, "kv_cache_dtype": kv_cache_dtype,
-        "ranks": [{"dp_rank": k[0], "cp_rank": k[1], "tp_rank": k[2], "pp_rank": k[3], **v}
+        "ranks": [seal_record({"dp_rank": k[0], "cp_rank": k[1], "tp_rank": k[2], "pp_rank": k[3], **v}, keyring)
                   for k, v in sorted(ranks.items())],
     }
 
@@ -488,10 +483,9 @@ class BootstrapServer:
     async def _kvbridge_ranks(self, request):
         with self._lock:
             ranks = dict(self._ranks)
-        body = ranks_payload(ranks, ready=len(ranks) >= self.tp_size, attn_tp_size=self.tp_size, attn_cp_size=1,
-                             dp_size=1, pp_size=1, page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype)
-        body["ranks"] = [seal_entry(e, self.keyring) for e in body["ranks"]]
-        return self._web.json_response(body)
+        return self._web.json_response(ranks_payload(
+            ranks, ready=len(ranks) >= self.tp_size, attn_tp_size=self.tp_size, attn_cp_size=1, dp_size=1, pp_size=1,
+            page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype, keyring=self.keyring))
 
     # -- SGLang's ZMQ frames to rank_port ----------------------------------------------
     def _drain(self) -> None:

@@ -19,7 +19,7 @@ from aiohttp import web
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 from kvbridge.common.auth import check_bind
-from kvbridge.common.bootstrap import MAX_RANKS, ranks_payload, read_registration, seal_entry, seal_route_info
+from kvbridge.common.bootstrap import MAX_RANKS, ranks_payload, read_registration, seal_route_info
 from kvbridge.common.limits import BoundedMap
 from kvbridge.common.rooms import default_metrics
 
@@ -100,8 +100,7 @@ class KVBridgeKVBootstrapServer(CommonKVBootstrapServer):
     async def _handle_kvbridge_ranks(self, request: web.Request):
         async with self.lock:
             ranks = dict(self.kvbridge_ranks)
-        body = ranks_payload(
+        return web.json_response(ranks_payload(
             ranks, ready=self._is_ready(), attn_tp_size=self.attn_tp_size, attn_cp_size=self.attn_cp_size,
-            dp_size=self.dp_size, pp_size=self.pp_size, page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype)
-        body["ranks"] = [seal_entry(e, self.kvb_keyring) for e in body["ranks"]]
-        return web.json_response(body)
+            dp_size=self.dp_size, pp_size=self.pp_size, page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype,
+            keyring=self.kvb_keyring))

@@ -23,7 +23,7 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import get_local_ip_auto
 
 from kvbridge.common.auth import AuthError, check_bind
-from kvbridge.common.bootstrap import rank_record, refused, seal_registration
+from kvbridge.common.bootstrap import rank_record, refused, seal_record
 from kvbridge.common.handoff import KVReceiver, KVSender, RoomState
 from kvbridge.layout import KVLayout, LayoutError, tp_head_slice
 
@@ -200,7 +200,7 @@ class KVBridgeKVManager(CommonKVManager):
         delay = 1.0
         for attempt in range(5):
             try:
-                r = requests.put(url, json=seal_registration(payload, self.kvb_keyring), timeout=5)
+                r = requests.put(url, json=seal_record(payload, self.kvb_keyring), timeout=5)
                 if r.status_code == 200:
                     return
                 log.warning("kvbridge: prefill registration attempt %d/5 refused: HTTP %d %s", attempt + 1,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvbridge.common.bootstrap import (BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record,
-                                       seal_registration)
+                                       seal_record)
 from kvbridge.common.handoff import KVReceiver, KVSender
 from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout
 
@@ -194,7 +194,7 @@ class KVBridgeWorker:
         end = time.monotonic() + self.cfg.discovery_timeout_s
         while True:  # rank 0 may not be up yet
             # sealed afresh each try (a seal lives replay_window_s and is taken once)
-            body = json.dumps(seal_registration({"attn_tp_rank": self.tp_rank, "kvbridge": record},
+            body = json.dumps(seal_record({"attn_tp_rank": self.tp_rank, "kvbridge": record},
                                                 self._record_keyring)).encode()
             try:
                 with opener.open(urllib.request.Request(url, data=body, method="PUT"), timeout=5) as r:

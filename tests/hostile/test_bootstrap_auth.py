@@ -62,11 +62,11 @@ def test_unsealed_registration_is_refused_and_the_sealed_one_taken(srv):
     forged = {"attn_tp_rank": 1, "kvbridge": _record(1, "tcp://attacker:1")}
     before = {c: _refused(c) for c in ("unsigned", "unknown_key", "bad_tag", "replay")}
     assert _put(srv.address, forged)[0] == 401
-    status, text = _put(srv.address, BS.seal_registration(forged, Keyring(OTHER)))
+    status, text = _put(srv.address, BS.seal_record(forged, Keyring(OTHER)))
     assert status == 401 and "unknown_key" in text
     reg = {"attn_tp_rank": 1, "kvbridge": _record(1)}
-    altered = {**BS.seal_registration(reg, ring), "kvbridge": _record(1, "tcp://attacker:1")}  # a rank's seal, body changed
-    honest = BS.seal_registration(reg, ring)
+    altered = {**BS.seal_record(reg, ring), "kvbridge": _record(1, "tcp://attacker:1")}  # a rank's seal, body changed
+    honest = BS.seal_record(reg, ring)
     assert _put(srv.address, altered)[0] == 401
     assert not srv._ranks
     assert _put(srv.address, honest) == (200, "OK")
@@ -123,7 +123,7 @@ def test_a_reader_never_trusts_a_forged_or_altered_record(fake):
         BS.fetch_ranks(fake, timeout_s=0.5, keyring=ring)
     assert _refused("unsigned") > before
     # altered in flight: the plain endpoint changed, the seal kept: read as sealed
-    sealed = BS.seal_entry(entry, ring)
+    sealed = BS.seal_record(entry, ring)
     _Fake.body = {**top, "ranks": [{**sealed, "endpoint": "tcp://attacker:1"}]}
     body = BS.fetch_ranks(fake, timeout_s=5, keyring=ring)
     assert BS.endpoints_by_tp_rank(body) == ["tcp://127.0.0.1:40000"]

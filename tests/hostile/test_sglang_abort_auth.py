@@ -175,7 +175,7 @@ def test_the_sglang_bootstrap_server_takes_only_sealed_registrations():
             time.sleep(0.1)
     before = _refused("unsigned", "rank_record")
     assert status == 401
-    assert _put(url, BS.seal_registration(reg, ring)) == 200
+    assert _put(url, BS.seal_record(reg, ring)) == 200
     body = BS.fetch_ranks(f"127.0.0.1:{port}", timeout_s=5, keyring=ring)
     (entry,) = body["ranks"]
     assert entry["rank_ip"] == "127.0.0.1" and entry["endpoint"] == "tcp://127.0.0.1:40000"
