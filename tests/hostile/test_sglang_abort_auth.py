@@ -21,14 +21,12 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-pytest.importorskip("sglang")
-
-from kvbridge.adapters.sglang.manager import KVBridgeKVManager  # noqa: E402
-from kvbridge.adapters.sglang.receiver import KVBridgeKVReceiver  # noqa: E402
-from kvbridge.common.auth import Keyring  # noqa: E402
-from kvbridge.common.handoff import RoomState  # noqa: E402
-from kvbridge.common.rooms import default_metrics  # noqa: E402
-from tests.helpers.kvhelpers import wait_until  # noqa: E402
+from kvbridge.adapters.sglang.manager import KVBridgeKVManager
+from kvbridge.adapters.sglang.receiver import KVBridgeKVReceiver
+from kvbridge.common.auth import Keyring
+from kvbridge.common.handoff import RoomState
+from kvbridge.common.rooms import default_metrics
+from tests.helpers.kvhelpers import wait_until
 
 pytestmark = [pytest.mark.timeout(120)]
 
