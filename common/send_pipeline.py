@@ -260,31 +260,40 @@ class SendPipeline:
             wire, allowed = plan.wire, t.allowed
         # the guard: not one byte outside what this receiver set aside for this room
         check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
-        if plan.kind is PlanKind.STAGED_SEND:
-            pre = self._usable_prestage(r, t, c, plan)
-            try:
-                self._pipeline(r, t.peer, req.session, plan, ring, deadline, pre)
-            finally:
-                if pre is not None:  # every write that read it has settled
-                    self._drop_prestage(r, used=True)
-        else:
-            self._drop_prestage(r, used=False)
-            t0 = time.perf_counter()
-            rec.wrote_at = rec.wrote_at or time.monotonic()
-            h = self._write(req.session, wire, deadline, functools.partial(self._stop_reason, r, t.peer))
-            try:
-                self._await(r, h, peer=t.peer, last=True)
-            finally:
-                self._settle_write(h)
-            rec.transfer_s += time.perf_counter() - t0
-            rec.chunks += 1
+        # what is moved, for the receiver to compare with what lands: taken from the pool
+        # (which nothing writes while the room holds its blocks) beside the writes
+        digest = self._digester.submit(self._digest, lay, remote, c, start, stop, rec) if req.digest else None
+        wrote = False
+        try:
+            if plan.kind is PlanKind.STAGED_SEND:
+                pre = self._usable_prestage(r, t, c, plan)
+                try:
+                    self._pipeline(r, t.peer, req.session, plan, ring, deadline, pre)
+                finally:
+                    if pre is not None:  # every write that read it has settled
+                        self._drop_prestage(r, used=True)
+            else:
+                self._drop_prestage(r, used=False)
+                t0 = time.perf_counter()
+                rec.wrote_at = rec.wrote_at or time.monotonic()
+                h = self._write(req.session, wire, deadline, functools.partial(self._stop_reason, r, t.peer))
+                try:
+                    self._await(r, h, peer=t.peer, last=True)
+                finally:
+                    self._settle_write(h)
+                rec.transfer_s += time.perf_counter() - t0
+                rec.chunks += 1
+            wrote = True
+        finally:
+            if digest is not None and not wrote:
+                digest.cancel()  # the room fails: a digest under way only reads the pool
+        if digest is not None:
+            t.digest.append(digest.result())  # one that raised fails the room, as a failed write does
         if plan.kind is PlanKind.STAGED_RECV:
             t.staged.append(P.StagedChunk(first_token=c.first_token, start=start, stop=stop, offset=t.staged_bytes,
                                           blocks=c.blocks.tolist(), layer_start=lo if c.layers else 0,
                                           layer_stop=hi if c.layers else 0))
             t.staged_bytes += plan.nbytes
-        if req.digest:  # what was moved, for the receiver to compare with what landed
-            t.digest.append(self._digest(lay, remote, c, start, stop, rec))
         t.layer_bytes[lo:hi] += plan.nbytes // (hi - lo)  # every layer of a range moves the same bytes
         rec.bytes += plan.nbytes
         rec.segments += plan.num_segments

@@ -148,6 +148,8 @@ class KVSender(ControlSide, SendPipeline):
         self._team = (CopyTeam(name="kvbridge-gather") if self.config.gather_team and (dev is None or dev.type == "cpu")
                       else None)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
+        # content digests (integrity), taken beside the writes of the piece they describe
+        self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-digest")
         self._rings: deque = deque()
         for _ in range(workers):
             ring = staging_buffer(max(2, cfg.ring_parts) * cfg.part_bytes, layout.device or "cpu")  # faulted in now
@@ -304,6 +306,7 @@ class KVSender(ControlSide, SendPipeline):
             if self._rooms[room].state not in TERMINAL:
                 self._fail(room, "sender shutting down", code="shutdown", notify=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._digester.shutdown(wait=True, cancel_futures=True)
         if self._team is not None:
             self._team.close()
         super().close()

@@ -48,6 +48,7 @@ from .geometry import KVLayout, LayoutError
 __all__ = ["DIGEST_ALGORITHM", "MAX_UNITS", "DigestGrid", "grid_for", "kv_digest", "first_difference"]
 
 DIGEST_ALGORITHM = "xxh3_64/lkht"  # the hash, and the canonical order: layer, K/V, head, token
+SPAN_MIN_BYTES = 2048  # a block's run of one head at least this long: hashed in place, not gathered
 MAX_UNITS = 1024  # units a grid_for grid has at most (unless there are more (layer, K/V, head) than that)
 
 
@@ -147,6 +148,11 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> n
     head = (np.arange(h0, h0 + hn, dtype=np.int64) - layout.head_offset) * layout.head_stride
     n = hn * (t1 - t0)
     row_bytes = layout.head_bytes
+    if dev.type == "cpu" and layout.rows_contiguous and layout.token_stride == row_bytes \
+            and layout.tokens_per_block * row_bytes >= SPAN_MIN_BYTES:
+        # a head's tokens lie back to back in a block (head-major pages): hash each unit's
+        # runs in place, no gather (the same bytes in the same order as a gathered unit)
+        return _span_digest(layout, space, blk, slot, head, grid)
     view = space.rows if layout.rows_contiguous else space.strided[0]
     buf = torch.empty((n,) + tuple(view.shape[1:]), dtype=view.dtype, device=dev)  # one (layer, K/V), reused
     host = buf if dev.type == "cpu" else torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
@@ -167,6 +173,52 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> n
                     out[k] = xxhash.xxh3_64_intdigest(mv[a:min(a + step, (h + 1) * span)])
                     k += 1
     return out
+
+
+def _span_digest(layout: KVLayout, space, blk: np.ndarray, slot: np.ndarray, head: np.ndarray,
+                 grid: DigestGrid) -> np.ndarray:
+    """``kv_digest`` of a CPU pool whose tokens of one head are contiguous within a block:
+    each unit is hashed by streaming XXH3 over its contiguous runs (which equals one XXH3
+    over the unit's rows gathered), read where they lie."""
+    import xxhash
+
+    (l0, l1), (t0, t1) = grid.layers, grid.tokens
+    row_bytes, hn, nt = layout.head_bytes, grid.heads[1], t1 - t0
+    pool = memoryview(_host_bytes(layout, space.base))
+    # run starts within a unit's tokens: the first token, every unit boundary and every block start
+    cut = (np.arange(nt, dtype=np.int64) % grid.unit_tokens == 0) | (slot == 0)
+    starts = np.flatnonzero(cut)
+    stops = np.append(starts[1:], nt)
+    unit_of = starts // grid.unit_tokens
+    first_run = np.flatnonzero(np.concatenate([[True], unit_of[1:] != unit_of[:-1]]))
+    run_len = (stops - starts) * row_bytes
+    run_tok = blk[starts] * layout.block_stride + slot[starts] * layout.token_stride - space.base
+    out = np.empty(grid.units, dtype=np.uint64)
+    bounds = np.append(first_run, starts.size).tolist()
+    lens = run_len.tolist()
+    k = 0
+    for layer in range(l0 - layout.layer_offset, l1 - layout.layer_offset):
+        for kv in range(layout.kv_factor):
+            for offs in (run_tok[None, :] + (head[:, None] + int(layout.base[layer, kv]))).tolist():
+                for u in range(len(bounds) - 1):
+                    x = xxhash.xxh3_64()
+                    for r in range(bounds[u], bounds[u + 1]):
+                        x.update(pool[offs[r]:offs[r] + lens[r]])
+                    out[k] = x.intdigest()
+                    k += 1
+    return out
+
+
+def _host_bytes(layout: KVLayout, lo: int) -> np.ndarray:
+    """A uint8 array over ``layout``'s CPU pool memory from address ``lo`` (its lowest
+    region) to its highest region's end, no copy (built once per layout)."""
+    from .pools import alias_memory
+
+    arr = layout.derived.get("host_bytes")
+    if arr is None:
+        hi = max(r.addr + r.nbytes for r in layout.regions)
+        arr = layout.derived["host_bytes"] = alias_memory(lo, hi - lo).numpy()
+    return arr
 
 
 def first_difference(grid: DigestGrid, want, got) -> str:

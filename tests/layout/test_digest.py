@@ -120,3 +120,27 @@ def test_vllm_cpu_cache_digests_as_its_own_indexing_reads_it():
     for t in range(ntok):
         pool.view(5, layers, 2, heads, 8, hd)[t // 8, :, :, :, t % 8] = vllm_kv(caches, blocks, bs, [t])[:, :, 0]
     assert np.array_equal(kv_digest(trt, range(5), 0, grid), want)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["runs-in-place", "gathered"])
+def test_head_major_blocks_digest_as_the_engines_indexing_reads_them(monkeypatch, in_place):
+    """A TensorRT-LLM pool (a head's tokens back to back in a block) is hashed run by run
+    where it lies, or gathered first (``SPAN_MIN_BYTES`` out of reach): both equal the digest
+    of the bytes TensorRT-LLM's own indexing reads, over scattered blocks, a token range
+    that starts and stops inside a block and units that cross block edges."""
+    from kvbridge.layout import digest, trtllm_pool_layout
+
+    if not in_place:
+        monkeypatch.setattr(digest, "SPAN_MIN_BYTES", 1 << 40)
+    torch.manual_seed(3)
+    nb, layers, heads, tpb, hd = 9, 3, 4, 32, 64
+    pool = torch.randn(nb, layers, 2, heads * tpb * hd, dtype=torch.bfloat16)
+    lay = trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype="bfloat16")
+    assert (lay.tokens_per_block * lay.head_bytes >= digest.SPAN_MIN_BYTES) is in_place
+    blocks, t0, t1 = [7, 2, 5, 0], 5, 117
+    grid = grid_for(lay, heads=(1, 3), tokens=(t0, t1), max_units=3 * 2 * 3 * 5)  # 23-token units
+    assert grid.unit_tokens % tpb and grid.per_row > 1
+    kv = torch.stack([torch.stack([torch.stack([pool[blocks[t // tpb], lay_, k].view(heads, tpb, hd)[1:4, t % tpb]
+                                                for t in range(t0, t1)]) for k in range(2)]) for lay_ in range(layers)])
+    want = reference_digest(kv.view(torch.uint8), grid)
+    assert np.array_equal(kv_digest(lay, blocks, 0, grid), want)

@@ -1,7 +1,12 @@
-"""The release rule with REAL vLLM servers on both sides: a decode whose client goes away
-while a piece of the prefill's write is held past its write guard keeps the request's
-blocks (vLLM does not get the load reported) until the prefill proved quiet, then frees
-them, and serves on with outputs equal to transformers'.
+"""The release rule and the integrity policy with REAL vLLM servers on both sides:
+
+- a decode whose client goes away while a piece of the prefill's write is held past its
+  write guard keeps the request's blocks (vLLM does not get the load reported) until the
+  prefill proved quiet, then frees them, and serves on with outputs equal to transformers';
+- a load whose content differs from what the prefill moved (one byte flipped in flight,
+  the session's ``KVBRIDGE_INTEGRITY=on``) is reported failed, naming the mismatch, and
+  vLLM recomputes the prompt (``kv_load_failure_policy=recompute``): the output equals
+  transformers' and no prompt token counts as loaded.
 
 The prefill's writes obey the parent's ``FaultSwitch`` (tests/helpers/vllm_hooks puts
 ``install_test_hooks`` in every process of these servers): 16 KiB pieces, the transport's
@@ -25,6 +30,7 @@ pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.tim
 
 ROOT = Path(__file__).resolve().parents[2]
 HELD = dict(piece_bytes=16 << 10, inflight=0, delay_s=0.0, started_at=2, hold_s=120.0)
+FLIP = dict(piece_bytes=0, inflight=0, delay_s=0.0, started_at=1, flip=True)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +82,34 @@ def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_
     sw.off()
     ref = reference_generate(model_dir, prompt, MAX_NEW).token_ids
     assert complete(decode, prompt, MAX_NEW)["token_ids"] == ref
+
+
+def test_a_load_whose_content_differs_is_recomputed(model_dir, hooked_servers):  # noqa: F811
+    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.demo.sglang_server import new_room
+    from kvbridge.demo.vllm_flows import _external_tokens, _wait_record
+    from kvbridge.demo.vllm_server import complete
+
+    (prefill, decode), sw = hooked_servers
+    prompt = random_prompt(300, seed=4343)
+    ref = reference_generate(model_dir, prompt, MAX_NEW).token_ids
+    room = new_room()
+    p = complete(prefill, prompt, 1, Handle("send", room).to_params())
+    ext0 = _external_tokens(decode)
+    sw.on(FLIP)
+    try:
+        d = complete(decode, prompt, MAX_NEW, p["kv_transfer_params"])
+        assert sw.started(), "the prefill's write never got under way"
+    finally:
+        sw.off()
+    rec = _wait_record(decode, room, "load")
+    assert not rec["ok"] and "content digest mismatch" in rec["reason"], rec
+    assert d["token_ids"] == ref, "vLLM did not recompute the prompt whose loaded content differed"
+    assert _external_tokens(decode) - ext0 == 0, "prompt tokens counted as loaded from a room that failed its digest"
+    assert_blocks_freed(decode)
+    room = new_room()  # the next room through the same pair loads, verified
+    p = complete(prefill, prompt[::-1], 1, Handle("send", room).to_params())
+    assert complete(decode, prompt[::-1], MAX_NEW, p["kv_transfer_params"])["token_ids"] == \
+        reference_generate(model_dir, prompt[::-1], MAX_NEW).token_ids
+    rec = _wait_record(decode, room, "load")
+    assert rec["ok"] and rec["record"]["digest_s"] > 0, rec  # verified: its digest was taken and compared
