@@ -14,6 +14,12 @@ than against the layout model:
   (t, j) is ``block_size * head_dim + t * head_dim + j`` (``csrc/cpu/cpu_attn_vec.hpp``,
   ``reshape_and_cache``).
 
+``kv_addresses`` gives the byte address of every (layer, K/V, token, head) row of a pool
+kvbridge was handed, by the same rules applied to the engine's own tensors as kvbridge got
+them (their shapes, and the order the engine registers them in: SGLang's
+``get_contiguous_buf_infos`` lists every layer's K buffer, then every layer's V buffer),
+never the layout's strides.
+
 ``transformers_kv`` is the reference: per layer and position, K after RoPE and V (or an
 MLA model's latent row ``[kv_a_layernorm(ckv) | k_pe]``, k_pe in the model's interleaved
 order) from the model's own forward with ``use_cache=True``.
@@ -21,11 +27,64 @@ order) from the model's own forward with ``use_cache=True``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["trtllm_kv", "sglang_kv", "vllm_kv", "transformers_kv", "fp8_round", "as_float", "assert_kv_close"]
+__all__ = ["kv_addresses", "trtllm_kv", "sglang_kv", "vllm_kv", "transformers_kv", "fp8_round", "as_float", "assert_kv_close"]
+
+
+def kv_addresses(layout: Any, blocks: Sequence[int], first_token: int, start: int, stop: int,
+                 heads_local: Sequence[int]) -> np.ndarray:
+    """Absolute byte addresses ``[layers, kv_factor, T, H, row_bytes]`` (int64) of tokens
+    ``[start, stop)`` and the pool's local heads ``heads_local``, in a pool kvbridge was
+    handed (``layout.tensors``, ``blocks`` in token order from ``first_token``), computed
+    by that engine's own indexing from its tensors. Read from the layout: only which engine
+    and the geometry the engine was configured with (page size, heads, row bytes)."""
+    t = np.arange(start, stop, dtype=np.int64) - int(first_token)
+    h = np.asarray(list(heads_local), dtype=np.int64)
+    blocks = np.asarray(blocks, dtype=np.int64)
+    tensors = list(layout.tensors)
+    eng, page, layers = layout.engine, int(layout.tokens_per_block), int(layout.num_layers)
+    blk, slot = blocks[t // page], t % page
+    if eng in ("sglang-mha", "sglang-mla"):
+        # k_buffer[l] / v_buffer[l] (kv_buffer[l] for MLA): [size + page_size, heads, head_dim]
+        kvf = 1 if eng == "sglang-mla" else 2
+        if len(tensors) != kvf * layers:
+            raise AssertionError(f"{eng}: {len(tensors)} buffers for {layers} layers")
+        out = []
+        for l in range(layers):
+            per_kv = []
+            for kv in range(kvf):
+                buf = tensors[kv * layers + l]
+                _, nh, hd = buf.shape
+                row = hd * buf.element_size()
+                rows = (blk * page + slot)[:, None] * nh + h[None, :]  # [T, H]
+                per_kv.append(buf.data_ptr() + rows[:, :, None] * row + np.arange(row)[None, None, :])
+            out.append(np.stack(per_kv))
+        return np.stack(out)
+    if eng in ("trtllm", "trtllm-mla"):
+        # the primary pool [blocks, layers, kv_factor, heads * tokens_per_block * head_dim],
+        # HND inside a block (token-major: NHD)
+        (pool,) = tensors
+        nb, nl, kvf, per_block = pool.shape
+        if nl != layers:
+            raise AssertionError(f"{eng}: a pool of {nl} layers seen as {layers} (pool_layers): not modelled here")
+        nh, isz = int(layout.num_heads), pool.element_size()
+        hd = per_block // (nh * page)
+        row = hd * isz
+        token_major = int(layout.token_stride) == nh * row and nh > 1
+        within = (slot[:, None] * nh + h[None, :]) if token_major else (h[None, :] * page + slot[:, None])  # [T, H]
+        lk = (np.arange(nl)[:, None] * kvf + np.arange(kvf)[None, :])  # [layers, kv]
+        elem = ((blk[None, None, :, None] * nl * kvf + lk[:, :, None, None]) * nh * page + within[None, None]) * row
+        return pool.data_ptr() + elem[..., None] + np.arange(row)
+    if eng in ("vllm-cpu", "vllm-mla"):
+        from tests.helpers.kvhelpers import vllm_unit_offsets
+
+        rel = vllm_unit_offsets(layout, blocks, first_token, start, stop, heads_local)
+        return rel + np.array([x.data_ptr() for x in tensors], dtype=np.int64)[:, None, None, None, None]
+    raise AssertionError(f"no engine indexing rule for a {eng!r} pool")
 
 
 def trtllm_kv(pool: torch.Tensor, blocks: Sequence[int], tokens_per_block: int, head_dim: int,

@@ -41,6 +41,9 @@ def engine_read(spec: dict, tensors: list, blocks, positions) -> np.ndarray:
         kv = sglang_kv(tensors[:n], tensors[n:] or None, blocks, tpb, positions)
     elif eng == "trtllm":  # one [blocks, layers, kv, heads * tpb * head_dim] pool
         kv = trtllm_kv(tensors[0], blocks, tpb, spec["head_dim"], positions)
+    elif eng == "vllm" and spec.get("mla"):  # per layer [blocks, 1, block_size, latent]: one row per token
+        rows = [(int(blocks[t // tpb]), t % tpb) for t in positions]
+        kv = torch.stack([torch.stack([c[b, 0, s] for b, s in rows]) for c in tensors])[:, None, :, None, :]
     elif eng == "vllm":
         kv = vllm_kv(tensors, blocks, tpb, positions)
     else:
@@ -208,7 +211,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     from kvbridge.common.handoff import KVReceiver
     from kvbridge.common.transport import MooncakeTransport
     from kvbridge.layout import HeadMap
-    from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
+    from tests.helpers.kvhelpers import read_units, snapshot, unit_addresses, written_mask
 
     lay, tensors = build_pool(spec)
     alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 11)
@@ -240,8 +243,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                 for src_spec, src_blocks in sources:
                     slay, _ = build_pool(src_spec)
                     hm = HeadMap.between(slay, lay)
-                    so = unit_offsets(slay, src_blocks, 0, start, stop, range(hm.src_start, hm.src_start + hm.count))
-                    do = unit_offsets(lay, blocks, 0, start, stop, range(hm.dst_start, hm.dst_start + hm.count))
+                    so = unit_addresses(slay, src_blocks, 0, start, stop, range(hm.src_start, hm.src_start + hm.count))
+                    do = unit_addresses(lay, blocks, 0, start, stop, range(hm.dst_start, hm.dst_start + hm.count))
                     ok &= bool(np.array_equal(read_units(slay, so), read_units(lay, do, after)))
                     m = written_mask(lay, do)
                     masks = m if masks is None else [x | y for x, y in zip(masks, m)]

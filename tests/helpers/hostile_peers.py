@@ -120,7 +120,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     from kvbridge.common.handoff import KVReceiver
     from kvbridge.common.transport import MooncakeTransport
     from kvbridge.layout import HeadMap
-    from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets
+    from tests.helpers.kvhelpers import read_units, snapshot, unit_addresses
 
     lay, _ = build_pool(spec)
     alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 11)
@@ -160,8 +160,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
             after = snapshot(lay)
             slay, _ = build_pool(src_spec)
             hm = HeadMap.between(slay, lay)
-            so = unit_offsets(slay, src_blocks, 0, 0, n, range(hm.src_start, hm.src_start + hm.count))
-            do = unit_offsets(lay, blocks, 0, 0, n, range(hm.dst_start, hm.dst_start + hm.count))
+            so = unit_addresses(slay, src_blocks, 0, 0, n, range(hm.src_start, hm.src_start + hm.count))
+            do = unit_addresses(lay, blocks, 0, 0, n, range(hm.dst_start, hm.dst_start + hm.count))
             ok = bool(np.array_equal(read_units(slay, so), read_units(lay, do, after)))
             changed = sum(int(((a != b) & _outside_mask(lay, blocks, i, a.size)).sum())
                           for i, (a, b) in enumerate(zip(snaps[name], after)))
@@ -177,8 +177,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                 after = snapshot(lay)
                 slay, _ = build_pool(src_spec)
                 hm = HeadMap.between(slay, lay)
-                so = unit_offsets(slay, src_blocks, 0, 0, n, range(hm.src_start, hm.src_start + hm.count))
-                do = unit_offsets(lay, blocks, 0, 0, n, range(hm.dst_start, hm.dst_start + hm.count))
+                so = unit_addresses(slay, src_blocks, 0, 0, n, range(hm.src_start, hm.src_start + hm.count))
+                do = unit_addresses(lay, blocks, 0, 0, n, range(hm.dst_start, hm.dst_start + hm.count))
                 out["bytes_ok"] = bool(np.array_equal(read_units(slay, so), read_units(lay, do, after)))
                 out["outside_changed"] = sum(int(((a != b) & _outside_mask(lay, blocks, i, a.size)).sum())
                                              for i, (a, b) in enumerate(zip(before, after)))

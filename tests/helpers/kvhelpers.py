@@ -1,8 +1,8 @@
 """Test helpers: an independent reference reader of KV bytes, and a segment executor.
 
-The reference reader computes every (layer, kv, token, head) address from first
-principles (block id, slot, strides) with numpy, without any plan code, so tests can
-check plans and repack kernels against it.
+The reference reader takes every (layer, kv, token, head) address from the engine's own
+indexing rule over its own tensors (``engine_kv.kv_addresses``), never from the layout
+under test or any plan code, so tests can check plans and repack kernels against it.
 """
 
 from __future__ import annotations
@@ -28,28 +28,16 @@ def snapshot(layout: KVLayout) -> list[np.ndarray]:
     return [t.reshape(-1).view(torch.uint8).cpu().numpy().copy() for t in layout.tensors]
 
 
-def unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
-    """Byte offsets [L, kv, T, H, head_bytes] of the given tokens and local heads,
-    relative to the start of each (layer, kv)'s region tensor."""
-    if layout.engine in ("vllm-cpu", "vllm-mla"):
-        return vllm_unit_offsets(layout, blocks, first_token, start, stop, heads_local)
-    blocks = np.asarray(blocks, dtype=np.int64)
-    t = np.arange(start, stop) - first_token
-    blk = blocks[t // layout.tokens_per_block]
-    slot = t % layout.tokens_per_block
-    h = np.asarray(heads_local, dtype=np.int64)
-    starts = np.array([r.addr for r in layout.regions], dtype=np.int64)[layout.region_of]
-    rel = (layout.base - starts)[:, :, None, None, None]
-    return (
-        rel
-        + (blk * layout.block_stride + slot * layout.token_stride)[None, None, :, None, None]
-        + (h * layout.head_stride)[None, None, None, :, None]
-        + np.arange(layout.head_bytes)[None, None, None, None, :]
-    )
+def unit_addresses(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
+    """Absolute byte addresses [L, kv, T, H, head_bytes] of the given tokens and local
+    heads, by the engine's own indexing (``engine_kv.kv_addresses``), not the layout's."""
+    from tests.helpers.engine_kv import kv_addresses
+
+    return kv_addresses(layout, blocks, first_token, start, stop, heads_local)
 
 
 def vllm_unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
-    """``unit_offsets`` for vLLM's CPU cache, from vLLM's own description and not the
+    """``unit_addresses`` for vLLM's CPU cache, from vLLM's own description and not the
     layout's strides: each layer tensor is ``[num_blocks, heads, block_size, 2 * head_size]``
     (its shape read here); inside a (block, head), K element (token t, dim j) is element
     ``j * block_size + t`` and V element (t, j) is ``block_size * head_size + t * head_size
@@ -77,22 +65,34 @@ def vllm_unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, st
     return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
 
 
+def _tensor_of(layout: KVLayout, addrs: np.ndarray) -> tuple[int, int]:
+    """(index, data_ptr) of the tensor of ``layout.tensors`` that holds every address."""
+    lo, hi = int(addrs.min()), int(addrs.max())
+    for i, t in enumerate(layout.tensors):
+        p = t.data_ptr()
+        if p <= lo and hi < p + t.numel() * t.element_size():
+            return i, p
+    raise AssertionError(f"addresses [{lo:#x}, {hi:#x}] are not inside one tensor of the {layout.engine} pool")
+
+
 def read_units(layout: KVLayout, offsets: np.ndarray, data: list[np.ndarray] | None = None) -> np.ndarray:
-    """Bytes at ``unit_offsets`` output, from the live tensors or a snapshot."""
+    """Bytes at ``unit_addresses`` output (absolute addresses), from the live tensors or a snapshot."""
     data = data if data is not None else snapshot(layout)
     out = np.empty(offsets.shape, dtype=np.uint8)
-    for l in range(layout.num_layers):
-        for k in range(layout.kv_factor):
-            out[l, k] = data[layout.region_of[l, k]][offsets[l, k]]
+    for l in range(offsets.shape[0]):
+        for k in range(offsets.shape[1]):
+            i, p = _tensor_of(layout, offsets[l, k])
+            out[l, k] = data[i][offsets[l, k] - p]
     return out
 
 
 def written_mask(layout: KVLayout, offsets: np.ndarray) -> list[np.ndarray]:
-    """Per tensor, a boolean mask of the bytes ``offsets`` name."""
+    """Per tensor, a boolean mask of the bytes ``offsets`` (absolute addresses) name."""
     masks = [np.zeros(t.numel() * t.element_size(), dtype=bool) for t in layout.tensors]
-    for l in range(layout.num_layers):
-        for k in range(layout.kv_factor):
-            masks[layout.region_of[l, k]][offsets[l, k].reshape(-1)] = True
+    for l in range(offsets.shape[0]):
+        for k in range(offsets.shape[1]):
+            i, p = _tensor_of(layout, offsets[l, k])
+            masks[i][(offsets[l, k] - p).reshape(-1)] = True
     return masks
 
 

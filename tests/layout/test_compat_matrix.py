@@ -12,10 +12,14 @@ and checked against vLLM's kernel in tests/vllm/test_vllm_layout.py). Each cell 
 request (with a prefix the receiver holds) from every source rank to every destination
 rank that shares heads with it, with the plan kvbridge chooses (and the gather/scatter
 kernels when it stages), and checks every byte of every destination rank and that
-nothing else changed. Cells that cannot apply are marked, not dropped; the matrix is
-printed at the end of the run (conftest.py). The cells move bytes with memmove; one cell
-per engine pair also moves them through Mooncake TCP between two OS processes and is read
-back by each engine's own indexing rule (``test_one_cell_per_engine_pair_through_mooncake``).
+nothing else changed. Every expected byte address comes from the engine's own indexing
+over its own tensors (``tests/helpers/engine_kv.kv_addresses``), never from ``KVLayout``.
+Cells that cannot apply are marked, not dropped; the matrix is printed at the end of the
+run (conftest.py). The cells move bytes with memmove; every engine pair also moves them
+through Mooncake TCP between OS processes, read back by each engine's own indexing rule,
+once per geometry class: GQA bf16 TP 1 -> 1 whole and layer by layer
+(``test_one_cell_per_engine_pair_through_mooncake``), MLA, fp8, TP 2 -> 1 and TP 1 -> 2
+(``test_every_geometry_class_per_engine_pair_through_mooncake``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from kvbridge.layout import (HeadMap, PlanKind, allocate_pool, grid_for, kv_digest, plan_transfer, sglang_mha_layout,
                              sglang_mla_layout, tp_head_slice)
-from tests.helpers.kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_offsets, written_mask
+from tests.helpers.kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_addresses, written_mask
 
 MATRIX: dict[tuple, str] = {}
 
@@ -136,8 +140,8 @@ def test_matrix_cell(sglang_pools, cell, mode):
                     kinds_used.add(plan.kind.value)
                     run_plan(plan)
                 hm = HeadMap.between(s, d)
-                so = unit_offsets(s, sblocks[i], 0, PREFIX, TOKENS, range(hm.src_start, hm.src_start + hm.count))
-                do = unit_offsets(d, dblocks, 0, PREFIX, TOKENS, range(hm.dst_start, hm.dst_start + hm.count))
+                so = unit_addresses(s, sblocks[i], 0, PREFIX, TOKENS, range(hm.src_start, hm.src_start + hm.count))
+                do = unit_addresses(d, dblocks, 0, PREFIX, TOKENS, range(hm.dst_start, hm.dst_start + hm.count))
                 assert np.array_equal(read_units(s, so), read_units(d, do)), f"rank {i} -> {d.head_offset}: wrong bytes"
                 # integrity: the content digest each side takes of the moved rows agrees (per layer, layer by layer)
                 spans = [(0, LAYERS)] if mode == "whole" else [(a, a + 1) for a in range(LAYERS)]
@@ -249,3 +253,88 @@ def test_one_cell_per_engine_pair_through_mooncake(mooncake_peers, pair, layerwi
     assert res["record"]["digest_s"] > 0, "the decode did not compare the room's content digest"
     assert done[4] == pre.ready[2] and done[5] == 0, "prefill blocks not all back once"
     assert dec.call("free")[1:] == (dec.ready[2], 0), "decode blocks not all back once"
+
+
+# -- every geometry class of every engine pair through Mooncake ----------------------------
+CLASSES = {  # class: (prefill TP, decode TP, attention, dtype)
+    "MLA": (1, 1, "MLA", "bf16"), "fp8": (1, 1, "GQA", "fp8"), "TP2->1": (2, 1, "GQA", "bf16"),
+    "TP1->2": (1, 2, "GQA", "bf16")}
+GEOMETRY_CELLS = [(pair, cls) for cls in CLASSES for pair in PAIRS
+                  if not (cls == "fp8" and "vllm" in pair)]  # vLLM's CPU caches: no fp8
+
+
+def _class_spec(engine: str, cls: str, tp: int, rank: int, seed: int) -> dict:
+    mla = CLASSES[cls][2] == "MLA"
+    page = 16 if mla and engine == "vllm" else MOONCAKE_PAGE[engine]  # CPU_MLA's only block size
+    return dict(_peer_spec(engine, seed), tp=tp, rank=rank, mla=mla, dtype=CLASSES[cls][3], tpb=page,
+                head_dim=MLA_DIM if mla else HEAD_DIM,
+                blocks=2 * (-(-MOONCAKE_TOKENS // page)) + 4)
+
+
+@pytest.fixture(scope="module")
+def class_peers():
+    """Peer processes by spec, started on first use; a class's peers are stopped when the
+    next class starts (at most one class's processes alive at a time)."""
+    from tests.helpers import handoff_peers
+    from tests.helpers.kvhelpers import PipePeer
+
+    live: dict = {}
+    state = {"cls": None}
+
+    def get(role: str, engine: str, cls: str, tp: int, rank: int):
+        if state["cls"] != cls:
+            for p in live.values():
+                p.stop()
+            live.clear()
+            state["cls"] = cls
+        key = (role, engine, tp, rank)
+        if key not in live:
+            spec = _class_spec(engine, cls, tp, rank, (100 if role == "prefill" else 200) + 10 * rank
+                               + list(MOONCAKE_PAGE).index(engine))
+            cfg = {**_CFG, **({"recv_staging_bytes": 4 << 20} if role == "decode" and engine == "vllm" else {})}
+            live[key] = PipePeer(handoff_peers.prefill_main if role == "prefill" else handoff_peers.decode_main,
+                                 spec, cfg)
+        return live[key]
+
+    yield get
+    for p in live.values():
+        p.stop()
+
+
+@pytest.mark.parametrize("cell", GEOMETRY_CELLS, ids=lambda c: f"{'->'.join(c[0])}-{c[1]}")
+def test_every_geometry_class_per_engine_pair_through_mooncake(class_peers, cell):
+    """MLA, fp8, TP 2 -> 1 and TP 1 -> 2 for every engine pair (GQA bf16 TP 1 -> 1 is the
+    test above), over Mooncake TCP between OS processes, each engine at its own page size:
+    every decode rank's K/V (or latent), read by the decode engine's own indexing, equals
+    the slice of heads the engines' TP rule gives it (contiguous head ranges per rank) of
+    what the prefill ranks hold, read by the prefill engine's indexing; every block of
+    both sides comes back once."""
+    (src, dst), cls = cell
+    stp, dtp, attn, _ = CLASSES[cls]
+    mla = attn == "MLA"
+    room = 9000 + GEOMETRY_CELLS.index(cell)
+    pres = [class_peers("prefill", src, cls, stp, r) for r in range(stp)]
+    decs = [class_peers("decode", dst, cls, dtp, r) for r in range(dtp)]
+    sblocks = [p.call("serve", room, MOONCAKE_TOKENS, 96)[1] for p in pres]
+    heads = 1 if mla else HEADS
+    for r, d in enumerate(decs):  # every decode rank asks at once, as a TP group does
+        own = range(r * heads // dtp, (r + 1) * heads // dtp) if not mla else range(1)
+        senders = [i for i in range(stp) if mla and i == 0 or not mla and
+                   set(own) & set(range(i * heads // stp, (i + 1) * heads // stp))]
+        d.conn.send(("pull", room, [pres[i].ready[1] for i in senders], MOONCAKE_PREFIX, MOONCAKE_TOKENS, dtp,
+                     [(pres[i].spec, sblocks[i]) for i in senders], {"scattered": True, "timeout": 60}))
+    results = [d.call(timeout=90)[1] for d in decs]
+    positions = list(range(MOONCAKE_PREFIX, MOONCAKE_TOKENS))
+    want = np.concatenate([p.call("engine_read", b, positions)[1] for p, b in zip(pres, sblocks)][: 1 if mla else None],
+                          axis=3)  # [layers, kv, T, all heads (rank order), row bytes]
+    for r, (d, res) in enumerate(zip(decs, results)):
+        assert res["state"] == "SUCCESS", (cls, r, res["reason"])
+        got = d.call("engine_read", res["blocks"], positions)[1]
+        lo, hi = (0, 1) if mla else (r * heads // dtp, (r + 1) * heads // dtp)
+        assert np.array_equal(got, want[:, :, :, lo:hi]), f"{src} -> {dst} {cls}: decode rank {r} reads other KV"
+        assert res["bytes_ok"] and res["untouched_ok"], res
+        assert res["record"]["digest_s"] > 0, "the decode did not compare the room's content digest"
+        assert d.call("free")[1:] == (d.ready[2], 0), "decode blocks not all back once"
+    for p in pres:
+        done = p.call("wait", room, 30)
+        assert done[1] == "SUCCESS" and done[4] == p.ready[2] and done[5] == 0, done[1:3]

@@ -15,26 +15,20 @@ import torch
 
 from kvbridge.layout import CopySpec, LayoutError, allocate_pool
 from kvbridge.layout.repack import Gather, Scatter
-from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
+from tests.helpers.kvhelpers import read_units, snapshot, unit_addresses, written_mask
 
 repack = importlib.import_module("kvbridge.layout.repack")  # the module (the package exports a function of that name)
 GEOM = dict(layers=2, total_heads=4, head_dim=8, dtype="bf16")
-
-
-def _abs(layout, offsets):
-    """Absolute addresses of ``unit_offsets`` (offsets are relative to each region)."""
-    starts = np.array([r.addr for r in layout.regions], dtype=np.int64)[layout.region_of]
-    return offsets + starts[:, :, None, None, None]
 
 
 def _staged_rows(src, sb, dst, db, start, stop, order):
     """The rows of the request, in increasing address order of side ``order``: each row's
     bytes read from the source pool. ``[rows, head_bytes]`` uint8."""
     heads = range(src.num_heads)
-    so = unit_offsets(src, sb, 0, start, stop, heads)
-    do = unit_offsets(dst, db, 0, start, stop, heads)
+    so = unit_addresses(src, sb, 0, start, stop, heads)
+    do = unit_addresses(dst, db, 0, start, stop, heads)
     data = read_units(src, so).reshape(-1, src.head_bytes)
-    key = _abs(src if order == "src" else dst, so if order == "src" else do)[..., 0].reshape(-1)
+    key = (so if order == "src" else do)[..., 0].reshape(-1)  # addresses
     return data[np.argsort(key, kind="stable")]
 
 
@@ -121,7 +115,7 @@ def test_scatter_writes_exactly_the_request(name, tiled, native):
     assert s.native is (tiled and native)
     assert s.run(staging) == spec.nbytes
     heads = range(src.num_heads)
-    so, do = unit_offsets(src, sb, 0, start, stop, heads), unit_offsets(dst, db, 0, start, stop, heads)
+    so, do = unit_addresses(src, sb, 0, start, stop, heads), unit_addresses(dst, db, 0, start, stop, heads)
     assert np.array_equal(read_units(src, so), read_units(dst, do))
     mask = written_mask(dst, do)
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))

@@ -27,7 +27,7 @@ from kvbridge.layout import (
 )
 from kvbridge.layout.segments import _classes, count_segments
 from tests.helpers.engine_kv import sglang_kv, trtllm_kv
-from tests.helpers.kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_offsets, written_mask
+from tests.helpers.kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_addresses, written_mask
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 
@@ -130,8 +130,8 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
     heads = HeadMap.between(src, dst)
     fill_random(src, sc["seed"])
     src_before = snapshot(src)
-    s_off = unit_offsets(src, sblocks, src_first, sc["start"], sc["stop"], range(heads.src_start, heads.src_start + heads.count))
-    d_off = unit_offsets(dst, dblocks, 0, sc["start"], sc["stop"], range(heads.dst_start, heads.dst_start + heads.count))
+    s_off = unit_addresses(src, sblocks, src_first, sc["start"], sc["stop"], range(heads.src_start, heads.src_start + heads.count))
+    d_off = unit_addresses(dst, dblocks, 0, sc["start"], sc["stop"], range(heads.dst_start, heads.dst_start + heads.count))
     expected = read_units(src, s_off)
     mask = written_mask(dst, d_off)
 

@@ -256,7 +256,7 @@ def test_wheel_contains_every_subpackage(tmp_path):
 def test_local_repack_between_pools_is_exact():
     """repack(): a pool-to-pool copy in one process (gather, then scatter) moves exactly the request."""
     from kvbridge.layout import CopySpec, allocate_pool, repack
-    from tests.helpers.kvhelpers import read_units, snapshot, unit_offsets, written_mask
+    from tests.helpers.kvhelpers import read_units, snapshot, unit_addresses, written_mask
 
     src = allocate_pool("sglang", layers=2, total_heads=4, head_dim=8, dtype="bf16", tokens_per_block=16, num_blocks=12, seed=1)
     dst = allocate_pool("trtllm", layers=2, total_heads=4, head_dim=8, dtype="bf16", tokens_per_block=32, num_blocks=8, seed=2)
@@ -264,8 +264,8 @@ def test_local_repack_between_pools_is_exact():
     before = snapshot(dst)
     spec = CopySpec.build(src, sb, dst, db, (10, 90))
     assert repack(spec) == spec.nbytes
-    so = unit_offsets(src, sb, 0, 10, 90, range(4))
-    do = unit_offsets(dst, db, 0, 10, 90, range(4))
+    so = unit_addresses(src, sb, 0, 10, 90, range(4))
+    do = unit_addresses(dst, db, 0, 10, 90, range(4))
     assert np.array_equal(read_units(src, so), read_units(dst, do))
     mask = written_mask(dst, do)
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
@@ -276,7 +276,7 @@ def test_staged_send_in_row_parts_is_exact():
     size into one small region, each part's wire cut with ``Segments.window``; the
     destination ends up byte-exact and nothing else in it changes."""
     from kvbridge.layout import allocate_pool
-    from tests.helpers.kvhelpers import execute_segments, read_units, snapshot, unit_offsets, written_mask
+    from tests.helpers.kvhelpers import execute_segments, read_units, snapshot, unit_addresses, written_mask
 
     src = allocate_pool("sglang", layers=2, total_heads=4, head_dim=8, dtype="bf16", tokens_per_block=16, num_blocks=12, seed=1)
     dst = allocate_pool("trtllm", layers=2, total_heads=4, head_dim=8, dtype="bf16", tokens_per_block=32, num_blocks=8, seed=2)
@@ -294,8 +294,8 @@ def test_staged_send_in_row_parts_is_exact():
             execute_segments(w.shifted(src_by=region.data_ptr()))
             parts += 1
     assert parts > 10
-    so = unit_offsets(src, sb, 0, 10, 90, range(4))
-    do = unit_offsets(dst, db, 0, 10, 90, range(4))
+    so = unit_addresses(src, sb, 0, 10, 90, range(4))
+    do = unit_addresses(dst, db, 0, 10, 90, range(4))
     assert np.array_equal(read_units(src, so), read_units(dst, do))
     mask = written_mask(dst, do)
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))

@@ -15,7 +15,7 @@ import torch
 
 from kvbridge.layout import (KVLayout, LayoutError, PlanKind, allocate_pool, plan_transfer, refused_kinds,
                              vllm_cpu_layout, vllm_cpu_layout_from_geometry)
-from tests.helpers.kvhelpers import execute_segments, read_units, snapshot, unit_offsets, written_mask
+from tests.helpers.kvhelpers import execute_segments, read_units, snapshot, unit_addresses, written_mask
 from tests.helpers.vllm_env import requires_vllm, run_script
 
 L, H, HD, T = 2, 4, 32, 150
@@ -67,7 +67,7 @@ def test_every_byte_both_ways(other, page, vllm_sends):
     if other != "vllm":  # staged: a few large segments, never one per element
         assert plan.num_segments <= 4 * L * 2 * -(-T // min(page, 32)), plan.num_segments
     run(plan)
-    so, do = unit_offsets(src, sb, 0, 20, T, range(H)), unit_offsets(dst, db, 0, 20, T, range(H))
+    so, do = unit_addresses(src, sb, 0, 20, T, range(H)), unit_addresses(dst, db, 0, 20, T, range(H))
     assert np.array_equal(read_units(src, so), read_units(dst, do))
     mask = written_mask(dst, do)
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask)), "other bytes changed"
