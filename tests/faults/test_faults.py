@@ -88,7 +88,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("mooncake")
+import mooncake  # noqa: F401  (pinned: a missing one fails the run, never skips)
 
 from kvbridge.adapters.trtllm import Handle, announce  # noqa: E402
 from tests.helpers.kvhelpers import FaultSwitch, wait_until  # noqa: E402
@@ -475,7 +475,7 @@ def _sgl_case(farm: SGLangFarm, fault: str) -> dict:
 
 @pytest.fixture(scope="module")
 def sgl_farm():
-    pytest.importorskip("sglang")
+    import sglang  # noqa: F401  (pinned: a missing one fails the run, never skips)
     farm = SGLangFarm()
     yield farm
     farm.close()

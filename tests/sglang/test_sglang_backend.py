@@ -16,8 +16,8 @@ import random
 import numpy as np
 import pytest
 
-pytest.importorskip("sglang")
-pytest.importorskip("mooncake")
+import sglang  # noqa: F401  (pinned: a missing one fails the run, never skips)
+import mooncake  # noqa: F401  (pinned: a missing one fails the run, never skips)
 
 from tests.helpers import sglang_peers  # noqa: E402
 
