@@ -42,7 +42,7 @@ $(VLLM_STAMP): requirements/vllm.txt pyproject.toml scripts/vllm_venv.sh
 vllm-venv: $(VLLM_STAMP)
 
 test: install vllm-venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	KVBRIDGE_REQUIRE_VLLM=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/kvbridge demo

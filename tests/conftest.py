@@ -21,6 +21,25 @@ ensure_secret()
 os.environ.setdefault("KVBRIDGE_INTEGRITY", "on")
 
 
+def pytest_sessionstart(session):
+    """Under ``make test`` (``KVBRIDGE_REQUIRE_VLLM=1``) the vLLM venv is part of the
+    install: a missing or broken one stops the run naming the fix, instead of its tests
+    skipping."""
+    if os.environ.get("KVBRIDGE_REQUIRE_VLLM") != "1":
+        return
+    import subprocess
+
+    from tests.helpers.vllm_env import vllm_python
+
+    py = vllm_python()
+    probe = "import importlib.util, xxhash, kvbridge; assert importlib.util.find_spec('vllm'), 'no vllm'"
+    out = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120) if py else None
+    if out is None or out.returncode != 0:
+        why = "absent" if out is None else out.stderr.strip().splitlines()[-1:]
+        pytest.exit(f"the vLLM venv is required here and is {why}: run `make vllm-venv` (or set KVBRIDGE_VLLM_PYTHON)",
+                    returncode=3)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir() -> Path:
     """The tiny GQA Llama (built once per session, no download)."""
