@@ -129,12 +129,13 @@ def _state(ex) -> dict:
            "changed_since_freed": kvm.changed_since_freed()}
     if mgr is not None:
         w, s = mgr.worker, mgr.scheduler
-        out.update(finished_loads=dict(getattr(w, "finished_loads", {})), finished_saves=dict(getattr(w, "finished_saves", {})),
-                   declined=dict(getattr(w, "declined", {})), fallbacks=dict(getattr(s, "fallbacks", {}) if s else {}),
-                   sender_rooms=len(getattr(getattr(w, "sender", None), "_rooms", ())),
-                   receiver_rooms=len(getattr(getattr(w, "receiver", None), "_rooms", ())),
-                   quarantine=w.receiver.quarantine() if getattr(w, "receiver", None) is not None else [],
-                   layout=w.layout.describe() if getattr(w, "layout", None) is not None else None,
+        # read by name, no defaults: a renamed attribute fails the test that reads it, never reads 0
+        out.update(finished_loads=dict(w.finished_loads), finished_saves=dict(w.finished_saves),
+                   declined=dict(w.declined), fallbacks=dict(s.fallbacks) if s else {},
+                   sender_rooms=len(w.sender._rooms) if w.sender is not None else 0,
+                   receiver_rooms=len(w.receiver._rooms) if w.receiver is not None else 0,
+                   quarantine=w.receiver.quarantine() if w.receiver is not None else [],
+                   layout=w.layout.describe() if w.layout is not None else None,
                    metrics=_metric_samples())
     return out
 

@@ -36,7 +36,7 @@ def check_clean(server: StandInServer) -> list[dict]:
         st = server.state(r)
         assert st["free"] == st["total"] and st["pinned"] == 0 and st["held"] == 0, (r, st)
         assert not st["changed_since_freed"], f"rank {r}: blocks {st['changed_since_freed']} changed after they were freed"
-        assert st.get("sender_rooms", 0) == 0 and st.get("receiver_rooms", 0) == 0, (r, st)
+        assert st["sender_rooms"] == 0 and st["receiver_rooms"] == 0, (r, st)
         pool = server.pool(r)
         fresh = torch.empty_like(pool).view(-1).view(torch.uint8)
         g = torch.Generator().manual_seed(7 * 1009 + r)  # how the rank filled its pool (executor._open_pools)
