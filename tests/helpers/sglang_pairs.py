@@ -20,7 +20,7 @@ A new backend gets its own fixture in one line (in tests/sglang/conftest.py)::
 
     @pytest.fixture
     def kvbridge_pair(sglang_pair_factory):
-        return sglang_pair_factory("kvbridge", extra_env={"SGLANG_PLUGINS": "kvbridge"})
+        return sglang_pair_factory("kvbridge", **KVBRIDGE)
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ from pathlib import Path
 
 from tests.helpers import sglang_servers
 from tests.helpers import tiny_models
+
+# the kvbridge plugin in both servers, with /metrics (kvbridge's own series included): the
+# options every plain kvbridge pair of the tiny Llama shares, so they share one running pair
+KVBRIDGE = {"extra_env": {"SGLANG_PLUGINS": "kvbridge"}, "extra_args": ["--enable-metrics"]}
 
 _MODEL_BUILDERS = {
     "llama": tiny_models.build_tiny_llama,

@@ -395,7 +395,10 @@ def test_killing_a_prefill_mid_run(dep, tiny_llama_dir):
         killed_at.append(time.monotonic())
         for f in futs:
             f.result()
-        time.sleep(2.0)
+        end = time.monotonic() + 30  # the router takes p0 out (a failed request or its health check)
+        while health()["p0"]["healthy"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert health()["p0"]["healthy"] is False, "the router still sends to the killed p0"
         futs = [ex.submit(one, i) for i in range(12, 24)]
         for f in futs:
             f.result()

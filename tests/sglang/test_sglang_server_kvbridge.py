@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.helpers.tiny_models import random_prompt, reference_generate
+from tests.helpers.sglang_pairs import KVBRIDGE
 
 # a test that starts servers (a pair in its fixture, or one more decode) waits ~20 s per
 # start on an idle 2-core machine and minutes on a loaded one: more than the default 300 s
@@ -26,7 +27,17 @@ PROMPTS = [4, 37, 300]
 
 @pytest.fixture
 def kvbridge_pair(sglang_pair_factory, tiny_llama_dir):
-    return sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, extra_env={"SGLANG_PLUGINS": "kvbridge"})
+    return sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, **KVBRIDGE)
+
+
+def receiving(srv) -> float:
+    """Rooms a decode server's kvbridge receiver has asked a prefill for and not ended
+    (``kvbridge_handoffs_inflight{role="receiver"}`` in its ``/metrics``, every process)."""
+    import requests
+
+    text = requests.get(srv.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvbridge_handoffs_inflight{") and 'role="receiver"' in line)
 
 
 def test_kvbridge_pair_matches_transformers_and_mooncake(sglang_pair_factory, tiny_llama_dir):
@@ -34,7 +45,7 @@ def test_kvbridge_pair_matches_transformers_and_mooncake(sglang_pair_factory, ti
     refs = [reference_generate(tiny_llama_dir, p, MAX_NEW).token_ids for p in prompts]
     mooncake = sglang_pair_factory("mooncake", model_dir=tiny_llama_dir)
     via_mooncake = [mooncake.generate(p, MAX_NEW) for p in prompts]
-    kv = sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, extra_env={"SGLANG_PLUGINS": "kvbridge"})
+    kv = sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, **KVBRIDGE)
     for p, ref, mc in zip(prompts, refs, via_mooncake):
         t0 = time.monotonic()
         got = kv.generate(p, MAX_NEW)
@@ -110,9 +121,11 @@ def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridg
     rid = f"abort-{body['bootstrap_room']}"
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(_post, kvbridge_pair.decode.url + "/generate", {**body, "rid": rid}, 90)
-        # give the decode time to admit the request (milliseconds) and make its receiver:
-        # nothing over HTTP shows that
-        time.sleep(2.0)
+        # the decode admitted the request and its receiver asked the prefill for the room
+        end = time.monotonic() + 60
+        while receiving(kvbridge_pair.decode) < 1 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert receiving(kvbridge_pair.decode) >= 1, "the decode never asked the prefill for the room"
         ab = requests.post(kvbridge_pair.decode.url + "/abort_request", json={"rid": rid}, timeout=30)
         assert ab.status_code == 200, ab.text
         res = fut.result(timeout=90)

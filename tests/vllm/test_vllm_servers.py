@@ -58,9 +58,9 @@ def vllm_servers(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sglang_pair(model_dir):
     import sglang  # noqa: F401  (pinned: a missing one fails the run, never skips)
-    from tests.helpers.sglang_pairs import get_pair
+    from tests.helpers.sglang_pairs import KVBRIDGE, get_pair
 
-    return get_pair("kvbridge", model_dir=model_dir, extra_env={"SGLANG_PLUGINS": "kvbridge"})
+    return get_pair("kvbridge", model_dir=model_dir, **KVBRIDGE)
 
 
 def reference(model_dir, n):
