@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.helpers import handoff_peers
+from tests.helpers.kvhelpers import FaultSwitch
 from tests.helpers.kvhelpers import PipePeer
 
 CFG = dict(deadline_s=20.0, heartbeat_s=0.2, peer_timeout_s=2.0, quiesce_s=1.0, chunk_bytes=1 << 20)
@@ -340,12 +341,29 @@ def test_the_plan_kind_follows_the_link_setting(peers, link, kind):
     read by the shared settings reader into HandoffConfig.costs, as in the plugins."""
     ps = spec("trtllm", layers=4, total_heads=8, head_dim=128, tpb=64, blocks=24, seed=3)
     ds = spec("trtllm", layers=4, total_heads=8, head_dim=128, tpb=64, blocks=32, seed=3)
-    cfg = {"link": link, "chunk_bytes": 32 << 20}
-    pre, dec = peers("prefill", ps, cfg), peers("decode", ds, cfg)
-    blocks = pre.call_raw("serve", 7, 1024, 1024)[1]
-    res = pull(dec, 7, [pre], 0, 1024, [(ps, blocks)])
-    w = pre.call_raw("wait", 7, 30)
-    check_ok(res, [w])
-    assert res["written_bytes"] == 16 << 20
-    assert res["record"]["plan"] == kind, res["record"]
-    assert res["record"]["segments"] == (16 if kind == "direct" else 8)
+    sw = FaultSwitch()
+    try:
+        cfg = {"link": link, "chunk_bytes": 32 << 20, "hooks": sw.hooks}
+        pre, dec = peers("prefill", ps, cfg), peers("decode", ds, cfg)
+        blocks = pre.call_raw("serve", 7, 1024, 1024)[1]
+        sw.on({"wire": True})
+        res = pull(dec, 7, [pre], 0, 1024, [(ps, blocks)])
+        w = pre.call_raw("wait", 7, 30)
+        check_ok(res, [w])
+        # what reached Mooncake, not what kvbridge recorded: the pieces, where they read and wrote
+        wire = sw.wire(pre.call_raw("pid")[1])
+        (src_pool,), (dst_pool,) = pre.call_raw("pool")[1], dec.call_raw("pool")[1]
+    finally:
+        sw.close()
+    inside = [(lo <= s and s + n <= lo + size, dlo <= d and d + n <= dlo + dsize)
+              for (s, d, n), (lo, size), (dlo, dsize) in zip(wire, [src_pool] * len(wire), [dst_pool] * len(wire))]
+    assert sum(n for _, _, n in wire) == res["written_bytes"] == 16 << 20
+    assert all(into for _, into in inside), "a piece written outside the decode's pool"
+    spans = sorted((d, d + n) for _, d, n in wire)
+    runs = 1 + sum(a != b for (_, b), (a, _) in zip(spans, spans[1:]))  # contiguous destination runs written
+    assert runs == 8, spans  # the decode's blocks: 8 runs of two adjacent 1 MiB blocks
+    if kind == "direct":  # one piece per 1 MiB block (the prefill's are scattered), read where its pool holds it
+        assert len(wire) == 16 and all(frm for frm, _ in inside), wire
+    else:  # gathered first, none read from the pool itself: one write per destination run (pieces cut at staging parts)
+        assert not any(frm for frm, _ in inside), wire
+    assert res["record"]["plan"] == kind and res["record"]["segments"] == (16 if kind == "direct" else runs)

@@ -17,6 +17,7 @@ import traceback
 import numpy as np
 
 from kvbridge.bench.freelist import BlockFreeList
+from tests.helpers.kvhelpers import install_test_hooks
 
 def build_pool(spec: dict):
     """(layout, tensors) of a pool of ``spec``'s geometry filled from ``spec['seed']``."""
@@ -108,6 +109,8 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
     from kvbridge.common.handoff import KVSender, RoomState
     from kvbridge.common.transport import MooncakeTransport
 
+    cfg = dict(cfg)
+    install_test_hooks(cfg.pop("hooks", None))
     lay, tensors = build_pool(spec)
     alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 7)
     transport = MooncakeTransport("127.0.0.1")
@@ -174,6 +177,10 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             return ("registered", blocks.tolist())
         if op == "engine_read":  # blocks, positions -> bytes by the engine's own indexing
             return ("read", engine_read(spec, tensors, *args))
+        if op == "pid":
+            return ("pid", os.getpid())
+        if op == "pool":  # where the engine's tensors lie: [(address, bytes)]
+            return ("pool", [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
         if op == "asked":  # decode ranks whose request for the room the sender accepted
             return ("asked", len(sender.requests(args[0])))
         if op == "declined":  # a decline the sender holds for a room it has not been given yet
@@ -213,6 +220,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     from kvbridge.layout import HeadMap
     from tests.helpers.kvhelpers import read_units, snapshot, unit_addresses, written_mask
 
+    cfg = dict(cfg)
+    install_test_hooks(cfg.pop("hooks", None))
     lay, tensors = build_pool(spec)
     alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 11)
     transport = MooncakeTransport("127.0.0.1")
@@ -257,6 +266,10 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
             return ("pulled", result)
         if op == "engine_read":
             return ("read", engine_read(spec, tensors, *args))
+        if op == "pid":
+            return ("pid", os.getpid())
+        if op == "pool":  # where the engine's tensors lie: [(address, bytes)]
+            return ("pool", [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
         if op == "start_pull":  # fire and return at once (fault tests)
             room, endpoints, start, stop = args[:4]
             blocks = alloc.alloc(-(-stop // lay.tokens_per_block))

@@ -212,6 +212,13 @@ class _FaultEngine:
         import time as _time
 
         mode = armed_mode(self._dir)
+        if mode is not None and mode.get("wire"):  # what reaches Mooncake: every piece's source, destination, length
+            import json as _json
+
+            row = {"t": _time.monotonic(), "epoch": mode.get("epoch"), "src": [int(x) for x in args[1]],
+                   "dst": [int(x) for x in args[2]], "len": [int(x) for x in args[3]]}
+            with open(_os.path.join(self._dir, f"wire-{_os.getpid()}.jsonl"), "a") as f:
+                f.write(_json.dumps(row) + "\n")
         if mode is not None:
             epoch = mode.get("epoch")
             self._n = self._n + 1 if epoch == self._epoch else 1  # counted afresh each time it is armed
@@ -438,6 +445,20 @@ class FaultSwitch:
             with open(p) as f:
                 out += [dict(json.loads(line), pid=wpid) for line in f if line.strip()]
         return sorted((w for w in out if w.get("epoch") == self._epoch), key=lambda w: w["t"])
+
+    def wire(self, pid: int) -> list[tuple[int, int, int]]:
+        """Every piece process ``pid`` handed Mooncake while armed this time with ``wire``
+        (``on({"wire": True})``), in order: (source address, destination address, bytes)."""
+        import json
+        import os as _os
+
+        path = self._path(f"wire-{pid}.jsonl")
+        if not _os.path.exists(path):
+            return []
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [p for r in sorted(rows, key=lambda r: r["t"]) if r["epoch"] == self._epoch
+                for p in zip(r["src"], r["dst"], r["len"])]
 
     def events(self, since: float, pid: int | None = None) -> list[dict]:
         return [e for e in read_events(self.dir) if e["t"] >= since and (pid is None or e["pid"] == pid)]
