@@ -15,7 +15,7 @@ QUIET  := { grep -v "is ignored: it is neither a file nor a directory" || true; 
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvbridge-deps
 
-.PHONY: install sysdeps test demo bench reliability clean vllm-venv
+.PHONY: install sysdeps test demo bench reliability clean vllm-venv mutants
 
 sysdeps:
 	@bash scripts/sysdeps.sh
@@ -43,6 +43,10 @@ vllm-venv: $(VLLM_STAMP)
 
 test: install vllm-venv
 	KVBRIDGE_REQUIRE_VLLM=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# every guarantee's tests fail without it (docs/testing.md); in a scratch copy, not part of `make test`
+mutants: install
+	$(BIN)/python scripts/mutants.py
 
 demo: install
 	$(BIN)/kvbridge demo

@@ -1,0 +1,513 @@
+"""Mutation checks: each guarantee the README makes has a test that fails without it.
+
+A mutation removes one guarantee by an exact text replacement in one source file. For
+each, this script applies it in a scratch copy of the repository, runs the tests listed
+for it, and puts the file back: the tests must fail (the mutation is *caught*); passing
+tests mean the guarantee is unguarded (*survived*). The working tree is never touched.
+
+The scratch copy holds the tracked files and the untracked ones git does not ignore (and
+the package's built extension modules), and is imported as ``kvbridge`` instead of the
+editable install: its ``kvbridge/`` folder gets links to the subpackage folders
+(``pyproject.toml``'s ``package-dir``), so Python's path finder resolves every
+``kvbridge.*`` module there, before the editable install's finder, in pytest and in every
+process a test starts (``PYTHONPATH`` names the copy). A probe checks that before any run.
+
+Usage: python scripts/mutants.py [--list] [--only NAME ...] [--jobs N]   (``make mutants``)
+Exit status: 0 when every mutation was caught, 1 when one survived or could not run, 2
+when the unmutated tests fail or the copy does not import as itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTEST = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One guarantee removed: ``old`` (exactly once in ``file``) becomes ``new``; every
+    run of ``tests`` (pytest node ids) must then fail."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    guarantee: str
+    tests: tuple[str, ...]
+    timeout_s: int = 420
+
+
+RR = "tests/faults/test_release_rule.py"
+MUTATIONS: tuple[Mutation, ...] = (
+    # -- the release rule and the write guards (README: The transfer core; The release rule)
+    Mutation(
+        "write-guard", "common/send_pipeline.py",
+        '        check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")\n',
+        "        pass\n",
+        "before any byte moves, the sender checks that every segment lies inside the blocks the receiver "
+        "allocated for that room",
+        (f"{RR}::test_write_guard_refuses_a_plan_outside_the_room[direct]",)),
+    Mutation(
+        "piece-guard", "common/writes.py",
+        "                why = self._guard() if self._guard is not None else None\n",
+        "                why = None\n",
+        "each write piece is guarded right before it enters the transfer engine",
+        ("tests/core/test_transport.py::test_write_guard_stops_before_the_next_piece",)),
+    Mutation(
+        "resume-guard", "common/send_pipeline.py",
+        "            if silent > self.config.peer_timeout_s:\n",
+        "            if False:\n",
+        "a sender whose decode peer was silent past peer_timeout_s (it was stopped, or partitioned) sends no "
+        "further piece",
+        ("tests/core/test_release_guards.py::test_resume_guard_refuses_the_next_piece_to_a_peer_silent_past_the_timeout",
+         f"{RR}::test_stopped_prefill_resumes_into_quarantined_blocks[direct]")),
+    Mutation(
+        "quiet-check", "common/receiver.py",
+        "        return all(v in (PeerState.DONE, PeerState.FAILED) for v in r.peers.values())\n",
+        "        return all(v is not PeerState.PENDING for v in r.peers.values())\n",
+        "a decode's blocks go back only when no sender can still write into them (a failed sender not proven "
+        "quiet keeps them quarantined)",
+        ("tests/core/test_release_guards.py::test_a_failed_sender_that_is_not_quiet_keeps_the_blocks",
+         f"{RR}::test_decode_abort_releases_only_when_the_sender_is_quiet[direct]")),
+    Mutation(
+        "sender-quiet-only-when-settled", "common/sender.py",
+        "                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=False))\n",
+        "                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=True))\n",
+        "a sender says quiet only once every piece it handed the transfer engine is final",
+        (f"{RR}::test_prefill_abort_keeps_source_blocks_until_settled[direct]",)),
+    Mutation(
+        "prefill-pages-until-settled", "common/sender.py",
+        "        if r.state is RoomState.FAILED and not r.settled and r.chunks:\n",
+        "        if False:\n",
+        "on the prefill side a failed room reads Transferring until it settled (its engine keeps the pages a "
+        "piece still reads)",
+        (f"{RR}::test_prefill_abort_keeps_source_blocks_until_settled[direct]",)),
+    Mutation(
+        "refusal-not-proof", "common/sender.py",
+        "        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=not loud))\n",
+        "        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=True))\n",
+        "a refusal such as conflict, where a replay of the request may be the one being served, is not proof "
+        "that the sender is quiet",
+        (f"{RR}::test_replayed_request_served_first_keeps_the_genuine_blocks[direct]",)),
+    Mutation(
+        "abort-again-each-heartbeat", "common/receiver.py",
+        "                    self._send(ep, self._abort_msg(r.room, r.reason))\n",
+        "                    pass\n",
+        "the decode asks every sender it has no proof from to stop again each heartbeat_s",
+        ("tests/core/test_guards_mutants.py::test_a_sender_not_proven_quiet_is_asked_to_stop_every_heartbeat",)),
+    Mutation(
+        "release-exactly-once", "common/blocks.py",
+        "            if self._released:\n",
+        "            if False:\n",
+        "each side's blocks are released exactly once",
+        ("tests/core/test_guards_mutants.py::test_blocks_go_back_once_whoever_releases_them",)),
+    # -- sealed frames (README: Settings, secret; docs/security.md)
+    Mutation(
+        "seal-covers-payload", "common/auth.py",
+        "        h.update(header)\n        h.update(payload)\n",
+        "        h.update(header)\n",
+        "every frame is sealed: HMAC-SHA256 over all of it (the payload)",
+        ("tests/core/test_auth.py::test_every_byte_is_covered",)),
+    Mutation(
+        "seal-covers-header", "common/auth.py",
+        "        h.update(header)\n        h.update(payload)\n",
+        "        h.update(payload)\n",
+        "every frame is sealed: HMAC-SHA256 over all of it (key id, time, nonce)",
+        ("tests/core/test_auth.py::test_every_byte_is_covered",)),
+    Mutation(
+        "seal-covers-channel", "common/auth.py",
+        '        h.update(domain + b"\\x00")\n',
+        "",
+        "a frame sealed for one channel (control, bus, rank record) is refused on another",
+        ("tests/core/test_auth.py::test_unsigned_unknown_key_and_wrong_domain_are_refused",)),
+    Mutation(
+        "replay-window", "common/auth.py",
+        "        if abs(skew) > self.window_s:\n",
+        "        if False:\n",
+        "a sealed frame older (or newer) than replay_window_s is refused",
+        ("tests/core/test_auth.py::test_replay_is_refused_and_the_window_bounds_the_cache",)),
+    Mutation(
+        "replay-nonce", "common/auth.py",
+        "            if nb in self._seen:\n",
+        "            if False:\n",
+        "a sealed frame seen before inside the window (a replay) is refused",
+        ("tests/core/test_auth.py::test_replay_is_refused_and_the_window_bounds_the_cache",)),
+    Mutation(
+        "routable-bind-needs-secret", "common/auth.py",
+        "    if secret or is_loopback(host):\n        return\n",
+        "    return\n",
+        "without a secret a prefill rank refuses a routable bind",
+        ("tests/core/test_auth.py::test_routable_bind_without_a_secret_is_refused",)),
+    Mutation(
+        "bootstrap-registration-seal", "common/bootstrap.py",
+        "    if canonical(_open(body, keyring)) != canonical(_unsealed(body)):\n",
+        "    if False:\n",
+        "a rank's bootstrap registration (PUT /route) is taken only with a valid seal over all of it",
+        ("tests/hostile/test_bootstrap_auth.py::test_unsealed_registration_is_refused_and_the_sealed_one_taken",)),
+    Mutation(
+        "bootstrap-entry-seal", "common/bootstrap.py",
+        "    rec = _open(entry, keyring)\n",
+        "    rec = _unsealed(entry)\n",
+        "a reader trusts a rank record only as its seal carries it",
+        ("tests/hostile/test_bootstrap_auth.py::test_a_reader_never_trusts_a_forged_or_altered_record",)),
+    Mutation(
+        "bounded-peer-maps", "common/limits.py",
+        "            while len(self) >= self.cap:\n",
+        "            while False:\n",
+        "peer-keyed maps are bounded (a flood of peers evicts the oldest, counted)",
+        ("tests/core/test_limits.py::test_bounded_map_drops_the_oldest_and_counts",)),
+    Mutation(
+        "message-size-cap", "common/protocol.py",
+        "    if size > max_bytes:\n",
+        "    if False:\n",
+        "a control message over the size limit is refused before it is parsed",
+        ("tests/core/test_protocol.py::test_size_cap",)),
+    # -- what a room admits (README: The transfer core; Integrity)
+    Mutation(
+        "prefix-not-resent", "common/send_pipeline.py",
+        "        start, stop = max(c.start, req.token_start), min(c.stop, req.token_stop)\n",
+        "        start, stop = c.start, min(c.stop, req.token_stop)\n",
+        "prefix reuse: only the tokens the decode lacks move",
+        ("tests/core/test_handoff.py::test_cross_format_handoff_chunked_with_prefix[sglang-16-trtllm-32]",)),
+    Mutation(
+        "layer-accounting", "common/receiver.py",
+        "        short = np.flatnonzero(r.layer_bytes < per_layer)\n",
+        "        short = np.flatnonzero(r.layer_bytes < 0)\n",
+        "the receiver admits a room only when every layer of every part is accounted for",
+        ("tests/core/test_handoff_layerwise.py::test_a_done_missing_a_layer_is_not_admitted",)),
+    Mutation(
+        "integrity-verify", "common/receiver.py",
+        "        if why:\n            m.integrity_failures.inc()\n        return why\n",
+        '        if why:\n            m.integrity_failures.inc()\n        return ""\n',
+        "integrity on: a room whose landed content differs from what the prefill moved fails (code integrity)",
+        ("tests/faults/test_integrity.py::test_a_byte_flipped_in_flight_fails_the_room",)),
+    Mutation(
+        "digest-canonical-order", "layout/digest.py",
+        "            addr = int(layout.base[layer, kv]) + head[:, None] + tok[None, :]  # [heads, tokens]: canonical order\n",
+        "            addr = int(layout.base[layer, kv]) + head[None, :] + tok[:, None]\n",
+        "the content digest reads rows in the canonical order (layer, K/V, head, token), the same whatever "
+        "layout holds them",
+        ("tests/layout/test_digest.py::test_both_sides_digest_the_same_content_and_name_a_flipped_byte",)),
+    # -- the prestage (README: The transfer core)
+    Mutation(
+        "prestage-used", "common/send_pipeline.py",
+        "                pre = self._usable_prestage(r, t, c, plan)\n",
+        "                pre = None\n",
+        "a request of the usual shape sends the first part gathered before it came (bytes on the wire right "
+        "after its plan)",
+        ("tests/core/test_handoff.py::test_first_part_gathered_before_the_request",)),
+    Mutation(
+        "prestage-ascending-blocks", "common/send_pipeline.py",
+        "                and t.blocks.size >= pre.nblk and bool(np.all(t.blocks[1:pre.nblk] > t.blocks[:pre.nblk - 1]))):\n",
+        "                and t.blocks.size >= pre.nblk):\n",
+        "a prestaged part is used only for ascending block ids (any other request is served as before)",
+        ("tests/core/test_handoff.py::test_first_part_gathered_before_the_request",)),
+    # -- the layout core (README: The layout model)
+    Mutation(
+        "tp-head-slice", "layout/heads.py",
+        "        return cls(lo, hi - lo, lo - src.head_offset, lo - dst.head_offset)\n",
+        "        return cls(lo, hi - lo, lo - src.head_offset, 0)\n",
+        "prefill TP != decode TP: each decode rank pulls exactly its heads",
+        ("tests/layout/test_layout_unit.py::test_tp_head_slices_and_maps",
+         "tests/core/test_handoff.py::test_tensor_parallel_head_maps[2-1]")),
+    Mutation(
+        "partial-last-page", "layout/segments.py",
+        "    i0, i1 = (spec.start - first) // tpb, -(-(spec.stop - first) // tpb)\n",
+        "    i0, i1 = (spec.start - first) // tpb, (spec.stop - first) // tpb\n",
+        "page sizes differ: prompts need not fill a page on either side (a last page partly filled moves too)",
+        ("tests/layout/test_layout_unit.py::test_local_repack_between_pools_is_exact",)),
+    Mutation(
+        "trtllm-kv-order", "layout/trtllm_pool.py",
+        "    base = pool_ptr + layers[:, None] * layer_bytes + np.arange(kv_factor, dtype=np.int64)[None, :] * block_kv_bytes\n",
+        "    base = pool_ptr + layers[:, None] * layer_bytes + np.arange(kv_factor, dtype=np.int64)[None, ::-1] * block_kv_bytes\n",
+        "a TensorRT-LLM pool is read and written as TensorRT-LLM lays it out (K before V in a block)",
+        ("tests/layout/test_layout_unit.py::test_trtllm_pool_geometry_is_hnd_and_rejects_bad_shapes",)),
+    Mutation(
+        "mismatch-named", "layout/geometry.py",
+        '    for name in ("num_layers", "layer_offset", "kv_factor", "total_heads", "head_dim", "dtype"):\n',
+        '    for name in ("num_layers", "layer_offset", "kv_factor", "total_heads", "head_dim"):\n',
+        "incompatible layouts (layers, heads, head_dim, dtype, kv_factor) raise LayoutMismatchError naming "
+        "each mismatch",
+        ("tests/layout/test_layout_unit.py::test_incompatible_layouts_name_every_mismatch",)),
+    # -- the plugins (README: SGLang plugin; TensorRT-LLM plugin)
+    Mutation(
+        "sglang-prefix-page-rounding", "adapters/sglang/sender.py",
+        "        self._prefix = held - held % ps\n",
+        "        self._prefix = held\n",
+        "a decode prefix off the prefill's page grid: the prefill sends from it rounded down to its own page",
+        ("tests/sglang/test_sglang_backend.py::test_handoff[mha-p64-d1-tp1to2-prefix]",)),
+    Mutation(
+        "trtllm-ordered-dispatch", "adapters/trtllm/worker.py",
+        "        def apply(o=o):\n            with self._lock:\n                self._send(o)\n        self._dispatch.call(apply)\n",
+        "        with self._lock:\n            self._send(o)\n",
+        "a layer-wise TensorRT-LLM prefill hands its sender calls over in order: a room's end never overtakes "
+        "layers still waiting on the device",
+        ("tests/core/test_guards_mutants.py::test_trtllm_send_waits_for_layers_queued_on_the_device",)),
+)
+
+
+# -- the scratch copy ---------------------------------------------------------------------
+
+
+def _git_files() -> list[str]:
+    """Tracked files and untracked ones git does not ignore, plus the package's built
+    extension modules (ignored, but imported)."""
+    def ls(*args: str) -> list[str]:
+        out = subprocess.run(["git", "ls-files", "-z", *args], cwd=ROOT, check=True, capture_output=True).stdout
+        return [p for p in out.decode().split("\0") if p]
+
+    files = ls("--cached", "--others", "--exclude-standard")
+    built = [p for p in ls("--others", "--ignored", "--exclude-standard", "--directory") if p.endswith(".so")]
+    return sorted({p for p in files + built if (ROOT / p).is_file()})
+
+
+def _package_links() -> dict[str, str]:
+    """kvbridge's first-level subpackages and their folders (``package-dir``)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dirs = cfg["tool"]["setuptools"]["package-dir"]
+    return {name.split(".")[1]: path for name, path in dirs.items() if name.count(".") == 1}
+
+
+def make_scratch(files: list[str]) -> Path:
+    """A copy of ``files`` that imports as ``kvbridge``."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvbridge-mutants-"))
+    for rel in files:
+        dst = scratch / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dst)
+    for sub, folder in _package_links().items():
+        link = scratch / "kvbridge" / sub
+        if not link.exists():
+            link.symlink_to(Path(os.path.relpath(scratch / folder, link.parent)), target_is_directory=True)
+    return scratch
+
+
+def scratch_env(scratch: Path) -> dict[str, str]:
+    """The environment of every run in ``scratch`` (its processes inherit ``PYTHONPATH``)."""
+    env = dict(os.environ)
+    env.pop("KVBRIDGE_RELIABILITY_DIR", None)  # a mutated run's fault rows go nowhere
+    keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not Path(p).resolve().is_relative_to(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([str(scratch)] + keep)
+    return env
+
+
+_PROBE_MODULES = ("kvbridge", "kvbridge.cli", "kvbridge.common.receiver", "kvbridge.layout.digest",
+                  "kvbridge.adapters.trtllm.worker", "kvbridge.adapters.sglang.sender", "kvbridge.bench",
+                  "kvbridge.demo", "kvbridge.route", "tests.helpers.kvhelpers")
+_PROBE = """
+import importlib, json, multiprocessing as mp, subprocess, sys
+MODS = %r
+CHILD = "import importlib, json; print(json.dumps({m: importlib.import_module(m).__file__ for m in %r}))"
+
+def where(_=None):
+    return {m: importlib.import_module(m).__file__ for m in MODS}
+
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[1])  # as pytest's `pythonpath = ["."]` does
+    seen = {"pytest's process": where()}
+    with mp.get_context("spawn").Pool(1) as pool:
+        seen["a spawned process"] = pool.apply(where)
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd="/", check=True).stdout
+    seen["a subprocess"] = json.loads(out)
+    print(json.dumps(seen))
+""" % (_PROBE_MODULES, _PROBE_MODULES)
+
+
+def probe(scratch: Path, env: dict[str, str]) -> list[str]:
+    """Where ``kvbridge`` resolves in ``scratch``: in the process pytest will run in, in a
+    spawned process and in a subprocess. Returns what resolves outside the copy (none: good)."""
+    import json
+
+    src = scratch / "_mutants_probe.py"
+    src.write_text(_PROBE)
+    try:
+        res = subprocess.run([sys.executable, str(src), str(scratch)], cwd=scratch, env=env, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        src.unlink()
+    if res.returncode:
+        return [f"probe failed: {res.stderr.strip()[-2000:]}"]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    bad = []
+    for where, files in seen.items():
+        for mod, f in files.items():
+            p = Path(f)
+            if not (p.is_relative_to(scratch) and p.resolve().is_relative_to(scratch)):
+                bad.append(f"{where}: {mod} -> {f}")
+    return bad
+
+
+# -- runs -----------------------------------------------------------------------------------
+
+
+def _drop_bytecode(path: Path) -> None:
+    """Remove ``path``'s cached bytecode, so the next import compiles what the file holds now."""
+    for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+        pyc.unlink(missing_ok=True)
+
+
+def run_pytest(scratch: Path, env: dict[str, str], tests, timeout_s: float) -> tuple[str, str, float]:
+    """(outcome, output, seconds) of pytest on ``tests`` in ``scratch``: outcome ``passed``,
+    ``failed`` (a test failed or errored), ``crashed`` (the process died, e.g. a copy through
+    a wrong address), ``timeout`` or ``error`` (pytest could not run them)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, *PYTEST, *tests], cwd=scratch, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", out, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    seconds = time.monotonic() - t0
+    if proc.returncode == 0:
+        return "passed", out, seconds
+    if proc.returncode < 0 or "Fatal Python error" in out:
+        return "crashed", out, seconds
+    if proc.returncode == 1 and any(line.startswith(("FAILED ", "ERROR ")) for line in out.splitlines()):
+        return "failed", out, seconds
+    return "error", out, seconds
+
+
+def first_failure(out: str) -> str:
+    """The first FAILED/ERROR line of a pytest summary, shortened."""
+    for line in out.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line[:150]
+    return ""
+
+
+def run_mutation(m: Mutation, scratch: Path, env: dict[str, str]) -> tuple[str, float, str]:
+    """(result, seconds, detail): result ``caught``, ``survived``, ``stale`` or ``error``."""
+    path = scratch / m.file
+    original = path.read_text() if path.is_file() else ""
+    n = original.count(m.old)
+    if n != 1:
+        return "stale", 0.0, f"stale mutation: its text occurs {n} times in {m.file}, not once"
+    try:
+        path.write_text(original.replace(m.old, m.new))
+        _drop_bytecode(path)
+        outcome, out, seconds = run_pytest(scratch, env, m.tests, m.timeout_s)
+    finally:
+        path.write_text(original)
+        _drop_bytecode(path)
+    if outcome == "failed":
+        return "caught", seconds, first_failure(out)
+    if outcome == "crashed":
+        return "caught", seconds, "pytest crashed: " + next((line for line in out.splitlines()
+                                                            if "Fatal Python error" in line), "killed by a signal")[:120]
+    if outcome == "passed":
+        return "survived", seconds, "its tests pass with the guarantee removed"
+    tail = " | ".join(out.strip().splitlines()[-3:])[-300:]
+    return "error", seconds, f"{outcome}: {tail}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    ap.add_argument("--markdown", action="store_true", help="with --list: as the table in docs/testing.md")
+    ap.add_argument("--only", action="append", metavar="NAME", help="run this mutation only (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutations run at once, each in its own copy (default 1)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies (their paths are printed)")
+    args = ap.parse_args(argv)
+
+    names = [m.name for m in MUTATIONS]
+    assert len(set(names)) == len(names), "mutation names must be unique"
+    chosen = list(MUTATIONS)
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            ap.error(f"unknown mutation(s) {unknown}; --list shows them")
+        chosen = [m for m in MUTATIONS if m.name in args.only]
+    if args.list and args.markdown:
+        print("| mutation | guarantee it removes | tests that catch it |\n|---|---|---|")
+        for m in chosen:
+            tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
+            print(f"| `{m.name}` (`{m.file}`) | {m.guarantee} | {tests} |")
+        return 0
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  ({m.file})\n  removes: {m.guarantee}\n  tests:   " + "\n           ".join(m.tests))
+        return 0
+
+    t_start = time.monotonic()
+    files = _git_files()
+    jobs = max(1, min(args.jobs, len(chosen)))
+    scratches = [make_scratch(files) for _ in range(jobs)]
+    try:
+        for s in scratches:
+            bad = probe(s, scratch_env(s))
+            if bad:
+                print("the scratch copy does not import as itself; refusing to run:\n  " + "\n  ".join(bad))
+                return 2
+        print(f"scratch copies ({len(files)} files each): {', '.join(map(str, scratches))}; kvbridge resolves "
+              "there (here, in spawned processes, in subprocesses)", flush=True)
+
+        tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
+        print(f"unmutated: {len(tests)} test(s) must pass ...", flush=True)
+        outcome, out, seconds = run_pytest(scratches[0], scratch_env(scratches[0]), tests, 1800)
+        if outcome != "passed":
+            print(out[-4000:])
+            print(f"the listed tests do not pass unmutated ({outcome}, {seconds:.0f} s): the run is invalid")
+            return 2
+        print(f"unmutated: passed in {seconds:.0f} s", flush=True)
+
+        work: queue.Queue = queue.Queue()
+        for i, m in enumerate(chosen):
+            work.put((i, m))
+        results: dict[int, tuple[str, float, str]] = {}
+
+        def worker(scratch: Path) -> None:
+            env = scratch_env(scratch)
+            while True:
+                try:
+                    i, m = work.get_nowait()
+                except queue.Empty:
+                    return
+                res = run_mutation(m, scratch, env)
+                results[i] = res
+                print(f"  {m.name}: {res[0]} ({res[1]:.0f} s) {res[2]}", flush=True)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in scratches]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        if args.keep:
+            print(f"kept: {', '.join(map(str, scratches))}")
+        else:
+            for s in scratches:
+                shutil.rmtree(s, ignore_errors=True)
+
+    width = max(len(m.name) for m in chosen)
+    print(f"\n{'mutation':<{width}}  {'result':<8}  {'s':>4}  first failing test / why")
+    for i, m in enumerate(chosen):
+        result, seconds, detail = results[i]
+        print(f"{m.name:<{width}}  {result:<8}  {seconds:>4.0f}  {detail}")
+    counts = {k: sum(r[0] == k for r in results.values()) for k in ("caught", "survived", "stale", "error")}
+    print(f"\n{counts['caught']} caught, {counts['survived']} survived, {counts['stale']} stale, {counts['error']} error "
+          f"of {len(chosen)} mutation(s) in {time.monotonic() - t_start:.0f} s")
+    return 0 if counts["caught"] == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
