@@ -263,7 +263,6 @@ class SendPipeline:
         # what is moved, for the receiver to compare with what lands: taken from the pool
         # (which nothing writes while the room holds its blocks) beside the writes
         digest = self._digester.submit(self._digest, lay, remote, c, start, stop, rec) if req.digest else None
-        wrote = False
         try:
             if plan.kind is PlanKind.STAGED_SEND:
                 pre = self._usable_prestage(r, t, c, plan)
@@ -283,10 +282,10 @@ class SendPipeline:
                     self._settle_write(h)
                 rec.transfer_s += time.perf_counter() - t0
                 rec.chunks += 1
-            wrote = True
-        finally:
-            if digest is not None and not wrote:
+        except BaseException:
+            if digest is not None:
                 digest.cancel()  # the room fails: a digest under way only reads the pool
+            raise
         if digest is not None:
             t.digest.append(digest.result())  # one that raised fails the room, as a failed write does
         if plan.kind is PlanKind.STAGED_RECV:

@@ -355,8 +355,8 @@ def test_the_plan_kind_follows_the_link_setting(peers, link, kind):
         (src_pool,), (dst_pool,) = pre.call_raw("pool")[1], dec.call_raw("pool")[1]
     finally:
         sw.close()
-    inside = [(lo <= s and s + n <= lo + size, dlo <= d and d + n <= dlo + dsize)
-              for (s, d, n), (lo, size), (dlo, dsize) in zip(wire, [src_pool] * len(wire), [dst_pool] * len(wire))]
+    (slo, ssize), (dlo, dsize) = src_pool, dst_pool
+    inside = [(slo <= s and s + n <= slo + ssize, dlo <= d and d + n <= dlo + dsize) for s, d, n in wire]
     assert sum(n for _, _, n in wire) == res["written_bytes"] == 16 << 20
     assert all(into for _, into in inside), "a piece written outside the decode's pool"
     spans = sorted((d, d + n) for _, d, n in wire)

@@ -80,11 +80,38 @@ def kv_addresses(layout: Any, blocks: Sequence[int], first_token: int, start: in
         elem = ((blk[None, None, :, None] * nl * kvf + lk[:, :, None, None]) * nh * page + within[None, None]) * row
         return pool.data_ptr() + elem[..., None] + np.arange(row)
     if eng in ("vllm-cpu", "vllm-mla"):
-        from tests.helpers.kvhelpers import vllm_unit_offsets
-
-        rel = vllm_unit_offsets(layout, blocks, first_token, start, stop, heads_local)
+        rel = _vllm_offsets(layout, blocks, first_token, start, stop, heads_local)
         return rel + np.array([x.data_ptr() for x in tensors], dtype=np.int64)[:, None, None, None, None]
     raise AssertionError(f"no engine indexing rule for a {eng!r} pool")
+
+
+def _vllm_offsets(layout: Any, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
+    """Byte offsets ``[layers, 2, T, H, row_bytes]`` inside each layer tensor of vLLM's CPU
+    cache, from vLLM's own description and not the layout's strides: each layer tensor is ``[num_blocks, heads, block_size, 2 * head_size]``
+    (its shape read here); inside a (block, head), K element (token t, dim j) is element
+    ``j * block_size + t`` and V element (t, j) is ``block_size * head_size + t * head_size
+    + j`` (cpu_attn_vec.hpp, reshape_and_cache). The last axis is each element's bytes.
+    MLA (CPU_MLA): each layer ``[num_blocks, 1, block_size, latent]``, one row per token."""
+    if layout.engine == "vllm-mla":
+        nb, _, bs, d = layout.tensors[0].shape
+        isz = layout.tensors[0].element_size()
+        t = np.arange(start, stop) - first_token
+        rows = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
+        byte = (rows[:, None] * d * isz + np.arange(d * isz)[None, :])[None, :, None, :]  # [kv=1, T, H=1, bytes]
+        return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
+    nb, nh, bs, hd2 = layout.tensors[0].shape
+    hd, isz = hd2 // 2, layout.tensors[0].element_size()
+    blocks = np.asarray(blocks, dtype=np.int64)
+    t = np.arange(start, stop) - first_token
+    blk, slot = blocks[t // bs], t % bs
+    h = np.asarray(heads_local, dtype=np.int64)
+    j = np.arange(hd)
+    tile = (blk[:, None] * nh + h[None, :]) * (bs * hd2)  # [T, H] first element of the (block, head)
+    k = tile[:, :, None] + j[None, None, :] * bs + slot[:, None, None]  # [T, H, hd]
+    v = tile[:, :, None] + bs * hd + slot[:, None, None] * hd + j[None, None, :]
+    elems = np.stack([k, v])  # [kv, T, H, hd]
+    byte = (elems[..., None] * isz + np.arange(isz)).reshape(2, t.size, h.size, hd * isz)
+    return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
 
 
 def trtllm_kv(pool: torch.Tensor, blocks: Sequence[int], tokens_per_block: int, head_dim: int,

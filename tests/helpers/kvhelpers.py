@@ -36,35 +36,6 @@ def unit_addresses(layout: KVLayout, blocks, first_token: int, start: int, stop:
     return kv_addresses(layout, blocks, first_token, start, stop, heads_local)
 
 
-def vllm_unit_offsets(layout: KVLayout, blocks, first_token: int, start: int, stop: int, heads_local) -> np.ndarray:
-    """``unit_addresses`` for vLLM's CPU cache, from vLLM's own description and not the
-    layout's strides: each layer tensor is ``[num_blocks, heads, block_size, 2 * head_size]``
-    (its shape read here); inside a (block, head), K element (token t, dim j) is element
-    ``j * block_size + t`` and V element (t, j) is ``block_size * head_size + t * head_size
-    + j`` (cpu_attn_vec.hpp, reshape_and_cache). The last axis is each element's bytes.
-    MLA (CPU_MLA): each layer ``[num_blocks, 1, block_size, latent]``, one row per token."""
-    if layout.engine == "vllm-mla":
-        nb, _, bs, d = layout.tensors[0].shape
-        isz = layout.tensors[0].element_size()
-        t = np.arange(start, stop) - first_token
-        rows = np.asarray(blocks, dtype=np.int64)[t // bs] * bs + t % bs
-        byte = (rows[:, None] * d * isz + np.arange(d * isz)[None, :])[None, :, None, :]  # [kv=1, T, H=1, bytes]
-        return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
-    nb, nh, bs, hd2 = layout.tensors[0].shape
-    hd, isz = hd2 // 2, layout.tensors[0].element_size()
-    blocks = np.asarray(blocks, dtype=np.int64)
-    t = np.arange(start, stop) - first_token
-    blk, slot = blocks[t // bs], t % bs
-    h = np.asarray(heads_local, dtype=np.int64)
-    j = np.arange(hd)
-    tile = (blk[:, None] * nh + h[None, :]) * (bs * hd2)  # [T, H] first element of the (block, head)
-    k = tile[:, :, None] + j[None, None, :] * bs + slot[:, None, None]  # [T, H, hd]
-    v = tile[:, :, None] + bs * hd + slot[:, None, None] * hd + j[None, None, :]
-    elems = np.stack([k, v])  # [kv, T, H, hd]
-    byte = (elems[..., None] * isz + np.arange(isz)).reshape(2, t.size, h.size, hd * isz)
-    return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
-
-
 def _tensor_of(layout: KVLayout, addrs: np.ndarray) -> tuple[int, int]:
     """(index, data_ptr) of the tensor of ``layout.tensors`` that holds every address."""
     lo, hi = int(addrs.min()), int(addrs.max())

@@ -7,7 +7,7 @@
 with blocks of 32/64 (CPU_ATTN: multiples of 32), MLA with blocks of 16 (CPU_MLA's only
 size); vLLM's CPU fp8 cache is not modelled, and vLLM -> vLLM needs equal block sizes. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
 MLATokenToKVPool); TensorRT-LLM and vLLM sides are pools of their exact geometry (the
-vLLM one read back through vLLM's own indexing rule, ``kvhelpers.vllm_unit_offsets``,
+vLLM one read back through vLLM's own indexing rule, ``engine_kv.kv_addresses``,
 and checked against vLLM's kernel in tests/vllm/test_vllm_layout.py). Each cell moves a
 request (with a prefix the receiver holds) from every source rank to every destination
 rank that shares heads with it, with the plan kvbridge chooses (and the gather/scatter

@@ -2,7 +2,7 @@
 
 The layout is checked against vLLM's own kernel (``cpu_attn_reshape_and_cache`` writes
 known K/V in the vLLM venv, kvbridge's gather must read them back), and here against
-vLLM's indexing rule (``kvhelpers.vllm_unit_offsets``) for every plan kind the core picks;
+vLLM's indexing rule (``engine_kv.kv_addresses``) for every plan kind the core picks;
 refusals name what is wrong. The compatibility matrix (test_compat_matrix.py) moves vLLM
 caches to and from every engine.
 """
