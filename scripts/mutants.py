@@ -49,9 +49,15 @@ class Mutation:
     guarantee: str
     tests: tuple[str, ...]
     timeout_s: int = 420
+    also: tuple[tuple[str, str, str], ...] = ()  # more (file, old, new) edits of the same removal
+
+    @property
+    def edits(self) -> tuple[tuple[str, str, str], ...]:
+        return ((self.file, self.old, self.new), *self.also)
 
 
 RR = "tests/faults/test_release_rule.py"
+SGK = "tests/sglang/test_sglang_server_kvbridge.py"
 MUTATIONS: tuple[Mutation, ...] = (
     # -- the release rule and the write guards (README: The transfer core; The release rule)
     Mutation(
@@ -231,6 +237,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "page sizes differ: prompts need not fill a page on either side (a last page partly filled moves too)",
         ("tests/layout/test_layout_unit.py::test_local_repack_between_pools_is_exact",)),
     Mutation(
+        "runs-cut-at-source-pages", "layout/copyspec.py",
+        "            np.arange(self.src_first_token + tpb_s * ((self.start - self.src_first_token) // tpb_s + 1), self.stop, tpb_s),\n",
+        "            np.arange(0),\n",
+        "a direct plan's runs end at every page boundary of the prefill's pool (a run never reads across "
+        "into a block the request does not own)",
+        ("tests/layout/test_layout_properties.py::test_every_plan_moves_exactly_the_request",)),
+    Mutation(
+        "runs-cut-at-destination-pages", "layout/copyspec.py",
+        "            np.arange(self.dst_first_token + tpb_d * ((self.start - self.dst_first_token) // tpb_d + 1), self.stop, tpb_d),\n",
+        "            np.arange(0),\n",
+        "a direct plan's runs end at every page boundary of the decode's pool (a run never writes across "
+        "into a block of another request)",
+        ("tests/layout/test_layout_properties.py::test_every_plan_moves_exactly_the_request",)),
+    Mutation(
         "trtllm-kv-order", "layout/trtllm_pool.py",
         "    base = pool_ptr + layers[:, None] * layer_bytes + np.arange(kv_factor, dtype=np.int64)[None, :] * block_kv_bytes\n",
         "    base = pool_ptr + layers[:, None] * layer_bytes + np.arange(kv_factor, dtype=np.int64)[None, ::-1] * block_kv_bytes\n",
@@ -250,6 +270,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        self._prefix = held\n",
         "a decode prefix off the prefill's page grid: the prefill sends from it rounded down to its own page",
         ("tests/sglang/test_sglang_backend.py::test_handoff[mha-p64-d1-tp1to2-prefix]",)),
+    Mutation(
+        "sglang-release-after-quiet", "adapters/sglang/manager.py",
+        "        return self.kv_receiver is None or self.kv_receiver.settled(bootstrap_room)\n",
+        "        return True\n",
+        "a real SGLang decode gets an aborted request's pages back only once no prefill can still write into them",
+        (f"{SGK}::test_decode_abort_with_a_piece_in_flight_keeps_sglangs_pages_until_the_prefill_is_quiet",),
+        timeout_s=600),
+    Mutation(
+        "sglang-exact-tokens", "adapters/sglang/receiver.py",
+        "        ntok = self._transfer_tokens if self._transfer_tokens is not None else pages.size * ps\n",
+        "        ntok = pages.size * ps\n",
+        "SGLang pairs: exactly the prompt's tokens land in the decode's pool, not its pages' worth",
+        ("tests/sglang/test_sglang_server_page_sizes.py::test_16_to_64_chunked_prefill",), timeout_s=600,
+        also=(("adapters/sglang/sender.py",
+               "        ntok = int(num_kv_tokens) if num_kv_tokens is not None else pages.size * ps\n",
+               "        ntok = pages.size * ps\n"),)),  # the prefill sends its pages' worth too: outputs stay right
     Mutation(
         "trtllm-ordered-dispatch", "adapters/trtllm/worker.py",
         "        def apply(o=o):\n            with self._lock:\n                self._send(o)\n        self._dispatch.call(apply)\n",
@@ -397,18 +433,25 @@ def first_failure(out: str) -> str:
 
 def run_mutation(m: Mutation, scratch: Path, env: dict[str, str]) -> tuple[str, float, str]:
     """(result, seconds, detail): result ``caught``, ``survived``, ``stale`` or ``error``."""
-    path = scratch / m.file
-    original = path.read_text() if path.is_file() else ""
-    n = original.count(m.old)
-    if n != 1:
-        return "stale", 0.0, f"stale mutation: its text occurs {n} times in {m.file}, not once"
+    originals: dict[Path, str] = {}
+    for file, old, _ in m.edits:
+        path = scratch / file
+        text = originals.setdefault(path, path.read_text() if path.is_file() else "")
+        n = text.count(old)
+        if n != 1:
+            return "stale", 0.0, f"stale mutation: its text occurs {n} times in {file}, not once"
     try:
-        path.write_text(original.replace(m.old, m.new))
-        _drop_bytecode(path)
+        changed = dict(originals)
+        for file, old, new in m.edits:
+            changed[scratch / file] = changed[scratch / file].replace(old, new)
+        for path, text in changed.items():
+            path.write_text(text)
+            _drop_bytecode(path)
         outcome, out, seconds = run_pytest(scratch, env, m.tests, m.timeout_s)
     finally:
-        path.write_text(original)
-        _drop_bytecode(path)
+        for path, text in originals.items():
+            path.write_text(text)
+            _drop_bytecode(path)
     if outcome == "failed":
         return "caught", seconds, first_failure(out)
     if outcome == "crashed":
@@ -441,11 +484,12 @@ def main(argv=None) -> int:
         print("| mutation | guarantee it removes | tests that catch it |\n|---|---|---|")
         for m in chosen:
             tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
-            print(f"| `{m.name}` (`{m.file}`) | {m.guarantee} | {tests} |")
+            files = ", ".join(dict.fromkeys(f"`{f}`" for f, _, _ in m.edits))
+            print(f"| `{m.name}` ({files}) | {m.guarantee} | {tests} |")
         return 0
     if args.list:
         for m in chosen:
-            print(f"{m.name}  ({m.file})\n  removes: {m.guarantee}\n  tests:   " + "\n           ".join(m.tests))
+            print(f"{m.name}  ({', '.join(dict.fromkeys(f for f, _, _ in m.edits))})\n  removes: {m.guarantee}\n  tests:   " + "\n           ".join(m.tests))
         return 0
 
     t_start = time.monotonic()

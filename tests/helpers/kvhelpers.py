@@ -340,10 +340,13 @@ class FaultSwitch:
     """The parent's side of ``install_test_hooks``: a folder the peers watch (pass
     ``hooks`` to them), armed in a mode for one transfer, and their recorded warnings."""
 
-    def __init__(self):
+    def __init__(self, folder: str | None = None):
+        """``folder``: the one the peers were started with (default: a new one)."""
+        import os as _os
         import tempfile
 
-        self.dir = tempfile.mkdtemp(prefix="kvb-faults-")
+        self.dir = folder or tempfile.mkdtemp(prefix="kvb-faults-")
+        _os.makedirs(self.dir, exist_ok=True)
         self.hooks = {"dir": self.dir}
         self.started_path = self._path("started")  # created by the piece that marks a transfer under way
         self._epoch = 0

@@ -37,9 +37,10 @@ from pathlib import Path
 from tests.helpers import sglang_servers
 from tests.helpers import tiny_models
 
-# the kvbridge plugin in both servers, with /metrics (kvbridge's own series included): the
-# options every plain kvbridge pair of the tiny Llama shares, so they share one running pair
-KVBRIDGE = {"extra_env": {"SGLANG_PLUGINS": "kvbridge"}, "extra_args": ["--enable-metrics"]}
+# the kvbridge plugin in both servers, with /metrics (kvbridge's own series included) and
+# SGLang's own pool and allocator observed (``Pair.probe``): the options every plain kvbridge
+# pair of the tiny Llama shares, so they share one running pair
+KVBRIDGE = {"extra_env": {"SGLANG_PLUGINS": "kvbridge"}, "extra_args": ["--enable-metrics"], "probe": True}
 
 _MODEL_BUILDERS = {
     "llama": tiny_models.build_tiny_llama,

@@ -54,6 +54,9 @@ from kvbridge.demo.sglang_server import (  # noqa: F401  (re-exported for the te
     wait_healthy,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROBE_HOOKS = Path(__file__).resolve().parent / "sglang_hooks"  # its sitecustomize installs sglang_probe
+
 # the names these helpers had before they moved into the library
 _post, _server_argv, _server_env, _fatal_line, _tail = post_json, server_argv, server_env, fatal_line, log_tail
 
@@ -84,6 +87,26 @@ class Pair:
     extra: dict[str, Server] = field(default_factory=dict)  # more decode servers beside the pair
     _envs: dict = field(default_factory=dict, repr=False)
     _argv: tuple = field(default=(), repr=False)  # (python, extra_args, decode_args, max_total_tokens)
+    probes: dict = field(default_factory=dict)  # role -> its folder, started with ``probe=True``
+    _switch: Any = field(default=None, repr=False)
+
+    def probe(self, role: str = "decode"):
+        """SGLang's own pool and allocator of the ``role`` server (``sglang_probe.PoolProbe``)."""
+        from tests.helpers.sglang_probe import PoolProbe
+
+        if role not in self.probes:
+            raise AssertionError(f"this pair was started without probe=True ({self.describe()})")
+        return PoolProbe(self.probes[role])
+
+    def switch(self):
+        """The ``kvhelpers.FaultSwitch`` both servers' kvbridge transports obey (``probe=True``)."""
+        from tests.helpers.kvhelpers import FaultSwitch
+
+        if "faults" not in self.probes:
+            raise AssertionError(f"this pair was started without probe=True ({self.describe()})")
+        if self._switch is None:
+            self._switch = FaultSwitch(self.probes["faults"])
+        return self._switch
 
     # ---- lifecycle -------------------------------------------------------------------
     def alive(self) -> bool:
@@ -119,6 +142,7 @@ class Pair:
         if is_mla_model(model) != is_mla_model(self.model_dir):
             raise ValueError("an extra decode server serves a model of the pair's kind (MLA or not): same environment")
         env = dict(self._envs["decode"])
+        env.pop("KVBRIDGE_TEST_SGLANG_PROBE", None)  # the pair's decode alone reports to its probe
         ps = page_size if page_size is not None else (self.decode_page_size or self.page_size)
         for attempt in range(3):
             port, nccl = free_ports(2)
@@ -252,12 +276,15 @@ def start_pair(
     timeout: float = DEFAULT_START_TIMEOUT,
     python: str | None = None,
     port_retries: int = 2,
+    probe: bool = False,
 ) -> Pair:
     """Start a prefill and a decode server for ``model_dir`` and wait until both are healthy.
 
     ``backend`` is passed as ``--disaggregation-transfer-backend`` to both; ``page_size``
     as ``--page-size`` to both, unless ``decode_page_size`` gives the decode its own.
     ``extra_env``/``extra_args`` go to both servers, ``prefill_*``/``decode_*`` to one.
+    ``probe``: both servers report SGLang's own pool and allocator (``Pair.probe``) and their
+    kvbridge transports obey one fault switch (``Pair.switch``).
     Raises ServerError (with both log tails) if a server dies or is not healthy
     within ``timeout`` seconds; nothing is left running then. A start that lost a
     port race ("address already in use") is retried with new ports
@@ -272,7 +299,7 @@ def start_pair(
     for attempt in range(port_retries + 1):
         pair = _make_pair(
             model_dir, backend, page_size, decode_page_size, extra_env, extra_args, prefill_args, decode_args,
-            prefill_env, decode_env, max_total_tokens, log_dir, python,
+            prefill_env, decode_env, max_total_tokens, log_dir, python, probe,
         )  # fmt: skip
         t0 = time.monotonic()
         try:
@@ -295,16 +322,25 @@ def start_pair(
 
 def _make_pair(
     model_dir, backend, page_size, decode_page_size, extra_env, extra_args, prefill_args, decode_args,
-    prefill_env, decode_env, max_total_tokens, log_dir, python,
+    prefill_env, decode_env, max_total_tokens, log_dir, python, probe=False,
 ) -> Pair:  # fmt: skip
     p_port, p_nccl, d_port, d_nccl, boot = free_ports(5)
     mla = is_mla_model(model_dir)
-    servers, envs = [], {}
+    servers, envs, probes = [], {}, {}
     for role, port, nccl, role_args, role_env, ps in (
         ("prefill", p_port, p_nccl, prefill_args, prefill_env, page_size),
         ("decode", d_port, d_nccl, decode_args, decode_env, decode_page_size or page_size),
     ):
-        env, delta = server_env(backend, {**(extra_env or {}), **(role_env or {})}, mla=mla)
+        role_env = {**(extra_env or {}), **(role_env or {})}
+        if probe:
+            probes[role], probes["faults"] = str(log_dir / f"probe-{role}"), str(log_dir / "faults")
+            for folder in (probes[role], probes["faults"]):
+                os.makedirs(folder, exist_ok=True)
+            role_env = {**role_env, "KVBRIDGE_TEST_SGLANG_PROBE": probes[role],
+                        "KVBRIDGE_TEST_HOOKS_DIR": probes["faults"], "PYTHONPATH": os.pathsep.join(
+                [str(PROBE_HOOKS), str(REPO_ROOT)] + [pp for pp in (role_env.get("PYTHONPATH") or
+                                                                   os.environ.get("PYTHONPATH"),) if pp])}
+        env, delta = server_env(backend, role_env, mla=mla)
         argv = server_argv(
             python, model_dir, role, backend, port, nccl, boot, ps, max_total_tokens,
             [*extra_args, *role_args],
@@ -322,6 +358,7 @@ def _make_pair(
         decode_page_size=decode_page_size,
     )
     pair._envs = envs
+    pair.probes = probes
     pair._argv = (python, tuple(extra_args), tuple(decode_args), max_total_tokens)
     return pair
 

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers.tiny_models import random_prompt, reference_generate
+from tests.helpers.kvhelpers import wait_until
 from tests.helpers.sglang_pairs import KVBRIDGE
+from tests.helpers.tiny_models import random_prompt, reference_generate
 
 # a test that starts servers (a pair in its fixture, or one more decode) waits ~20 s per
 # start on an idle 2-core machine and minutes on a loaded one: more than the default 300 s
@@ -62,6 +63,9 @@ def test_kvbridge_pair_concurrent_requests(kvbridge_pair, tiny_llama_dir):
         outs = list(ex.map(lambda p: kvbridge_pair.generate(p, MAX_NEW), prompts))
     for p, got, ref in zip(prompts, outs, refs):
         assert got == ref, f"{len(p)}-token prompt (concurrent): kvbridge pair {got} != transformers {ref}"
+        # read from SGLang's decode pool: every prompt row is transformers' K/V, nothing beyond it
+        kvbridge_pair.probe("decode").assert_landed(tiny_llama_dir, p, prefix=0)
+    kvbridge_pair.probe("decode").assert_clean()
 
 
 def test_prefill_page_1_to_decode_page_16(kvbridge_pair, tiny_llama_dir):
@@ -109,7 +113,8 @@ def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridg
     """A client aborts its decode request (SGLang's ``/abort_request``) while the decode
     server waits for the KV (the prefill has not been asked yet): the decode answers with
     an abort; the prefill request for that room, sent afterwards, ends within the handoff
-    timeouts instead of holding its KV; both servers stay healthy and the next request
+    timeouts instead of holding its KV; SGLang's own allocators on both servers have every
+    page back, none freed twice; both servers stay healthy and the next request
     through the pair equals transformers' output (the same behaviour tests/helpers/sglang_peers.py
     drives by hand, through the real servers)."""
     import requests
@@ -140,9 +145,63 @@ def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridg
     assert pre.status_code != 200 and "aborted by decode" in pre.text, pre.text
     for srv in (kvbridge_pair.prefill, kvbridge_pair.decode):
         assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+    # SGLang's own allocators: every page of the room back in the free list (the prefill's
+    # pinned ones included: nothing protected in its radix cache), none freed twice, and no
+    # byte landed in a free page of the decode's pool
+    kvbridge_pair.probe("decode").assert_clean()
+    kvbridge_pair.probe("prefill").assert_clean(cached=True)
     nxt = random_prompt(33, seed=78)
     assert kvbridge_pair.generate(nxt, MAX_NEW) == reference_generate(tiny_llama_dir, nxt, MAX_NEW).token_ids
     print(f"[kvbridge pair] decode abort: prefill answered {pre.status_code} in {dt:.1f}s: {pre.text[:300]}")
+
+
+# the prefill's writes: 16 KiB pieces, the transport's own in-flight bound, the second held
+HELD = dict(piece_bytes=16 << 10, inflight=0, delay_s=0.0, started_at=2, hold_s=120.0)
+
+
+def test_decode_abort_with_a_piece_in_flight_keeps_sglangs_pages_until_the_prefill_is_quiet(
+        kvbridge_pair, tiny_llama_dir):
+    """A client aborts its decode request while a piece of the prefill's write is held past
+    its write guard (``Pair.switch``): SGLang's own allocator on the decode does not get the
+    request's pages back while that piece can still land (read in its free list, not from
+    kvbridge's gauges); let go, the piece lands in pages SGLang still holds (no byte in a
+    free page of its pool), then every page comes back once, on both servers, and the
+    pair serves on with outputs equal to transformers'."""
+    import requests
+
+    from tests.helpers.sglang_servers import _post
+
+    pair, sw = kvbridge_pair, kvbridge_pair.switch()
+    dec, pre = pair.probe("decode"), pair.probe("prefill")
+    size = dec.assert_clean()["size"]
+    prompt = random_prompt(512, seed=4242)
+    body = pair.request_body(prompt, 4)
+    rid = f"held-{body['bootstrap_room']}"
+    sw.on(HELD, hold=True)
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            fut_d = ex.submit(_post, pair.decode.url + "/generate", {**body, "rid": rid}, 120)
+            fut_p = ex.submit(_post, pair.prefill.url + "/generate", body, 120)
+            wait_until(sw.started, 90, "the prefill's write under way, its second piece held")
+            ab = requests.post(pair.decode.url + "/abort_request", json={"rid": rid}, timeout=30)
+            assert ab.status_code == 200, ab.text
+            res_d = fut_d.result(timeout=120)
+            assert not isinstance(res_d, BaseException), res_d
+            assert res_d.status_code != 200 or '"abort"' in res_d.text, res_d.text[:500]
+            # the decode aborted the room; a piece is still on its way into its pages
+            time.sleep(3.0)  # well past quiesce_s (1 s) and a heartbeat: time for an early release to show
+            held = dec.state()
+            assert held["available"] < size, f"SGLang's allocator got the pages back while a piece was held: {held}"
+            sw.release()  # the piece lands; the prefill settles and says so; the decode releases
+            fut_p.result(timeout=120)
+    finally:
+        sw.off()
+        sw.release()
+    dec.assert_clean()  # every page back once, none written while free
+    pre.assert_clean(cached=True)
+    nxt = random_prompt(45, seed=4243)
+    assert pair.generate(nxt, MAX_NEW) == reference_generate(tiny_llama_dir, nxt, MAX_NEW).token_ids
+    dec.assert_landed(tiny_llama_dir, nxt, prefix=0)
 
 
 def test_strangers_cannot_repoint_a_rank_or_abort_a_room(kvbridge_pair, tiny_llama_dir):

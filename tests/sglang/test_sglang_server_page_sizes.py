@@ -4,9 +4,12 @@ prefill and decode servers that differ.
 SGLang's own backends refuse a prefill whose ``--page-size`` is not the decode's
 (``try_ensure_parallel_info`` raises on the decode scheduler's event loop, which takes the
 server down). kvbridge bridges it; here every greedy float32 output must equal
-transformers' ``generate()`` on the same tiny model, and kvbridge's byte counters (SGLang's
-``/metrics`` with ``--enable-metrics``) must show exactly the prompt's tokens moved, not
-whole pages. A decode server of another model fails its requests with the mismatch named,
+transformers' ``generate()`` on the same tiny model, and exactly the prompt's tokens land,
+not whole pages: read in SGLang's decode pool by SGLang's own indexing when the KV has
+arrived (``Pair.probe``, tests/helpers/sglang_probe.py), every prompt row equals
+transformers' K/V and the rest of its pages still holds what was there; kvbridge's byte
+counters (SGLang's ``/metrics`` with ``--enable-metrics``) agree. After each test SGLang's
+allocator has every page back, none freed twice, and no free page was written. A decode server of another model fails its requests with the mismatch named,
 while every server stays up.
 
 Three pairs, one alive at a time (``tests.helpers.sglang_pairs``), each started once per session:
@@ -45,7 +48,7 @@ LLAMA_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
 @pytest.fixture
 def pair_16_64(sglang_pair_factory, tiny_llama_dir):
     return sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, page_size=16, decode_page_size=64,
-                               extra_env=PLUGIN_ENV, extra_args=["--enable-metrics"],
+                               extra_env=PLUGIN_ENV, extra_args=["--enable-metrics"], probe=True,
                                prefill_args=["--chunked-prefill-size", str(CHUNK)])
 
 
@@ -53,7 +56,7 @@ def pair_16_64(sglang_pair_factory, tiny_llama_dir):
 def pair_64_1(sglang_pair_factory, tiny_llama_dir):
     return sglang_pair_factory(
         "kvbridge", model_dir=tiny_llama_dir, page_size=64, decode_page_size=1, extra_env=PLUGIN_ENV,
-        extra_args=["--enable-metrics"],
+        extra_args=["--enable-metrics"], probe=True,
         # early send of a cached prefix: SGLang records a CUDA event there under the overlap scheduler
         prefill_args=["--disable-overlap-schedule"],
         prefill_env={"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "true"},
@@ -72,7 +75,8 @@ def healthy(*servers) -> list[bool]:
 
 
 def run_concurrently(pair, prompts, model_dir, max_new=MAX_NEW, **kw):
-    """Every prompt through the pair at once; each output must equal transformers'."""
+    """Every prompt through the pair at once; each output must equal transformers', and each
+    prompt's KV as it landed in SGLang's decode pool, transformers' K/V (nothing beyond it)."""
     refs = [reference_generate(model_dir, p, max_new).token_ids for p in prompts]
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as ex:
@@ -80,6 +84,7 @@ def run_concurrently(pair, prompts, model_dir, max_new=MAX_NEW, **kw):
     dt = time.monotonic() - t0
     for p, got, ref in zip(prompts, outs, refs):
         assert got == ref, f"{len(p)}-token prompt: pair {got} != transformers {ref}"
+        pair.probe("decode").assert_landed(model_dir, p)
     return dt
 
 
@@ -94,6 +99,7 @@ def test_16_to_64_twelve_concurrent_requests(pair_16_64, tiny_llama_dir):
     dt = run_concurrently(pair_16_64, prompts, tiny_llama_dir)
     moved = received_bytes(pair_16_64.decode) - before
     assert moved == sum(lengths) * LLAMA_TOKEN_BYTES, (moved, sum(lengths))
+    pair_16_64.probe("decode").assert_clean()
     print(f"[kvbridge 16->64] 12 concurrent requests: {dt:.2f}s, {moved / 1024:.0f} KiB moved")
 
 
@@ -105,7 +111,9 @@ def test_16_to_64_chunked_prefill(pair_16_64, tiny_llama_dir):
     before = received_bytes(pair_16_64.decode)
     got = pair_16_64.generate(prompt, MAX_NEW)
     assert got == ref, f"chunked 307-token prompt: pair {got} != transformers {ref}"
+    pair_16_64.probe("decode").assert_landed(tiny_llama_dir, prompt, prefix=0)
     assert received_bytes(pair_16_64.decode) - before == 307 * LLAMA_TOKEN_BYTES
+    pair_16_64.probe("decode").assert_clean()
 
 
 def test_incompatible_decode_fails_requests_and_servers_stay_up(pair_16_64, tiny_llama_dir):
@@ -147,6 +155,7 @@ def test_64_to_1_concurrent_requests(pair_64_1, tiny_llama_dir):
     before = received_bytes(pair_64_1.decode)
     run_concurrently(pair_64_1, prompts, tiny_llama_dir)
     assert received_bytes(pair_64_1.decode) - before == sum(map(len, prompts)) * LLAMA_TOKEN_BYTES
+    pair_64_1.probe("decode").assert_clean(cached=True)
 
 
 def test_64_to_1_prefix_reuse_and_early_send(pair_64_1, tiny_llama_dir):
@@ -173,19 +182,24 @@ def test_64_to_1_prefix_reuse_and_early_send(pair_64_1, tiny_llama_dir):
         outs.append(r)
         ref = reference_generate(tiny_llama_dir, prompt, MAX_NEW).token_ids
         assert r.output_ids == ref, f"{len(prompt)}-token prompt: pair {r.output_ids} != transformers {ref}"
+        # in SGLang's decode pool: the whole prompt is transformers' K/V, its first tokens from
+        # the decode's own radix cache for z (y's rows), the rest moved
+        pair_64_1.probe("decode").assert_landed(tiny_llama_dir, prompt, prefix=0 if flush else len(y))
     # y: the prefill's radix cache held two of its pages, which (early send on, overlap off)
     # SGLang sends as a chunk before the prompt's last one
     assert outs[2].prefill_json["meta_info"]["cached_tokens"] == 128, outs[2].prefill_json["meta_info"]
     assert moved == [150, 200, 210, 50], moved
+    pair_64_1.probe("decode").assert_clean(cached=True)
 
 
 def test_mla_64_to_16_concurrent_requests(sglang_pair_factory, tiny_mla_dir):
     """The DeepSeek-style MLA model (one latent row of 48 per token and layer), prefill page
     64 -> decode page 16, prompts that fill neither side's last page, at once."""
     pair = sglang_pair_factory("kvbridge", model_dir=tiny_mla_dir, page_size=64, decode_page_size=16,
-                               extra_env=PLUGIN_ENV, extra_args=["--enable-metrics"])
+                               extra_env=PLUGIN_ENV, extra_args=["--enable-metrics"], probe=True)
     prompts = [random_prompt(n, seed=4800 + n) for n in (7, 37, 70, 133)]
     before = received_bytes(pair.decode)
     dt = run_concurrently(pair, prompts, tiny_mla_dir)
     assert received_bytes(pair.decode) - before == sum(map(len, prompts)) * 2 * 48 * 4  # 2 layers x 48 x fp32
+    pair.probe("decode").assert_clean()
     print(f"[kvbridge MLA 64->16] 4 concurrent requests: {dt:.2f}s")

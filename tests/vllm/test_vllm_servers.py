@@ -107,6 +107,10 @@ def test_vllm_prefill_to_sglang_decode(model_dir, vllm_servers, sglang_pair):
         assert r["generated"] == ref and r["first_prefill"] == ref[0], (r["generated"], ref)
         rec = r["send"]["record"]
         assert r["send"]["ok"] and rec["bytes"] == n * KV_PER_TOKEN and rec["plan"] == "staged_send", rec
+        # vLLM's bytes as they landed in SGLang's decode pool, read by SGLang's own indexing
+        # (vLLM's CPU kernels round differently from transformers': a few 1e-5 apart)
+        sglang_pair.probe("decode").assert_landed(model_dir, prompt, prefix=0, atol=1e-4)
+    sglang_pair.probe("decode").assert_clean()
 
 
 @pytest.mark.parametrize("version", ["1.2"])
