@@ -287,6 +287,25 @@ MUTATIONS: tuple[Mutation, ...] = (
                "        ntok = int(num_kv_tokens) if num_kv_tokens is not None else pages.size * ps\n",
                "        ntok = pages.size * ps\n"),)),  # the prefill sends its pages' worth too: outputs stay right
     Mutation(
+        "trtllm-refuses-host-cache", "adapters/trtllm/refusals.py",
+        '    if _get(llm_args, "kv_cache_config.host_cache_size", None):\n',
+        "    if False:\n",
+        "the TensorRT-LLM plugin refuses host cache offloading (which 1.2 lets through) at start-up",
+        ("tests/trtllm/test_trtllm_refusals.py::test_host_cache_offloading_is_refused[1.2]",)),
+    Mutation(
+        "trtllm-refuses-reuse-off", "adapters/trtllm/refusals.py",
+        '    if not _get(llm_args, "kv_cache_config.enable_block_reuse", True):\n',
+        "    if False:\n",
+        "the TensorRT-LLM plugin refuses a server whose block reuse is off, naming what turned it off",
+        ("tests/trtllm/test_trtllm_refusals.py::test_flashinfer_turns_block_reuse_off_and_is_refused[1.2]",)),
+    Mutation(
+        "trtllm-rank-takes-rank0-settings", "adapters/trtllm/config.py",
+        "        if same_host:\n            return rank0\n",
+        "        if same_host:\n            return mine\n",
+        "a TensorRT-LLM rank that no setting reached runs with rank 0's (the deployment's secret included)",
+        ("tests/trtllm/test_trtllm_refusals.py::test_ranks_with_settings_of_their_own_must_agree",
+         "tests/trtllm/test_trtllm_refusals.py::test_a_rank_no_setting_reached_takes_rank0s")),
+    Mutation(
         "trtllm-ordered-dispatch", "adapters/trtllm/worker.py",
         "        def apply(o=o):\n            with self._lock:\n                self._send(o)\n        self._dispatch.call(apply)\n",
         "        with self._lock:\n            self._send(o)\n",

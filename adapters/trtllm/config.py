@@ -2,23 +2,43 @@
 
 Read, later entries winning, from: defaults; the JSON or YAML file named by
 ``KVBRIDGE_TRTLLM_CONFIG``; environment variables ``KVBRIDGE_<FIELD>`` (e.g.
-``KVBRIDGE_BUS_PORT=18500``, ``KVBRIDGE_ON_FAILURE=fail``); explicit overrides. Every
-rank of a server reads the same sources (TensorRT-LLM's MPI workers inherit the
-environment of ``trtllm-serve``). The settings every plugin shares (handoff timing,
-link, cost gate) are ``kvbridge.common.settings.BridgeSettings``'s, read by its reader.
+``KVBRIDGE_BUS_PORT=18500``, ``KVBRIDGE_ON_FAILURE=fail``), the process's own and then
+the ``KVBRIDGE_*`` entries of the LLM args' ``env_overrides`` (TensorRT-LLM pickles the
+LLM args to every rank, whatever spawned it: the one source that reaches every rank on
+every launch path); explicit overrides. A rank that none of these reached takes rank 0's
+settings over MPI at ``register_kv_caches`` (``agree_with_rank0``). The settings every
+plugin shares (handoff timing, link, cost gate) are
+``kvbridge.common.settings.BridgeSettings``'s, read by its reader.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from kvbridge.common.settings import BridgeSettings, ConfigError, read_mapping_file, read_settings
 
-__all__ = ["BridgeConfig", "ConfigError", "CONFIG_ENV"]
+__all__ = ["BridgeConfig", "ConfigError", "CONFIG_ENV", "settings_environ", "agree_with_rank0"]
 
 CONFIG_ENV = "KVBRIDGE_TRTLLM_CONFIG"
+PREFIX = "KVBRIDGE_"
+# settings each rank may set for itself: its own address (ranks on other nodes), its TP rank
+RANK_LOCAL = ("host", "tp_rank")
+
+
+def settings_environ(llm_args: Any = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``KVBRIDGE_*`` variables this rank sees: its environment's, then the LLM args'
+    ``env_overrides`` (``LlmArgs.env_overrides``, applied by TensorRT-LLM's ``worker_main``
+    on every rank; read here too, so they count whichever path started the rank)."""
+    env = os.environ if environ is None else environ
+    out = {k: v for k, v in env.items() if k.startswith(PREFIX)}
+    overrides = getattr(llm_args, "env_overrides", None) or {}
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"llm_args.env_overrides must be a mapping of variable names to values, "
+                          f"got {type(overrides).__name__}")
+    out.update({str(k): str(v) for k, v in overrides.items() if str(k).startswith(PREFIX)})
+    return out
 
 
 @dataclass(frozen=True)
@@ -107,12 +127,20 @@ class BridgeConfig(BridgeSettings):
             raise ConfigError(f"discovery_timeout_s must be positive, got {self.discovery_timeout_s}")
 
     @classmethod
-    def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "BridgeConfig":
-        """Settings from the config file, the environment and ``overrides``."""
-        env = os.environ if environ is None else environ
+    def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+             llm_args: Any = None) -> "BridgeConfig":
+        """Settings from the config file, the environment, ``llm_args.env_overrides`` and
+        ``overrides``; ``configured`` says whether any of them set something."""
+        env = settings_environ(llm_args, environ)
         path = env.get(CONFIG_ENV, "")
         base = read_mapping_file(path, CONFIG_ENV) if path else {}
-        return read_settings(cls, base, environ=env, overrides=overrides, what="kvbridge TensorRT-LLM")
+        cfg = read_settings(cls, base, environ=env, overrides=overrides, what="kvbridge TensorRT-LLM")
+        object.__setattr__(cfg, "configured", bool(env or overrides))
+        return cfg
+
+    def differences(self, other: "BridgeConfig") -> list[str]:
+        """The names of the settings (rank-local ones aside) whose values differ from ``other``'s."""
+        return [f.name for f in fields(self) if f.name not in RANK_LOCAL and getattr(self, f.name) != getattr(other, f.name)]
 
     def cost_gate(self, served_model: Any = None):
         """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when the
@@ -131,3 +159,31 @@ def _served_config(served_model: Any) -> str | None:
     if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
         return os.fspath(served_model)
     return None
+
+
+def agree_with_rank0(mine: BridgeConfig, rank0: BridgeConfig, rank: int, same_host: bool) -> BridgeConfig:
+    """The settings rank ``rank`` runs with, given rank 0's (broadcast over MPI at start-up).
+
+    A rank that no source reached (``mine.configured`` false: no variable, file or
+    ``env_overrides`` entry) takes rank 0's, its address too when it runs on rank 0's host
+    (a rank on another host binds its own, which it cannot guess: ConfigError unless rank
+    0's address is loopback). A rank with settings of its own must agree with rank 0's,
+    else ConfigError naming each setting that differs (never a value)."""
+    if rank == 0 or mine == rank0:
+        return mine
+    if not getattr(mine, "configured", True):
+        if not getattr(rank0, "configured", True):
+            return mine  # nobody set anything: the defaults everywhere
+        if same_host:
+            return rank0
+        raise ConfigError(
+            f"kvbridge TensorRT-LLM: rank {rank} received none of its settings (no KVBRIDGE_* variable, no "
+            f"{CONFIG_ENV}, no KVBRIDGE_* entry in the LLM args' env_overrides) and runs on another host than rank 0, "
+            "whose address it cannot take: put the settings in env_overrides (every rank receives them) or forward "
+            "them to every host (mpirun -x KVBRIDGE_...), with KVBRIDGE_HOST set per host")
+    diff = mine.differences(rank0)
+    if diff:
+        raise ConfigError(f"kvbridge TensorRT-LLM: rank {rank}'s settings differ from rank 0's in {', '.join(diff)}: "
+                          "every rank of a server must read the same settings (set them once, in the LLM args' "
+                          "env_overrides, or in the environment of every rank)")
+    return mine

@@ -39,6 +39,7 @@ from ._compat import KvCacheConnectorScheduler
 from .config import BridgeConfig, ConfigError
 from .geometry import _get
 from .handle import Handle, HandleError, prompt_key
+from .refusals import refuse_unsupported
 
 __all__ = ["KVBridgeConnectorMetadata", "KVBridgeConnectorScheduler", "LOCAL_SCHEDULERS"]
 
@@ -110,12 +111,9 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
 
     def __init__(self, llm_args: Any, *, config: BridgeConfig | None = None):
         super().__init__(llm_args)
-        self.cfg = config or BridgeConfig.load()
+        refuse_unsupported(llm_args)
+        self.cfg = config or BridgeConfig.load(llm_args=llm_args)
         self.world_size = world_size(llm_args, self.cfg)
-        self.reuse = bool(_get(llm_args, "kv_cache_config.enable_block_reuse", True))
-        if not self.reuse:
-            log.warning("kvbridge: kv_cache_config.enable_block_reuse is off: TensorRT-LLM never asks a connector for "
-                        "matched tokens without it, so this server can send KV but will never load any")
         self._lock = threading.RLock()
         self._seq = itertools.count(1)
         self._unsent_meta: list = []

@@ -30,8 +30,9 @@ from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 from . import bus as B
 from ._compat import KvCacheConnectorWorker
-from .config import BridgeConfig, ConfigError
+from .config import BridgeConfig, ConfigError, agree_with_rank0
 from .geometry import pool_layout, pull_plan, rank_geometry
+from .refusals import refuse_manager, refuse_unsupported
 from .scheduler import LOCAL_SCHEDULERS, KVBridgeConnectorMetadata, world_size
 
 __all__ = ["KVBridgeConnectorWorker"]
@@ -110,7 +111,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
 
     def __init__(self, llm_args: Any, *, config: BridgeConfig | None = None):
         super().__init__(llm_args)
-        self.cfg = config or BridgeConfig.load()
+        refuse_unsupported(llm_args)
+        self.cfg = config or BridgeConfig.load(llm_args=llm_args)
         self.layout = None
         self.transport = None
         self.sender: KVSender | None = None
@@ -150,7 +152,10 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
 
         if self.layout is not None:
             raise RuntimeError("register_kv_caches called twice")
+        self._scheduler_ep = self._join_rank0(world_size(self._llm_args, self.cfg))  # settings agreed first
         self._executor = find_executor()
+        if self._executor is not None:
+            refuse_manager(self._executor.kv_cache_manager)
         if self._executor is None:
             log.warning("kvbridge worker: register_kv_caches was not called by a TensorRT-LLM executor; the geometry "
                         "comes from the pool and the model config, and failed loads cannot fall back to recompute")
@@ -168,7 +173,6 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         log.info("kvbridge worker rank %d/%d: %s pool, %d blocks x %d tokens, %d KV head(s) of %d x %s; sender %s",
                  self.rank, self.tp_size, self.layout.engine, self.layout.num_blocks, self.layout.tokens_per_block,
                  self.layout.num_heads, self.layout.head_dim, self.layout.dtype, self.sender.endpoint)
-        self._scheduler_ep = self._find_scheduler(world_size(self._llm_args, cfg))
         self._keyring = cfg.keyring()  # the bus is sealed as the control channel is (kvbridge.common.auth)
         self._bad_bus = LogLimiter(log, f"kvbridge worker rank {self.rank}: refused bus messages")
         self.bus = ControlChannel(self._on_bus, None, name=f"kvbridge-trtllm-worker{self.rank}")
@@ -176,19 +180,29 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                              page_size=self.layout.tokens_per_block, layout=self.layout.describe())
         self.bus.send(self._scheduler_ep, B.pack(B.Hello(rank=self.rank, endpoint=self.sender.endpoint, record=record), self._keyring))
 
-    def _find_scheduler(self, world: int) -> str:
-        """Rank 0's bus: in this process on rank 0, learned by MPI broadcast elsewhere
-        (every rank registers in the same executor start-up step), or configured."""
+    def _join_rank0(self, world: int) -> str:
+        """Rank 0's bus, and the settings this rank runs with: in this process on rank 0;
+        elsewhere rank 0's endpoint and settings by MPI broadcast (every rank registers in
+        the same executor start-up step), checked against this rank's own
+        (``config.agree_with_rank0``: a rank no setting reached takes rank 0's); or
+        ``scheduler_endpoint`` where ranks cannot use MPI (then set on every rank)."""
+        import socket
+
         local = LOCAL_SCHEDULERS[-1].endpoint if LOCAL_SCHEDULERS else ""
         if self.cfg.scheduler_endpoint:
             ep = local if self.cfg.scheduler_endpoint == "local" else self.cfg.scheduler_endpoint
         elif world > 1:
             try:
-                from tensorrt_llm._utils import mpi_broadcast
+                from tensorrt_llm._utils import mpi_broadcast, mpi_rank
             except ImportError as e:
-                raise ConfigError(f"rank {self.rank} cannot learn rank 0's kvbridge bus over MPI ({e}); "
-                                  "set scheduler_endpoint (KVBRIDGE_SCHEDULER_ENDPOINT)") from e
-            ep = mpi_broadcast(local or None, root=0)
+                raise ConfigError(f"this rank cannot learn rank 0's kvbridge bus over MPI ({e}); "
+                                  "set scheduler_endpoint (KVBRIDGE_SCHEDULER_ENDPOINT) on every rank") from e
+            rank, here = int(mpi_rank()), socket.gethostname()
+            ep, cfg0, host0 = mpi_broadcast((local or None, self.cfg, here) if rank == 0 else None, root=0)
+            agreed = agree_with_rank0(self.cfg, cfg0, rank, host0 == here)
+            if agreed is not self.cfg:
+                log.info("kvbridge worker rank %d: no setting reached this rank; running with rank 0's", rank)
+            self.cfg = agreed
         else:
             ep = local
         if not ep:

@@ -12,6 +12,10 @@ Creation
   1.2 no speculative decoding; the module named by ``kv_connector_config`` is imported
   by name, the worker built on every rank and the scheduler on rank 0, each from the
   LLM args only.
+- Block reuse is turned off in the LLM args themselves, before the connector is built,
+  with ``FORCE_DETERMINISTIC=1`` and for the FLASHINFER attention backends (with a
+  warning); the connector sees the effective value. (MLA outside SM 90/100/103/120 and
+  MLA with a non-FP8 quantized cache do the same on a GPU; not modelled on CPU.)
 - ``tokens_per_block`` is ``kv_cache_config.tokens_per_block``, except ``max_num_tokens``
   for the VANILLA attention backend and 64 for MLA with FlashMLA; the LLM args the
   connector holds are NOT updated.
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -102,20 +107,24 @@ def make_llm_args(model: str, *, tp: int = 1, tokens_per_block: int = 32, enable
                   disable_overlap_scheduler: bool = False, attn_backend: str = "TRTLLM", enable_flash_mla: bool = False,
                   max_num_tokens: int = 8192, enable_chunked_prefill: bool = False, connector: bool = True,
                   speculative_config: Any = None, pipeline_parallel_size: int = 1, max_beam_width: int = 1,
-                  host_cache_size: int | None = None, cache_transceiver_config: Any = None) -> SimpleNamespace:
-    """LLM args (``TorchLlmArgs``) with the fields the executor and the connector read."""
+                  host_cache_size: int | None = None, cache_transceiver_config: Any = None,
+                  use_kv_cache_manager_v2: bool | None = None, env_overrides: dict | None = None) -> SimpleNamespace:
+    """LLM args (``TorchLlmArgs``) with the fields the executor and the connector read.
+    ``env_overrides`` is carried to every rank in the LLM args (``worker_main`` would also
+    apply it to each rank's environment; the stand-in does not, so a plugin must read it)."""
     return SimpleNamespace(
         model=model, backend="pytorch", tensor_parallel_size=tp, pipeline_parallel_size=pipeline_parallel_size,
         parallel_config=SimpleNamespace(tp_size=tp, pp_size=pipeline_parallel_size, world_size=tp * pipeline_parallel_size,
                                         enable_attention_dp=False),
         kv_cache_config=SimpleNamespace(tokens_per_block=tokens_per_block, enable_block_reuse=enable_block_reuse,
-                                        dtype=kv_dtype, host_cache_size=host_cache_size, free_gpu_memory_fraction=0.9),
+                                        dtype=kv_dtype, host_cache_size=host_cache_size, free_gpu_memory_fraction=0.9,
+                                        use_kv_cache_manager_v2=use_kv_cache_manager_v2),
         scheduler_config=SimpleNamespace(capacity_scheduler_policy=capacity_scheduler_policy),
         disable_overlap_scheduler=disable_overlap_scheduler, attn_backend=attn_backend, enable_flash_mla=enable_flash_mla,
         max_num_tokens=max_num_tokens, enable_chunked_prefill=enable_chunked_prefill, max_beam_width=max_beam_width,
         speculative_config=speculative_config, cache_transceiver_config=cache_transceiver_config,
         kv_connector_config=SimpleNamespace(**CONNECTOR_CONFIG) if connector else None,
-        enable_attention_dp=False, trust_remote_code=False)
+        enable_attention_dp=False, trust_remote_code=False, env_overrides=dict(env_overrides or {}))
 
 
 def _model_kv_geometry(model_dir: str) -> dict:
@@ -151,6 +160,13 @@ def create_py_executor(llm_args: Any, *, version: EngineVersion, rank: int, worl
         tokens_per_block = int(llm_args.max_num_tokens)
     if geo["mla"] and llm_args.enable_flash_mla:
         tokens_per_block = 64
+    # block reuse turned off in the LLM args, before the connector is built (py_executor_creator)
+    kvc = llm_args.kv_cache_config
+    if os.getenv("FORCE_DETERMINISTIC", "0") == "1":
+        kvc.enable_block_reuse = False
+    if str(llm_args.attn_backend) in ("FLASHINFER", "FLASHINFER_STAR_ATTENTION") and kvc.enable_block_reuse:
+        log.warning("Disabling block reuse for %s backend", llm_args.attn_backend)
+        kvc.enable_block_reuse = False
     connector_mgr = None
     cc = llm_args.kv_connector_config
     if cc is not None:

@@ -130,7 +130,8 @@ def _state(ex) -> dict:
     if mgr is not None:
         w, s = mgr.worker, mgr.scheduler
         # read by name, no defaults: a renamed attribute fails the test that reads it, never reads 0
-        out.update(finished_loads=dict(w.finished_loads), finished_saves=dict(w.finished_saves),
+        out.update(settings={"deadline_s": w.cfg.deadline_s, "bus_port": w.cfg.bus_port, "secret": bool(w.cfg.secret)},
+                   finished_loads=dict(w.finished_loads), finished_saves=dict(w.finished_saves),
                    declined=dict(w.declined), fallbacks=dict(s.fallbacks) if s else {},
                    sender_rooms=len(w.sender._rooms) if w.sender is not None else 0,
                    receiver_rooms=len(w.receiver._rooms) if w.receiver is not None else 0,

@@ -56,6 +56,13 @@ def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):
     return box[0]
 
 
+def _rank_env(env: dict, mode: str, rank: int) -> dict:
+    """Rank ``rank``'s environment under ``StandInServer``'s ``rank_env`` ``mode``."""
+    if mode == "inherit" or (mode == "rank0" and rank == 0):
+        return env
+    return {k: v for k, v in env.items() if not k.startswith("KVBRIDGE_")}
+
+
 class StandInServer:
     """The ranks of one stand-in TensorRT-LLM server.
 
@@ -65,12 +72,18 @@ class StandInServer:
     ``tokens_per_block``, ``kv_dtype``, ``enable_block_reuse``, ``disable_overlap_scheduler``,
     ``attn_backend``, ``enable_flash_mla``, ``enable_chunked_prefill``, ``max_num_tokens``,
     ``capacity_scheduler_policy``, ``connector``...). ``setup``: ("module:function", arg)
-    run first in every rank process (tests' fault hooks)."""
+    run first in every rank process (tests' fault hooks). ``rank_env``: how the ranks get
+    the ``KVBRIDGE_*`` variables of this process and ``plugin``: "inherit" (every rank, as
+    under trtllm-serve on one host), "filtered" (none, as from an MPI pool that forwards
+    only ``TRTLLM*``/``TLLM*`` variables), "rank0" (rank 0 only, as ranks ``mpirun``
+    starts on other hosts without ``-x``)."""
 
     def __init__(self, version: str, model: str | os.PathLike, *, num_blocks: int = 64, plugin: dict | None = None,
-                 setup: tuple | None = None, start_timeout: float = 120.0, **llm_kw: Any):
+                 setup: tuple | None = None, start_timeout: float = 120.0, rank_env: str = "inherit", **llm_kw: Any):
         if version not in VERSIONS:
             raise ValueError(f"unknown TensorRT-LLM version {version!r}; modelled: {sorted(VERSIONS)}")
+        if rank_env not in ("inherit", "filtered", "rank0"):
+            raise ValueError(f"rank_env must be 'inherit', 'filtered' or 'rank0', got {rank_env!r}")
         self.version = version
         tp = int(llm_kw.get("tp", 1))
         llm_kw = dict(llm_kw, model=str(model))
@@ -91,7 +104,7 @@ class StandInServer:
                     spec = {"rank": r, "world": tp, "version": version, "llm_kw": llm_kw, "pool_files": self.pool_files,
                             "num_blocks": num_blocks, "setup": list(setup) if setup else None}
                     proc = subprocess.Popen([sys.executable, "-m", "kvbridge.demo.trtllm.rank", f"{host}:{port}",
-                                             authkey.hex(), json.dumps(spec)], env=env)
+                                             authkey.hex(), json.dumps(spec)], env=_rank_env(env, rank_env, r))
                     conn = _accept(listener, proc, start_timeout)
                     self.ranks.append((conn, proc))
             infos = self._relay(lambda m: m[0] == "ready", start_timeout)

@@ -87,22 +87,6 @@ def test_executor_refusals(trt_servers, tiny_llama_dir, version):
     s.submit([5, 6, 7], 1, request_type="context_and_generation")  # accepted
 
 
-def test_without_block_reuse_the_connector_is_never_asked(trt_servers, tiny_llama_dir):
-    """TensorRT-LLM asks a connector for matched tokens on the block-reuse path only: with
-    reuse off an announced decode request is computed by the engine itself."""
-    pre = trt_servers("1.2", tiny_llama_dir, num_blocks=16)
-    dec = trt_servers("main", tiny_llama_dir, num_blocks=16, enable_block_reuse=False, plugin={"deadline_s": 2.0})
-    prompt = random_prompt(50, seed=3)
-    announce(pre.bus, prompt, Handle("send", 11))
-    announce(dec.bus, prompt, Handle("recv", 11, prefill=pre.bus), ttl_s=1.0)
-    pre.submit(prompt, 1)
-    d = dec.submit(prompt, 2)
-    wait_done([pre, dec], dec, [d])
-    assert dec.responses[d]["context_tokens_computed"] == 50
-    assert dec.state()["finished_loads"] == {}
-    assert pre.state()["finished_saves"][1]["ok"] is False  # its room ended unclaimed at the deadline
-
-
 @pytest.mark.parametrize("version,base_module", [
     ("1.2", "tensorrt_llm._torch.pyexecutor.kv_cache_connector"),
     ("main", "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector")])
