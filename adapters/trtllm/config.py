@@ -129,14 +129,11 @@ class BridgeConfig(BridgeSettings):
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
              llm_args: Any = None) -> "BridgeConfig":
-        """Settings from the config file, the environment, ``llm_args.env_overrides`` and
-        ``overrides``; ``configured`` says whether any of them set something."""
+        """Settings from the config file, the environment, ``llm_args.env_overrides`` and ``overrides``."""
         env = settings_environ(llm_args, environ)
         path = env.get(CONFIG_ENV, "")
         base = read_mapping_file(path, CONFIG_ENV) if path else {}
-        cfg = read_settings(cls, base, environ=env, overrides=overrides, what="kvbridge TensorRT-LLM")
-        object.__setattr__(cfg, "configured", bool(env or overrides))
-        return cfg
+        return read_settings(cls, base, environ=env, overrides=overrides, what="kvbridge TensorRT-LLM")
 
     def differences(self, other: "BridgeConfig") -> list[str]:
         """The names of the settings (rank-local ones aside) whose values differ from ``other``'s."""
@@ -161,18 +158,21 @@ def _served_config(served_model: Any) -> str | None:
     return None
 
 
-def agree_with_rank0(mine: BridgeConfig, rank0: BridgeConfig, rank: int, same_host: bool) -> BridgeConfig:
+def agree_with_rank0(mine: BridgeConfig, configured: bool, rank0: BridgeConfig, rank0_configured: bool, rank: int,
+                     same_host: bool) -> BridgeConfig:
     """The settings rank ``rank`` runs with, given rank 0's (broadcast over MPI at start-up).
 
-    A rank that no source reached (``mine.configured`` false: no variable, file or
-    ``env_overrides`` entry) takes rank 0's, its address too when it runs on rank 0's host
-    (a rank on another host binds its own, which it cannot guess: ConfigError unless rank
-    0's address is loopback). A rank with settings of its own must agree with rank 0's,
-    else ConfigError naming each setting that differs (never a value)."""
+    ``configured`` / ``rank0_configured``: whether any source set something on that rank
+    (a ``KVBRIDGE_*`` variable, the config file, an ``env_overrides`` entry: a non-empty
+    ``settings_environ``, or settings handed to the connector). A rank that nothing reached
+    takes rank 0's, its address too when it runs on rank 0's host (a rank on another host
+    binds its own, which it cannot guess: ConfigError). A rank with settings of its own
+    must agree with rank 0's, else ConfigError naming each setting that differs (never a
+    value)."""
     if rank == 0 or mine == rank0:
         return mine
-    if not getattr(mine, "configured", True):
-        if not getattr(rank0, "configured", True):
+    if not configured:
+        if not rank0_configured:
             return mine  # nobody set anything: the defaults everywhere
         if same_host:
             return rank0

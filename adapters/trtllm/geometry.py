@@ -163,20 +163,27 @@ def block_order(llm_args: Any, cfg: BridgeConfig) -> str:
     return "NHD" if backend in _NHD_BACKENDS else "HND"
 
 
-def _model_kv_geometry(llm_args: Any, mla: bool) -> tuple[int, int]:
-    """(KV heads, head_dim) from the model's Hugging Face config (MLA: 1 latent head of
-    kv_lora_rank + qk_rope_head_dim), or (0, 0)."""
+def model_hf_config(llm_args: Any) -> Any:
+    """The served model's Hugging Face config (its text config where it has one), or None."""
     model = _get(llm_args, "model")
     if model is None:
-        return 0, 0
+        return None
     try:
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(str(model), trust_remote_code=bool(_get(llm_args, "trust_remote_code", False)))
     except Exception as e:
         log.info("kvbridge: no model config for %s (%s)", model, e)
+        return None
+    return getattr(hf, "text_config", None) or hf
+
+
+def _model_kv_geometry(llm_args: Any, mla: bool) -> tuple[int, int]:
+    """(KV heads, head_dim) from the model's Hugging Face config (MLA: 1 latent head of
+    kv_lora_rank + qk_rope_head_dim), or (0, 0)."""
+    hf = model_hf_config(llm_args)
+    if hf is None:
         return 0, 0
-    hf = getattr(hf, "text_config", None) or hf
     if mla or getattr(hf, "kv_lora_rank", None):
         return 1, int(getattr(hf, "kv_lora_rank", 0) or 0) + int(getattr(hf, "qk_rope_head_dim", 0) or 0)
     heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", 0) or 0

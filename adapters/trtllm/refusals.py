@@ -27,7 +27,7 @@ import os
 from typing import Any, Mapping
 
 from .config import ConfigError
-from .geometry import _get
+from .geometry import _get, model_hf_config
 
 __all__ = ["refuse_unsupported", "refuse_manager"]
 
@@ -41,21 +41,10 @@ def _reuse_off_cause(llm_args: Any, environ: Mapping[str, str]) -> str:
     backend = str(_get(llm_args, "attn_backend", "") or "").upper()
     if backend in FLASHINFER_BACKENDS:
         return f"the {backend} attention backend"
-    if _is_mla(llm_args):
+    if getattr(model_hf_config(llm_args), "kv_lora_rank", None):  # MLA
         return ("MLA, on a GPU outside SM 90/100/103/120 or with a KV cache quantized other than FP8 "
                 "(or kv_cache_config.enable_block_reuse: false)")
     return "kv_cache_config.enable_block_reuse: false"
-
-
-def _is_mla(llm_args: Any) -> bool:
-    import json
-
-    model = _get(llm_args, "model", None)
-    path = os.path.join(os.fspath(model), "config.json") if isinstance(model, (str, os.PathLike)) else ""
-    if not path or not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        return bool(json.load(f).get("kv_lora_rank"))
 
 
 def refuse_unsupported(llm_args: Any, environ: Mapping[str, str] | None = None) -> None:

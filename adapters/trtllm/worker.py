@@ -30,7 +30,7 @@ from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 from . import bus as B
 from ._compat import KvCacheConnectorWorker
-from .config import BridgeConfig, ConfigError, agree_with_rank0
+from .config import BridgeConfig, ConfigError, agree_with_rank0, settings_environ
 from .geometry import pool_layout, pull_plan, rank_geometry
 from .refusals import refuse_manager, refuse_unsupported
 from .scheduler import LOCAL_SCHEDULERS, KVBridgeConnectorMetadata, world_size
@@ -113,6 +113,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         refuse_unsupported(llm_args)
         self.cfg = config or BridgeConfig.load(llm_args=llm_args)
+        self._configured = config is not None or bool(settings_environ(llm_args))  # did any setting reach this rank
         self.layout = None
         self.transport = None
         self.sender: KVSender | None = None
@@ -156,7 +157,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._executor = find_executor()
         if self._executor is not None:
             refuse_manager(self._executor.kv_cache_manager)
-        if self._executor is None:
+        else:
             log.warning("kvbridge worker: register_kv_caches was not called by a TensorRT-LLM executor; the geometry "
                         "comes from the pool and the model config, and failed loads cannot fall back to recompute")
         geo = rank_geometry(kv_cache_tensor, manager=getattr(self._executor, "kv_cache_manager", None),
@@ -198,8 +199,9 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                 raise ConfigError(f"this rank cannot learn rank 0's kvbridge bus over MPI ({e}); "
                                   "set scheduler_endpoint (KVBRIDGE_SCHEDULER_ENDPOINT) on every rank") from e
             rank, here = int(mpi_rank()), socket.gethostname()
-            ep, cfg0, host0 = mpi_broadcast((local or None, self.cfg, here) if rank == 0 else None, root=0)
-            agreed = agree_with_rank0(self.cfg, cfg0, rank, host0 == here)
+            ep, cfg0, configured0, host0 = mpi_broadcast(
+                (local or None, self.cfg, self._configured, here) if rank == 0 else None, root=0)
+            agreed = agree_with_rank0(self.cfg, self._configured, cfg0, configured0, rank, host0 == here)
             if agreed is not self.cfg:
                 log.info("kvbridge worker rank %d: no setting reached this rank; running with rank 0's", rank)
             self.cfg = agreed

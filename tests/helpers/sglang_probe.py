@@ -1,7 +1,7 @@
 """What SGLang's own KV pool and allocator hold, read inside a real SGLang server (tests only).
 
 A server started with ``probe=True`` (``sglang_servers.start_pair``) runs
-``tests/helpers/sglang_hooks/sitecustomize.py`` in every process; in its scheduler
+``tests/helpers/server_hooks/sitecustomize.py`` in every process; in its scheduler
 process that calls ``install(folder)``, which patches SGLang after it is imported:
 
 - every pass of the scheduler's loop (``Scheduler.ingest_requests``) reads the
@@ -129,7 +129,8 @@ class _Probe:
         self.bufs = [b.view(torch.uint8).reshape(b.shape[0], -1) for n in names for b in getattr(pool, n)]
         self.row_shape, self.dtype = list(getattr(pool, names[0])[0].shape[1:]), str(getattr(pool, names[0])[0].dtype)
         self.kv_factor = len(names)
-        self.decode = str(getattr(sched.disaggregation_mode, "value", sched.disaggregation_mode)) == "decode"
+        self.role = str(getattr(sched.disaggregation_mode, "value", sched.disaggregation_mode))
+        self.decode = self.role == "decode"
         self.dir, self.pid = folder, os.getpid()
         self.pages = int(self.alloc.size) // self.ps
         self.known_free = None  # pages free (and SENTINEL) at the last pass, not handed out since
@@ -183,7 +184,7 @@ class _Probe:
 
     def _record(self, row: dict) -> None:
         with open(os.path.join(self.dir, f"events-{self.pid}.jsonl"), "a") as f:
-            f.write(json.dumps(dict(row, t=time.monotonic(), role="decode" if self.decode else "prefill")) + "\n")
+            f.write(json.dumps(dict(row, t=time.monotonic(), role=self.role)) + "\n")
 
     # - each pass of the scheduler's loop ----------------------------------------------
     def tick(self) -> None:
@@ -214,7 +215,7 @@ class _Probe:
             return
         tree = getattr(self.sched, "tree_cache", None)
         state = {
-            "pid": self.pid, "role": "decode" if self.decode else "prefill", "t": time.monotonic(),
+            "pid": self.pid, "role": self.role, "t": time.monotonic(),
             "size": int(self.alloc.size), "available": int(self.alloc.available_size()),
             "evictable": int(tree.evictable_size()) if hasattr(tree, "evictable_size") else 0,
             "protected": int(tree.protected_size()) if hasattr(tree, "protected_size") else 0,
@@ -253,13 +254,13 @@ class _Probe:
         beyond them in its pages."""
         n = len(req.origin_input_ids)
         prefix = int(req.kv.cache_protected_len or 0)
-        slots = self._req_slots(req, int(req.kv.kv_committed_len))
-        tail = self._not_sentinel(self._outside(slots[:n], prefix))
-        idx = self.torch.from_numpy(slots[:n])
+        slots = self._req_slots(req, n)
+        tail = self._not_sentinel(self._outside(slots, prefix))
+        idx = self.torch.from_numpy(slots)
         rows = np.stack([b[idx].numpy() for b in self.bufs])  # [buffers, n, row bytes]
         k = self.counts["landed"] = self.counts["landed"] + 1
         self.counts["tail_written"] += int(tail.size)
-        np.savez(os.path.join(self.dir, f"landed-{self.pid}-{k}.npz"), rows=rows, slots=slots[:n],
+        np.savez(os.path.join(self.dir, f"landed-{self.pid}-{k}.npz"), rows=rows, slots=slots,
                  input_ids=np.asarray(req.origin_input_ids, dtype=np.int64), prefix=prefix,
                  tail_written=tail, row_shape=np.asarray(self.row_shape), dtype=self.dtype,
                  kv_factor=self.kv_factor)
@@ -270,7 +271,7 @@ class _Probe:
 
 
 class PoolProbe:
-    """The reports of one server's probe (``folder``: the server's ``probe_dir``)."""
+    """The reports of one server's probe (``folder``: ``Pair.probes[role]``)."""
 
     def __init__(self, folder: str):
         self.dir = str(folder)
@@ -279,10 +280,12 @@ class PoolProbe:
         """The allocator's state now, as the scheduler reads it on its next pass: ``size``,
         ``available``, ``evictable`` and ``protected`` (its radix cache), and the counts of
         ``double_free`` passes, ``stray`` slots, ``landed`` requests, ``tail_written`` slots."""
-        since = time.monotonic()
+        from tests.helpers.kvhelpers import wait_until
+
+        since, got = time.monotonic(), []
         open(os.path.join(self.dir, "ask"), "w").close()
-        end = since + timeout_s
-        while time.monotonic() < end:
+
+        def answered() -> bool:
             for p in glob.glob(os.path.join(self.dir, "state-*.json")):
                 try:
                     with open(p) as f:
@@ -290,22 +293,30 @@ class PoolProbe:
                 except (OSError, ValueError):
                     continue
                 if st["t"] >= since:
-                    return st
-            time.sleep(0.01)
-        raise TimeoutError(f"the SGLang scheduler did not answer its probe in {self.dir} within {timeout_s:.0f} s")
+                    got.append(st)
+                    return True
+            return False
+
+        wait_until(answered, timeout_s, f"the SGLang scheduler's answer to its probe in {self.dir}", poll_s=0.01)
+        return got[-1]
 
     def settled(self, timeout_s: float = 60.0, cached: bool = False) -> dict:
         """The state once every page is back in the free list (``cached``: or held, evictable,
         by the radix cache), nothing protected; TimeoutError with the last state otherwise."""
-        end = time.monotonic() + timeout_s
-        while True:
-            st = self.state(timeout_s)
-            back = st["available"] + (st["evictable"] if cached else 0)
-            if back == st["size"] and st["protected"] == 0:
-                return st
-            if time.monotonic() > end:
-                raise TimeoutError(f"SGLang's pool did not come back within {timeout_s:.0f} s: {st}")
-            time.sleep(0.05)
+        from tests.helpers.kvhelpers import wait_until
+
+        last = []
+
+        def back() -> bool:
+            last.append(self.state(timeout_s))
+            st = last[-1]
+            return st["available"] + (st["evictable"] if cached else 0) == st["size"] and st["protected"] == 0
+
+        try:
+            wait_until(back, timeout_s, "SGLang's pool back", poll_s=0.05)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}: {last[-1]}") from None
+        return last[-1]
 
     def events(self, kind: str | None = None) -> list[dict]:
         out = []

@@ -55,7 +55,7 @@ from kvbridge.demo.sglang_server import (  # noqa: F401  (re-exported for the te
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PROBE_HOOKS = Path(__file__).resolve().parent / "sglang_hooks"  # its sitecustomize installs sglang_probe
+PROBE_HOOKS = Path(__file__).resolve().parent / "server_hooks"  # its sitecustomize installs the probe and the hooks
 
 # the names these helpers had before they moved into the library
 _post, _server_argv, _server_env, _fatal_line, _tail = post_json, server_argv, server_env, fatal_line, log_tail
@@ -336,10 +336,9 @@ def _make_pair(
             probes[role], probes["faults"] = str(log_dir / f"probe-{role}"), str(log_dir / "faults")
             for folder in (probes[role], probes["faults"]):
                 os.makedirs(folder, exist_ok=True)
-            role_env = {**role_env, "KVBRIDGE_TEST_SGLANG_PROBE": probes[role],
-                        "KVBRIDGE_TEST_HOOKS_DIR": probes["faults"], "PYTHONPATH": os.pathsep.join(
-                [str(PROBE_HOOKS), str(REPO_ROOT)] + [pp for pp in (role_env.get("PYTHONPATH") or
-                                                                   os.environ.get("PYTHONPATH"),) if pp])}
+            pp = role_env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
+            role_env = {**role_env, "KVBRIDGE_TEST_SGLANG_PROBE": probes[role], "KVBRIDGE_TEST_HOOKS_DIR": probes["faults"],
+                        "PYTHONPATH": os.pathsep.join([str(PROBE_HOOKS), str(REPO_ROOT)] + ([pp] if pp else []))}
         env, delta = server_env(backend, role_env, mla=mla)
         argv = server_argv(
             python, model_dir, role, backend, port, nccl, boot, ps, max_total_tokens,

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from kvbridge.adapters.trtllm import Handle, announce
-from kvbridge.adapters.trtllm.config import BridgeConfig, ConfigError, agree_with_rank0
+from kvbridge.adapters.trtllm.config import BridgeConfig, ConfigError, agree_with_rank0, settings_environ
 from kvbridge.demo.models import random_prompt, reference_generate
 from kvbridge.demo.trtllm.server import StandInError
 from tests.helpers.trtllm_servers import check_clean, wait_done
@@ -112,16 +112,17 @@ def test_ranks_with_settings_of_their_own_must_agree():
     (never its value); one on another host that received none cannot take rank 0's address."""
     rank0 = BridgeConfig.load(environ={"KVBRIDGE_DEADLINE_S": "9", "KVBRIDGE_SECRET": "s" * 32, "KVBRIDGE_HOST": "10.0.0.1"})
     same = BridgeConfig.load(environ={"KVBRIDGE_DEADLINE_S": "9", "KVBRIDGE_SECRET": "s" * 32, "KVBRIDGE_HOST": "10.0.0.2"})
-    assert agree_with_rank0(same, rank0, 1, same_host=False) is same  # its own address is its own
+    assert agree_with_rank0(same, True, rank0, True, 1, same_host=False) is same  # its own address is its own
     other = BridgeConfig.load(environ={"KVBRIDGE_DEADLINE_S": "5", "KVBRIDGE_SECRET": "t" * 32})
     with pytest.raises(ConfigError, match=r"rank 1's settings differ from rank 0's in deadline_s, secret:") as e:
-        agree_with_rank0(other, rank0, 1, same_host=True)
+        agree_with_rank0(other, True, rank0, True, 1, same_host=True)
     assert "s" * 32 not in str(e.value) and "t" * 32 not in str(e.value)
     none = BridgeConfig.load(environ={})
-    assert agree_with_rank0(none, rank0, 1, same_host=True) == rank0
+    assert not settings_environ(None, {}) and settings_environ(None, {"KVBRIDGE_DEADLINE_S": "9"})
+    assert agree_with_rank0(none, False, rank0, True, 1, same_host=True) == rank0
     with pytest.raises(ConfigError, match="received none of its settings .* another host"):
-        agree_with_rank0(none, rank0, 1, same_host=False)
-    assert agree_with_rank0(none, BridgeConfig.load(environ={}), 1, same_host=False) == none
+        agree_with_rank0(none, False, rank0, True, 1, same_host=False)
+    assert agree_with_rank0(none, False, BridgeConfig.load(environ={}), False, 1, same_host=False) == none
 
 
 def test_env_overrides_feed_the_settings():

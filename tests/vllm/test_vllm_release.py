@@ -8,7 +8,7 @@
   vLLM recomputes the prompt (``kv_load_failure_policy=recompute``): the output equals
   transformers' and no prompt token counts as loaded.
 
-The prefill's writes obey the parent's ``FaultSwitch`` (tests/helpers/vllm_hooks puts
+The prefill's writes obey the parent's ``FaultSwitch`` (tests/helpers/server_hooks puts
 ``install_test_hooks`` in every process of these servers): 16 KiB pieces, the transport's
 own in-flight bound (up to 1024 per peer: every piece of the room is submitted at once),
 the second piece held until the test lets it go.
@@ -41,7 +41,7 @@ def hooked_servers(model_dir, tmp_path_factory):  # noqa: F811
 
     sw = FaultSwitch()
     logs = tmp_path_factory.mktemp("vllm-release-logs")
-    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'vllm_hooks'}:{ROOT}", "KVBRIDGE_TEST_HOOKS_DIR": sw.dir}
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'server_hooks'}:{ROOT}", "KVBRIDGE_TEST_HOOKS_DIR": sw.dir}
     settings = {"discovery_timeout_s": 3.0, "deadline_s": 30.0, "quiesce_s": 0.5}
     servers = [start_vllm_server(model_dir, "kv_both", log_dir=logs, settings=settings, extra_env=env, wait=False)
                for _ in range(2)]

@@ -1,5 +1,6 @@
-"""Test hooks in every process of a test's SGLang server (``sglang_servers.start_pair(probe=True)``
-puts this folder and the repository root on the server's ``PYTHONPATH``):
+"""Test hooks in every process of a test's SGLang or vLLM server (this folder and the
+repository root are on that server's ``PYTHONPATH``: ``sglang_servers.start_pair(probe=True)``,
+tests/vllm/test_vllm_release.py):
 
 - ``KVBRIDGE_TEST_SGLANG_PROBE``: ``sglang_probe.install`` patches SGLang's scheduler when it
   loads, to report SGLang's own pool and allocator (tests/helpers/sglang_probe.py);
