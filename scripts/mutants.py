@@ -222,6 +222,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                and t.blocks.size >= pre.nblk):\n",
         "a prestaged part is used only for ascending block ids (any other request is served as before)",
         ("tests/core/test_handoff.py::test_first_part_gathered_before_the_request",)),
+    Mutation(
+        "inline-gather", "common/send_pipeline.py",
+        "                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None,\n",
+        "                    gather.run(region, rows=(a, b), inline=None,\n",
+        "inline_gather=True keeps every gather on the sender's send worker, off torch's OpenMP pool",
+        ("tests/core/test_handoff.py::test_inline_gather_keeps_every_copy_on_the_send_worker[True]",)),
     # -- the layout core (README: The layout model)
     Mutation(
         "tp-head-slice", "layout/heads.py",
