@@ -1,4 +1,4 @@
-"""vLLM's paged KV cache as a KVLayout (the CPU attention backend's 'vec' kernels).
+"""vLLM's paged KV cache as a KVLayout (the CPU attention backend's 'vec' and 'vec16' kernels).
 
 vLLM hands a KV connector one tensor per attention layer (``register_kv_caches``). The
 CPU backend (``CPU_ATTN``, ``vllm/v1/attention/backends/cpu_attn.py``,
@@ -12,8 +12,12 @@ head_size`` elements are K, the next ``block_size * head_size`` are V. The kerne
 (``KVLayout.row_strides``). Block 0 is vLLM's null block; valid ids start at 1. In vLLM
 0.32 the per-layer tensors are views into one allocation, layer after layer.
 
-Other ISAs of the CPU backend ('amx', 'vec16', 'neon', ...) order a block differently
-and are refused by name, as are fp8 KV caches (another writer).
+The 'vec16' ISA (picked for a head size that is a multiple of 16 but not of 32, e.g. 80,
+or a block size that is not a multiple of 32) lays a block out the same way: checked
+element by element against vLLM's own ``cpu_attn_reshape_and_cache`` for float32 and
+bfloat16 (tests/helpers/vllm_scripts/kernel_layout.py). Other ISAs of the CPU backend
+('amx', whose blocks interleave tokens and dimensions, 'neon', ...) are refused by name,
+as are fp8 KV caches (another writer).
 
 MLA: the CPU MLA backend (``CPU_MLA``, ``vllm/v1/attention/backends/mla/cpu_mla.py``;
 head size 576 = kv_lora_rank 512 + rope 64, block size 16 only) hands each layer a
@@ -34,7 +38,7 @@ from .heads import tp_head_slice
 
 __all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry", "vllm_cpu_mla_layout"]
 
-VLLM_CPU_ISAS = ("vec",)  # the CPU backend's kernels whose block layout kvbridge knows
+VLLM_CPU_ISAS = ("vec", "vec16")  # the CPU backend's kernels whose block layout kvbridge knows
 
 
 def vllm_cpu_layout_from_geometry(

@@ -312,6 +312,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/trtllm/test_trtllm_refusals.py::test_ranks_with_settings_of_their_own_must_agree",
          "tests/trtllm/test_trtllm_refusals.py::test_a_rank_no_setting_reached_takes_rank0s")),
     Mutation(
+        "trtllm-refuses-sliding-window", "adapters/trtllm/refusals.py",
+        "        if short:\n",
+        "        if False:\n",
+        "the TensorRT-LLM plugin refuses sliding-window attention at start-up, naming the windows",
+        ("tests/trtllm/test_trtllm_refusals.py::test_sliding_window_attention_is_refused[sliding-window-1.2]",)),
+    Mutation(
+        "trtllm-wakes-idle-executor", "adapters/trtllm/worker.py",
+        "            self._idle_wake.attach(self._executor.cancel_request)\n",
+        "            pass\n",
+        "a TensorRT-LLM 1.2 executor idle while a prefill's blocks are pinned is woken: the blocks come back "
+        "within the room's deadline, not at the next request",
+        ("tests/trtllm/test_trtllm_idle.py::test_prefill_blocks_come_back_within_the_deadline_on_an_idle_executor[1.2]",)),
+    Mutation(
+        "trtllm-clears-wake-ids", "adapters/trtllm/worker.py",
+        "                forget_wake_ids(self._executor, released)\n",
+        "                pass\n",
+        "the ids the plugin used to wake TensorRT-LLM 1.2's executor leave its cancelled ids again (no list that "
+        "grows by one per request)",
+        ("tests/trtllm/test_trtllm_idle.py::test_prefill_blocks_come_back_within_the_deadline_on_an_idle_executor[1.2]",)),
+    Mutation(
+        "trtllm-released-from-its-rank", "adapters/trtllm/scheduler.py",
+        "                if msg.rank < self.world_size and self._workers.get(msg.rank) == peer:\n",
+        "                if msg.rank < self.world_size:\n",
+        "rank 0 counts a rank's release of a request's blocks only from the worker that joined as that rank",
+        ("tests/trtllm/test_trtllm_unit.py::test_released_is_taken_only_from_that_ranks_worker",)),
+    Mutation(
         "trtllm-ordered-dispatch", "adapters/trtllm/worker.py",
         "        def apply(o=o):\n            with self._lock:\n                self._send(o)\n        self._dispatch.call(apply)\n",
         "        with self._lock:\n            self._send(o)\n",

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TRTLLM_AVAILABLE", "TRTLLM_VERSION", "CONNECTOR_MODULE", "CONNECTOR_PATHS", "KvCacheConnectorScheduler",
-           "KvCacheConnectorWorker", "find_connector_module"]
+__all__ = ["TRTLLM_AVAILABLE", "TRTLLM_VERSION", "CONNECTOR_MODULE", "CONNECTOR_PATHS", "IDLE_WAIT_UNTIMED",
+           "KvCacheConnectorScheduler", "KvCacheConnectorWorker", "find_connector_module"]
 
 CONNECTOR_PATHS = (
     "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",  # main
@@ -96,3 +96,7 @@ else:
     KvCacheConnectorScheduler = _found[1].KvCacheConnectorScheduler
     log.info("kvbridge: TensorRT-LLM %s, connector API at %s", TRTLLM_VERSION, CONNECTOR_MODULE)
 del _found
+
+# 1.2's executor, idle, waits for its next request with no timeout while blocks of
+# finished requests are still pinned for their save (kvbridge.adapters.trtllm.idle)
+IDLE_WAIT_UNTIMED = CONNECTOR_MODULE == CONNECTOR_PATHS[1]

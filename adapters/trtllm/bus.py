@@ -1,6 +1,6 @@
 """Messages on a TensorRT-LLM server's kvbridge bus (rank 0's scheduler socket).
 
-Who speaks: the workers of every rank (``Hello``, ``LoadResult``), the scheduler
+Who speaks: the workers of every rank (``Hello``, ``LoadResult``, ``Released``), the scheduler
 (``Orders``, ``Endpoints``), other kvbridge peers asking for this server's ranks
 (``Who``), and routers telling a server which handoff a coming request belongs to
 (``Expect``, answered by ``Expected``). msgpack on the wire, one frame per message;
@@ -21,7 +21,7 @@ from msgspec import Meta
 
 __all__ = [
     "AbortRoom", "BusError", "Decline", "Endpoints", "Expect", "Expected", "Hello", "LoadResult", "Load", "Open",
-    "Order", "Orders", "Send", "SendLayers", "Verdict", "Who", "decode", "encode", "BUS_VERSION",
+    "Order", "Orders", "Released", "Send", "SendLayers", "Verdict", "Who", "decode", "encode", "BUS_VERSION",
 ]
 
 BUS_VERSION = 1
@@ -143,6 +143,16 @@ class LoadResult(_Base, tag="result", frozen=True, kw_only=True):
     reason: Reason = ""
 
 
+class Released(_Base, tag="released", frozen=True, kw_only=True):
+    """A worker let go of a request's blocks: its sender's room for a prefill half is over
+    (sent, failed or declined), or a load it held past the engine's free is quiet. Rank 0
+    wakes an executor that waits for requests while every rank's blocks wait for it
+    (``idle.IdleWake``)."""
+
+    req: ReqId
+    rank: Annotated[int, Meta(ge=0, le=1 << 16)]
+
+
 class Who(_Base, tag="who", frozen=True, kw_only=True):
     """Another server asks for this server's ranks (answered with ``Endpoints``)."""
 
@@ -170,7 +180,7 @@ class Expected(_Base, tag="expected", frozen=True, kw_only=True):
     reason: Reason = ""
 
 
-Message = Union[Orders, Hello, LoadResult, Who, Endpoints, Expect, Expected]
+Message = Union[Orders, Hello, LoadResult, Released, Who, Endpoints, Expect, Expected]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 

@@ -75,3 +75,12 @@ def refuse_manager(kv_cache_manager: Any) -> None:
         raise ConfigError(f"kvbridge TensorRT-LLM plugin refuses the executor's {name}: it allocates pages a chunk "
                           "at a time, may honour fewer matched tokens than offered and can pause and replay a "
                           "request; set kv_cache_config.use_kv_cache_manager_v2: false")
+    windows, max_seq = getattr(kv_cache_manager, "max_attention_window_vec", None), getattr(kv_cache_manager,
+                                                                                         "max_seq_len", None)
+    if windows and max_seq:
+        short = sorted({int(w) for w in windows if w is not None and int(w) < int(max_seq)})
+        if short:
+            raise ConfigError(f"kvbridge TensorRT-LLM plugin refuses sliding-window attention (attention window(s) "
+                              f"{short} < max_seq_len {int(max_seq)}, kv_cache_config.max_attention_window): "
+                              "the pages a window has passed are recycled (main reports them as -1), so a prompt longer "
+                              "than the window has no KV to hand off; serve this model without kvbridge")

@@ -39,6 +39,7 @@ from ._compat import KvCacheConnectorScheduler
 from .config import BridgeConfig, ConfigError
 from .geometry import _get
 from .handle import Handle, HandleError, prompt_key
+from .idle import IdleWake
 from .refusals import refuse_unsupported
 
 __all__ = ["KVBridgeConnectorMetadata", "KVBridgeConnectorScheduler", "LOCAL_SCHEDULERS"]
@@ -143,6 +144,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self.layerwise_chooser = self.cfg.layerwise_chooser_for(_get(llm_args, "model", None))  # layerwise=auto
         self.layerwise_decisions: OrderedDict[int, bool] = OrderedDict()  # request id -> layer-wise or not (prefill halves)
         self.fallbacks: OrderedDict[int, dict] = OrderedDict()  # request id -> why it is computed here
+        self.idle_wake = IdleWake(self.world_size)  # wakes 1.2's idle executor for released blocks (rank 0's worker attaches it)
         self._keyring = self.cfg.keyring()  # every bus message sealed (kvbridge.common.auth)
         self._bad_bus = LogLimiter(log, "kvbridge scheduler: refused bus messages")
         try:
@@ -488,6 +490,12 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                 self._on_discovered(peer, list(msg.endpoints))
             elif isinstance(msg, B.LoadResult):
                 self._on_result(msg.req, msg.rank, msg.ok, msg.reason)
+            elif isinstance(msg, B.Released):
+                if msg.rank < self.world_size and self._workers.get(msg.rank) == peer:
+                    self.idle_wake.released(msg.req, msg.rank)
+                else:
+                    self._bad_bus.warn("released", "Released from %s for rank %d is not that rank's worker; ignored",
+                                       peer, msg.rank)
             else:
                 log.warning("kvbridge scheduler: unexpected %s from %s", type(msg).__name__, peer)
 
@@ -526,6 +534,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                     self._discovering.pop(prefill, None)
                     self._fail_parked(prefill, f"no answer within {limit:.1f} s")
             self._expire(now)
+        self.idle_wake.tick(now)
 
     def close(self) -> None:
         """Stop the bus (and the SGLang-compatible bootstrap server)."""

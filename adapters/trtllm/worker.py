@@ -29,9 +29,10 @@ from kvbridge.common.limits import LogLimiter
 from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 from . import bus as B
-from ._compat import KvCacheConnectorWorker
+from ._compat import IDLE_WAIT_UNTIMED, KvCacheConnectorWorker
 from .config import BridgeConfig, ConfigError, agree_with_rank0, settings_environ
 from .geometry import pool_layout, pull_plan, rank_geometry
+from .idle import canceled_ids, forget_wake_ids
 from .refusals import refuse_manager, refuse_unsupported
 from .scheduler import LOCAL_SCHEDULERS, KVBridgeConnectorMetadata, world_size
 
@@ -140,6 +141,10 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self.finished_loads: OrderedDict[int, dict] = OrderedDict()  # request id -> how its load ended
         self.finished_saves: OrderedDict[int, dict] = OrderedDict()  # request id -> how its send ended (+ record)
         self.declined: OrderedDict[int, dict] = OrderedDict()  # request id -> record of its declined room (rank 0)
+        self._idle_wake = None  # rank 0, 1.2: wakes the idle executor for released blocks (kvbridge.adapters.trtllm.idle)
+        self._wake_ids = IDLE_WAIT_UNTIMED  # 1.2: tell rank 0 when blocks are let go, clear its wake ids
+        self._released_ids: OrderedDict[int, None] = OrderedDict()  # requests whose blocks this rank let go of (1.2)
+        self._released_lock = threading.Lock()  # release callbacks run on the sender's threads
         self._apply_order = {B.Open: self._open, B.Send: self._send_in_order, B.Load: self._load, B.Verdict: self._verdict,
                              B.Decline: self._decline, B.AbortRoom: self._abort}
 
@@ -164,6 +169,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                             dist=getattr(self._executor, "dist", None), llm_args=self._llm_args, cfg=self.cfg)
         self.rank, self.tp_size = geo.tp_rank, geo.tp_size
         self._hold_engine_frees()
+        self._attach_idle_wake()
         self.layout = pool_layout(kv_cache_tensor, geo)
         cfg = self.cfg
         self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
@@ -346,6 +352,12 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                     self._forget_sent.discard(room)
             self._abort_cancelled_loads()
             self._free_held()
+            if self._wake_ids and self._executor is not None:
+                with self._released_lock:
+                    released = set(self._released_ids)
+                forget_wake_ids(self._executor, released)
+            if self._idle_wake is not None:
+                self._idle_wake.polled()
             loaded = []
             for r, ld in list(self._loads.items()):
                 if r in self._announced_loading and ld.verdict and self._settle_load(ld):
@@ -395,6 +407,8 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
                 ld.reason = "" if ok else self.receiver.failure_reason(ld.room)
                 ld.released.set()
                 self._report(ld)
+                if any(h[0] is ld for h in getattr(self, "_held_frees", ())):
+                    self._let_go(ld.req)  # the engine's free we held can go now
 
             self.receiver.request(o.room, [eps[i] for i in plan.ranks], np.asarray(o.blocks, dtype=np.int64), ld.start,
                                   o.stop, release, receivers=plan.receivers)
@@ -408,6 +422,30 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
     def _report(self, ld: _Loading) -> None:
         self.bus.send(self._scheduler_ep, B.pack(B.LoadResult(req=ld.req, rank=self.rank, ok=ld.ok,
                                                                reason=ld.reason[:4000]), self._keyring))
+
+    def _attach_idle_wake(self) -> None:
+        """Rank 0 on 1.2: let the scheduler's ``IdleWake`` wake this executor (a cancel of a
+        finished request id through ``cancel_request``) when released blocks wait for an
+        iteration; only where the executor's cancelled ids can be found, to clear them again."""
+        if not self._wake_ids or self._executor is None:
+            return
+        if canceled_ids(self._executor) is None or not hasattr(self._executor, "cancel_request"):
+            log.warning("kvbridge worker rank %d: this TensorRT-LLM executor has no cancel_request/canceled_req_ids; "
+                        "an idle executor is not woken, so a prefill's blocks come back at its next request",
+                        self.rank)
+            self._wake_ids = False
+            return
+        if self.rank == 0 and LOCAL_SCHEDULERS:
+            self._idle_wake = LOCAL_SCHEDULERS[-1].idle_wake
+            self._idle_wake.attach(self._executor.cancel_request)
+
+    def _let_go(self, req: int) -> None:
+        """Any thread: this rank let go of request ``req``'s blocks; rank 0 learns it (1.2)."""
+        if not self._wake_ids:
+            return
+        with self._released_lock:
+            _bounded(self._released_ids, int(req), None)
+        self.bus.send(self._scheduler_ep, B.pack(B.Released(req=int(req), rank=self.rank), self._keyring))
 
     def _verdict(self, o: B.Verdict) -> None:
         ld = self._loads.setdefault(o.req, _Loading(o.req, o.room, o.start))
@@ -431,6 +469,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         def release(_blocks, ok, s=s):
             s.ok = ok
             s.released.set()
+            self._let_go(s.req)
 
         try:
             self.sender.add_room(o.room, np.asarray(o.blocks, dtype=np.int64), release)

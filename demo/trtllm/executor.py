@@ -31,7 +31,12 @@ Requests
   Python request does not carry them (``py_disaggregated_params`` exists on main only).
 
 Each iteration (every rank in lockstep; rank 0's request queue is broadcast)
-1. new requests and cancels from rank 0's queue;
+1. new requests and cancels from rank 0's queue (``executor_request_queue.py``
+   ``_fetch_and_process_requests``): with nothing active the executor waits for the next
+   item with no timeout, so an idle iteration does nothing at all (here: returns at once,
+   counted in ``idle_waits``) until a request or a cancel is queued. A cancel's id goes
+   to ``canceled_req_ids`` on every rank and leaves it only when it cancels an active
+   request (``_handle_canceled_requests``); an id that matches none stays;
 2. schedule context (chunked by ``max_num_tokens`` with ``enable_chunked_prefill``) and
    generation requests (capacity: every admitted request's blocks for prompt + max tokens);
 3. ``prepare_resources``: a first context chunk gets ``add_sequence`` (device reuse,
@@ -44,7 +49,10 @@ Each iteration (every rank in lockstep; rank 0's request queue is broadcast)
    completion and ``request_finished`` come one iteration later (after that iteration's
    forward); ``request_finished`` True pins the blocks and sets
    ``DISAGG_CONTEXT_TRANS_IN_PROGRESS``;
-6. cancels; responses; finished requests not in transfer are freed;
+6. cancels; responses; finished requests not in transfer are freed. On 1.2 with block
+   reuse on, a request whose save is under way leaves ``active_requests`` too (its blocks
+   stay pinned; ``_handle_responses``): with nothing else active the executor is idle
+   (step 1) and calls no ``get_finished`` until something is queued;
 7. ``get_finished`` on every rank, allgathered: loads back to ``CONTEXT_INIT`` (and not
    added again), saves unpinned and freed.
 """
@@ -54,6 +62,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -108,7 +118,8 @@ def make_llm_args(model: str, *, tp: int = 1, tokens_per_block: int = 32, enable
                   max_num_tokens: int = 8192, enable_chunked_prefill: bool = False, connector: bool = True,
                   speculative_config: Any = None, pipeline_parallel_size: int = 1, max_beam_width: int = 1,
                   host_cache_size: int | None = None, cache_transceiver_config: Any = None,
-                  use_kv_cache_manager_v2: bool | None = None, env_overrides: dict | None = None) -> SimpleNamespace:
+                  use_kv_cache_manager_v2: bool | None = None, env_overrides: dict | None = None,
+                  max_attention_window: list[int] | None = None, max_seq_len: int = 8192) -> SimpleNamespace:
     """LLM args (``TorchLlmArgs``) with the fields the executor and the connector read.
     ``env_overrides`` is carried to every rank in the LLM args (``worker_main`` would also
     apply it to each rank's environment; the stand-in does not, so a plugin must read it)."""
@@ -118,13 +129,15 @@ def make_llm_args(model: str, *, tp: int = 1, tokens_per_block: int = 32, enable
                                         enable_attention_dp=False),
         kv_cache_config=SimpleNamespace(tokens_per_block=tokens_per_block, enable_block_reuse=enable_block_reuse,
                                         dtype=kv_dtype, host_cache_size=host_cache_size, free_gpu_memory_fraction=0.9,
-                                        use_kv_cache_manager_v2=use_kv_cache_manager_v2),
+                                        use_kv_cache_manager_v2=use_kv_cache_manager_v2,
+                                        max_attention_window=list(max_attention_window) if max_attention_window else None),
         scheduler_config=SimpleNamespace(capacity_scheduler_policy=capacity_scheduler_policy),
         disable_overlap_scheduler=disable_overlap_scheduler, attn_backend=attn_backend, enable_flash_mla=enable_flash_mla,
         max_num_tokens=max_num_tokens, enable_chunked_prefill=enable_chunked_prefill, max_beam_width=max_beam_width,
         speculative_config=speculative_config, cache_transceiver_config=cache_transceiver_config,
         kv_connector_config=SimpleNamespace(**CONNECTOR_CONFIG) if connector else None,
-        enable_attention_dp=False, trust_remote_code=False, env_overrides=dict(env_overrides or {}))
+        enable_attention_dp=False, trust_remote_code=False, env_overrides=dict(env_overrides or {}),
+        max_seq_len=max_seq_len)
 
 
 def _model_kv_geometry(model_dir: str) -> dict:
@@ -188,7 +201,9 @@ def create_py_executor(llm_args: Any, *, version: EngineVersion, rank: int, worl
     kvm = KVCacheManager(pools[rank], tokens_per_block=tokens_per_block, num_kv_heads=geo["kv_heads"],
                          head_dim=geo["head_dim"], tp_size=tp, kv_factor=1 if geo["mla"] else 2,
                          dtype=DataType.FP8 if kv_dtype == "fp8" else DataType.FLOAT,
-                         enable_block_reuse=llm_args.kv_cache_config.enable_block_reuse)
+                         enable_block_reuse=llm_args.kv_cache_config.enable_block_reuse,
+                         max_seq_len=int(llm_args.max_seq_len),
+                         max_attention_window=llm_args.kv_cache_config.max_attention_window)
     # the TRTLLM attention backend writes HND inside a block; backends that address the pool
     # through KVCacheManager.get_buffers ([blocks, kv_factor, tokens, heads, head_dim]) write NHD
     order = "NHD" if str(llm_args.attn_backend).upper() in ("VANILLA", "FLASHINFER") else "HND"
@@ -235,6 +250,33 @@ class _Batch:
     sampled: dict[int, _Pending] = field(default_factory=dict)
 
 
+class ExecutorRequestQueue:
+    """Rank 0's request queue (``executor_request_queue.py``): requests and cancels from
+    any thread; ``canceled_req_ids`` on every rank."""
+
+    def __init__(self):
+        self.request_queue: queue.Queue = queue.Queue()
+        self.enqueue_lock = threading.Lock()
+        self.canceled_req_ids: list[int] = []
+
+    def enqueue_request(self, rid: int, request: "ExecutorRequest") -> None:
+        with self.enqueue_lock:
+            self.request_queue.put((rid, request, False))
+
+    def enqueue_cancel_request(self, req_id: int) -> None:
+        with self.enqueue_lock:
+            self.request_queue.put((int(req_id), None, True))
+
+    def take(self) -> list:
+        """Every queued item (the executor's wait, when idle, ends at the first)."""
+        items = []
+        while True:
+            try:
+                items.append(self.request_queue.get_nowait())
+            except queue.Empty:
+                return items
+
+
 class PyExecutor:
     """One rank's executor loop around the KV cache, the model and the connector."""
 
@@ -254,9 +296,10 @@ class PyExecutor:
         self.runner = load_runner(llm_args.model)
         self.disable_overlap_scheduler = bool(llm_args.disable_overlap_scheduler)
         self.active_requests: list[PyLlmRequest] = []
-        self._queue: list[ExecutorRequest] = []
-        self._cancel_queue: list[int] = []
+        self.executor_request_queue = ExecutorRequestQueue()
+        self.idle_waits = 0  # iterations spent waiting for a request (nothing active, nothing queued)
         self._next_id = 1
+        self._id_lock = threading.Lock()
         self._previous: _Batch | None = None
         self._computed: dict[int, int] = {}
         self._first_logits: dict[int, list[float]] = {}  # the logits the first token was sampled from
@@ -293,14 +336,15 @@ class PyExecutor:
                                      "backend:<backend_type>` in config file for disaggregated serving")
         if not request.input_token_ids:
             raise ValueError("empty prompt")
-        rid = self._next_id
-        self._next_id += 1
-        self._queue.append((rid, request))
+        with self._id_lock:
+            rid = self._next_id
+            self._next_id += 1
+        self.executor_request_queue.enqueue_request(rid, request)
         return rid
 
     def cancel_request(self, request_id: int) -> None:
-        """``PyExecutor.cancel_request``: into the request queue, applied next iteration."""
-        self._cancel_queue.append(int(request_id))
+        """``PyExecutor.cancel_request`` (any thread): into the request queue, applied next iteration."""
+        self.executor_request_queue.enqueue_cancel_request(request_id)
 
     def _activate(self, rid: int, er: ExecutorRequest) -> PyLlmRequest:
         dp = er.disaggregated_params
@@ -315,10 +359,20 @@ class PyExecutor:
     def iteration(self) -> None:
         """One pass of the executor loop on this rank (collectives with the other ranks)."""
         mgr, kvm = self.kv_connector_manager, self.kv_cache_manager
-        new, cancels = mpi_broadcast((self._queue, self._cancel_queue) if self.dist.rank == 0 else None, root=0)
-        self._queue, self._cancel_queue = [], []
-        for rid, er in new:
-            self.active_requests.append(self._activate(rid, er))
+        items = None
+        if self.dist.rank == 0:
+            items = self.executor_request_queue.take()
+            if not items and not self.active_requests:
+                items = None  # idle: rank 0 waits in the queue, the other ranks in the broadcast
+        items = mpi_broadcast(items, root=0)
+        if items is None:
+            self.idle_waits += 1
+            return
+        for rid, er, cancel in items:
+            if cancel:
+                self.executor_request_queue.canceled_req_ids.append(rid)
+            else:
+                self.active_requests.append(self._activate(rid, er))
         ctx, gen = self._schedule()
         # prepare_resources
         for req in ctx:
@@ -349,7 +403,7 @@ class PyExecutor:
             if previous is not None:
                 self._update_requests(previous)
                 self._send_kv_async(previous.requests)
-        self._handle_canceled(cancels)
+        self._handle_canceled()
         self._handle_responses()
         if mgr is not None:
             saved = mgr.get_finished()
@@ -460,14 +514,20 @@ class PyExecutor:
                 if mgr.request_finished(req, self.kv_cache_manager.get_cache_indices(req)):
                     self.kv_cache_manager.store_blocks_for_reuse(req, True)  # AsyncTransferManager.start_transfer
 
-    def _handle_canceled(self, cancels: list[int]) -> None:
-        for rid in cancels:
-            for req in self.active_requests:
-                if req.request_id == rid and req.state not in (LlmRequestState.GENERATION_COMPLETE,
-                                                               LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS):
-                    req._finish("cancelled")
+    def _handle_canceled(self) -> None:
+        """An active request whose id was cancelled finishes as cancelled and its id leaves
+        ``canceled_req_ids``; an id that matches no active request stays there."""
+        ids = self.executor_request_queue.canceled_req_ids
+        if not ids:
+            return
+        for req in self.active_requests:
+            if req.request_id in ids and req.state not in (LlmRequestState.GENERATION_COMPLETE,
+                                                          LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS):
+                req._finish("cancelled")
+                ids.remove(req.request_id)
 
     def _handle_responses(self) -> None:
+        kvm = self.kv_cache_manager
         keep = []
         for req in self.active_requests:
             finished = req.state in (LlmRequestState.GENERATION_COMPLETE, LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
@@ -482,6 +542,9 @@ class PyExecutor:
                     else []}
             if req.state == LlmRequestState.GENERATION_COMPLETE:
                 self._terminate(req)
+            elif (req.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS and self.version.drops_saving_requests
+                  and kvm.enable_block_reuse):
+                pass  # 1.2: terminated while its save is under way (blocks pinned); get_finished frees it
             else:  # running, loading, or held until its save finishes
                 keep.append(req)
         self.active_requests = keep

@@ -54,7 +54,8 @@ class KVCacheManager:
     """One rank's KV cache: the primary pool, block allocation and device prefix reuse."""
 
     def __init__(self, pool: torch.Tensor, *, tokens_per_block: int, num_kv_heads: int, head_dim: int,
-                 tp_size: int, kv_factor: int, dtype: DataType, enable_block_reuse: bool):
+                 tp_size: int, kv_factor: int, dtype: DataType, enable_block_reuse: bool, max_seq_len: int = 8192,
+                 max_attention_window: list[int] | None = None):
         self._pool = pool
         self.tokens_per_block = int(tokens_per_block)
         self.head_dim = int(head_dim)
@@ -68,6 +69,13 @@ class KVCacheManager:
         self.layer_offsets = {i: i for i in range(layers)}
         self.num_pools = 1
         self.enable_block_reuse = bool(enable_block_reuse)
+        # resource_manager.py KVCacheManager.__init__: [max_seq_len] without windows, else
+        # each clamped to max_seq_len; several sizes make it VSWA. (Only the attributes: the
+        # stand-in's attention never slides a window.)
+        self.max_seq_len = int(max_seq_len)
+        self.max_attention_window_vec = ([self.max_seq_len] if not max_attention_window
+                                         else [min(self.max_seq_len, int(w)) for w in max_attention_window])
+        self.is_vswa = len(set(self.max_attention_window_vec)) > 1
         self.max_blocks = int(pool.shape[0])
         self._free: list[int] = list(range(self.max_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._blocks: dict[int, list[int]] = {}

@@ -126,13 +126,15 @@ def _state(ex) -> dict:
     mgr = ex.kv_connector_manager
     out = {"free": kvm.free_count, "total": kvm.max_blocks, "pinned": len(kvm._pinned), "held": len(kvm._blocks),
            "ever": sorted(kvm.ever), "active": len(ex.active_requests), "responses": dict(ex.responses),
-           "changed_since_freed": kvm.changed_since_freed()}
+           "changed_since_freed": kvm.changed_since_freed(), "idle_waits": ex.idle_waits,
+           "canceled_req_ids": list(ex.executor_request_queue.canceled_req_ids)}
     if mgr is not None:
         w, s = mgr.worker, mgr.scheduler
         # read by name, no defaults: a renamed attribute fails the test that reads it, never reads 0
         out.update(settings={"deadline_s": w.cfg.deadline_s, "bus_port": w.cfg.bus_port, "secret": bool(w.cfg.secret)},
                    finished_loads=dict(w.finished_loads), finished_saves=dict(w.finished_saves),
                    declined=dict(w.declined), fallbacks=dict(s.fallbacks) if s else {},
+                   idle_wakes=s.idle_wake.wakes if s else 0,
                    sender_rooms=len(w.sender._rooms) if w.sender is not None else 0,
                    receiver_rooms=len(w.receiver._rooms) if w.receiver is not None else 0,
                    quarantine=w.receiver.quarantine() if w.receiver is not None else [],

@@ -32,17 +32,23 @@ class EngineVersion:
     query_commit: bool  # the connector manager splits get_num_new_matched_tokens into query + commit
     context_only_refused_with_overlap: bool  # BaseWorker refuses context_only requests when overlap is on
     refuses_beam_and_host_cache: bool  # PyExecutor refuses a connector with beam > 1 or host_cache_size
+    # with block reuse on, a finished request whose KV is still being saved leaves
+    # active_requests (``_handle_responses``), so an executor with nothing else to run waits
+    # for its next request with no timeout and calls no ``get_finished`` meanwhile
+    drops_saving_requests: bool
     site: str  # folder (under site/) holding this version's ``tensorrt_llm`` import tree
 
 
 V1_2 = EngineVersion(
     name="1.2", package_version="1.2.1", connector_module="tensorrt_llm._torch.pyexecutor.kv_cache_connector",
     py_disaggregated_params=False, wait_for_initialization=False, query_commit=False,
-    context_only_refused_with_overlap=True, refuses_beam_and_host_cache=False, site="v1_2")
+    context_only_refused_with_overlap=True, refuses_beam_and_host_cache=False, drops_saving_requests=True,
+    site="v1_2")
 MAIN = EngineVersion(
     name="main", package_version="1.3.0rc0", connector_module="tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
     py_disaggregated_params=True, wait_for_initialization=True, query_commit=True,
-    context_only_refused_with_overlap=False, refuses_beam_and_host_cache=True, site="main")
+    context_only_refused_with_overlap=False, refuses_beam_and_host_cache=True, drops_saving_requests=False,
+    site="main")
 VERSIONS = {v.name: v for v in (V1_2, MAIN)}
 
 

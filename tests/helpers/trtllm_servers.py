@@ -88,3 +88,11 @@ def lag_layerwise_ranks(seconds: float) -> None:
         return start(self, stream)
 
     KVBridgeConnectorWorker.start_load_kv = late_start_load_kv
+
+
+def no_idle_wake(_arg=None) -> None:
+    """A stand-in rank's ``setup`` hook: the plugin never wakes an idle executor (the
+    control that shows what TensorRT-LLM 1.2 does without it)."""
+    from kvbridge.adapters.trtllm.worker import KVBridgeConnectorWorker
+
+    KVBridgeConnectorWorker._attach_idle_wake = lambda self: None

@@ -53,6 +53,23 @@ def test_kv_cache_manager_v2_is_refused(trt_servers, tiny_llama_dir):
         trt_servers("main", tiny_llama_dir, num_blocks=8, use_kv_cache_manager_v2=True)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("windows", [[64], [64, 8192]], ids=["sliding-window", "variable-windows"])
+def test_sliding_window_attention_is_refused(trt_servers, tiny_llama_dir, version, windows):
+    """A window shorter than ``max_seq_len`` (one for every layer, or per layer: VSWA) is
+    refused at ``register_kv_caches`` from the KV cache manager's own window vector,
+    before any request: not a room at a time when the first page id is -1."""
+    with pytest.raises(StandInError, match=r"refuses sliding-window attention \(attention window\(s\) \[64\] < "
+                                           r"max_seq_len 8192"):
+        trt_servers(version, tiny_llama_dir, num_blocks=8, max_attention_window=windows)
+
+
+def test_a_window_as_long_as_max_seq_len_is_no_sliding_window(trt_servers, tiny_llama_dir):
+    """``max_attention_window`` at (or clamped to) ``max_seq_len`` is full attention: served."""
+    s = trt_servers("1.2", tiny_llama_dir, num_blocks=8, max_attention_window=[1 << 20], max_seq_len=4096)
+    assert s.info["free"] == 8
+
+
 def _handoff(pre, dec, model_dir, room: int, n: int = 40):
     prompt = random_prompt(n, seed=room)
     ref = reference_generate(model_dir, prompt, 4).token_ids

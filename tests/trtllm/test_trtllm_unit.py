@@ -298,6 +298,80 @@ def test_the_bus_takes_only_sealed_messages():
         sched.close()
 
 
+def test_released_is_taken_only_from_that_ranks_worker():
+    """A sealed ``Released`` counts for a rank only when it comes from the worker that
+    joined as that rank: a stranger holding the key cannot make rank 0's executor be
+    woken (nor hide a rank's release by claiming it early)."""
+    import time
+
+    import zmq
+
+    from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
+    from kvbridge.common.auth import Keyring
+
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
+    ring = Keyring(SECRET)
+    socks = []
+    try:
+        for _ in range(2):
+            s = zmq.Context.instance().socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(sched.endpoint)
+            socks.append(s)
+        worker, stranger = socks
+        worker.send(B.pack(B.Hello(rank=0, endpoint="tcp://127.0.0.1:1", record={}), ring))
+        deadline = time.monotonic() + 10
+        while 0 not in sched._workers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stranger.send(B.pack(B.Released(req=5, rank=0), ring))
+        worker.send(B.pack(B.Released(req=6, rank=0), ring))
+        while not sched.idle_wake.ready_ids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert sched.idle_wake.ready_ids() == [6]
+    finally:
+        for s in socks:
+            s.close(0)
+        sched.close()
+
+
+def test_idle_wake_wakes_only_an_executor_that_runs_no_iteration():
+    """``IdleWake``: a request is ready once every rank let go of it; an executor that
+    keeps calling ``get_finished`` is never woken; one that stops is woken after
+    ``after_s``, once per ``after_s``; two iterations after readiness take it with more
+    than one rank (a rank's ``get_finished`` of the first may precede its release), one
+    with one rank."""
+    from kvbridge.adapters.trtllm.idle import IdleWake, forget_wake_ids
+
+    woken = []
+    w = IdleWake(world_size=2, after_s=0.1)
+    w.attach(woken.append)
+    w.released(7, 0)
+    w.tick(1e9)
+    assert w.ready_ids() == [] and woken == []  # rank 1 has not let go yet
+    w.released(7, 1)
+    w.polled()
+    w.tick()
+    assert woken == [] and w.ready_ids() == [7]  # polled just now: nothing to wake
+    import time as _t
+    now = _t.monotonic()
+    w.tick(now + 0.05)
+    assert woken == []
+    w.tick(now + 0.2)
+    w.tick(now + 0.25)  # not again within after_s of the last wake
+    assert woken == [7] and w.wakes == 1
+    w.polled()
+    assert w.ready_ids() == []  # the second iteration since it was ready takes it
+    one = IdleWake(world_size=1, after_s=0.1)
+    one.released(3, 0)
+    one.polled()
+    assert one.ready_ids() == []
+    ex = SimpleNamespace(executor_request_queue=SimpleNamespace(canceled_req_ids=[3, 4, 9]),
+                         active_requests=[SimpleNamespace(py_request_id=4)])
+    forget_wake_ids(ex, {3, 4})
+    assert ex.executor_request_queue.canceled_req_ids == [4, 9]  # 4 cancels an active request: kept
+
+
 def test_an_expect_flood_expires_in_log_time():
     """4,096 announcements under one prompt are held up to the per-prompt cap (the rest
     refused by name); those held plus 4,096 under as many prompts expire in one tick well

@@ -41,14 +41,21 @@ def run(plan):
 
 @requires_vllm
 def test_layout_matches_vllms_own_kernel():
-    """vLLM's reshape_and_cache (its 'vec' ISA) writes K/V; kvbridge reads every element back
+    """vLLM's reshape_and_cache writes K/V with its 'vec' ISA and with 'vec16' (head sizes
+    80, 48 and block size 16, as the backend picks it); kvbridge reads every element back
     through its vLLM layout, float32 and bfloat16. Where the backend would pick another ISA on
     this host (bfloat16 on AMX hosts picks 'amx'), kvbridge refuses that one by name."""
     r = run_script("kernel_layout.py")
-    for dt in ("torch.float32", "torch.bfloat16"):
-        assert r[dt]["isa"] == "vec" and r[dt]["equal"] is True and r[dt]["nonzero_elems"] > 0, r
-        host = r[dt]["host_isa"]
-        assert host == "vec" or (r[dt]["refused"] and f"ISA {host!r} is not supported" in r[dt]["refused"]), r
+    amx = r.pop("amx")
+    for case, res in amx.items():  # vLLM's 'amx' reshape, where vLLM can call it: the README's formulas
+        assert not res["ran"] or (res["k_formula"] and res["v_formula"]), (case, res)
+    want = {f"{dt} {isa} bs{bs} hd{hd}" for dt in ("torch.float32", "torch.bfloat16")
+            for isa, bs, hd in (("vec", 32, 32), ("vec16", 32, 80), ("vec16", 16, 64), ("vec16", 16, 48))}
+    assert set(r) == want, sorted(r)
+    for case, res in r.items():
+        assert res["equal"] is True and res["nonzero_elems"] > 0, (case, res)
+        host = res["host_isa"]
+        assert host == res["isa"] or (res["refused"] and f"ISA {host!r} is not supported" in res["refused"]), (case, res)
 
 
 @pytest.mark.parametrize("other,page", [("sglang", 1), ("sglang", 16), ("trtllm", 32), ("trtllm", 64), ("vllm", 32)])

@@ -1,8 +1,10 @@
 """Run in the vLLM venv: vLLM's own CPU kernel writes known K/V into a cache tensor of its
 backend's shape; kvbridge's layout of that tensor must find every element where the
-kernel put it. The 'vec' kernel runs on every x86 host; where the host's backend would
-pick another ISA (bfloat16 on AMX hosts: 'amx', whose blocks interleave tokens and
-dimensions), kvbridge must refuse that ISA by name. Prints one JSON line."""
+kernel put it. The 'vec' and 'vec16' kernels (vec16: a head size that is a multiple of
+16 but not 32, or a block size that is not a multiple of 32) run on every x86 host; where
+the host's backend would pick another ISA (bfloat16 on AMX hosts: 'amx', whose blocks
+interleave tokens and dimensions), kvbridge must refuse that ISA by name. Prints one
+JSON line: {"<dtype> <isa> bs<block size> hd<head size>": result}."""
 
 import json
 import sys
@@ -20,16 +22,16 @@ from kvbridge.layout.repack import Gather
 
 current_platform.import_kernels()
 out = {}
-for dtype in (torch.float32, torch.bfloat16):
-    nb, nh, bs, hd, layers = 6, 2, 32, 32, 2
+CASES = (("vec", 32, 32), ("vec16", 32, 80), ("vec16", 16, 64), ("vec16", 16, 48))  # (isa, block size, head size)
+for dtype, (isa, bs, hd) in [(d, c) for d in (torch.float32, torch.bfloat16) for c in CASES]:
+    nb, nh, layers = 6, 2, 2
     host_isa = _get_attn_isa(dtype, bs, hd)  # what the backend picks on this host
-    isa = "vec"
     shape = (nb, nh, bs, 2 * hd)  # what register_kv_caches gets per layer (LBHNC, [B, H, N, 2 * head_size])
     one = torch.zeros((layers,) + tuple(shape), dtype=dtype)
     caches = list(one.unbind(0))
     g = torch.Generator().manual_seed(0)
-    n = 70
-    slots = torch.tensor(np.r_[np.arange(3 * bs, 3 * bs + 32), np.arange(1 * bs, 1 * bs + 32), np.arange(5 * bs, 5 * bs + 6)])
+    n = 2 * bs + 6
+    slots = torch.tensor(np.r_[np.arange(3 * bs, 4 * bs), np.arange(1 * bs, 2 * bs), np.arange(5 * bs, 5 * bs + n - 2 * bs)])
     keys, values = [], []
     for c in caches:  # the backend's own write path (CPUAttentionBackendImpl.do_kv_cache_update)
         k = torch.randn(n, nh, hd, generator=g).to(dtype)
@@ -57,6 +59,32 @@ for dtype in (torch.float32, torch.bfloat16):
             vllm_cpu_layout(caches, isa=host_isa)
         except LayoutError as e:
             refused = str(e)
-    out[str(dtype)] = {"isa": isa, "host_isa": host_isa, "refused": refused, "shape": list(shape), "equal": bool(torch.equal(rows, want[order])),
+    out[f"{dtype} {isa} bs{bs} hd{hd}"] = {"isa": isa, "host_isa": host_isa, "refused": refused, "shape": list(shape), "equal": bool(torch.equal(rows, want[order])),
                        "row_strides": [list(p) for p in lay.row_strides], "nonzero_elems": int((one != 0).sum())}
+
+# 'amx' (bfloat16 on AMX hosts): kvbridge refuses it; what vLLM's own reshape kernel does,
+# where it runs (also on hosts without AMX), is recorded against the formulas the README
+# states, element offsets inside one (block, head) K or V tile of block size bs, head size hd:
+#   K (t, j): (t // 16) * 16 * hd + (j // 2) * 32 + (t % 16) * 2 + j % 2
+#   V (t, j): (j // 16) * 16 * bs + (t // 2) * 32 + (j % 16) * 2 + t % 2
+amx = {}
+for bs, hd in ((32, 64), (64, 128)):
+    cache = torch.zeros(3, 1, bs, 2 * hd, dtype=torch.bfloat16)
+    kc, vc = cache.view(3, 1, 2 * bs, hd).chunk(2, dim=2)
+    code = torch.arange(bs * hd, dtype=torch.int32).view(bs, 1, hd) + 1  # distinct bit patterns, no NaN
+    try:
+        ops.cpu_attn_reshape_and_cache(code.to(torch.int16).view(torch.bfloat16),
+                                       (code + 16384).to(torch.int16).view(torch.bfloat16), kc, vc,
+                                       torch.arange(bs, 2 * bs), "amx")
+    except Exception as e:  # vLLM cannot call it on this host
+        amx[f"bs{bs} hd{hd}"] = {"ran": False, "why": f"{type(e).__name__}: {e}"[:300]}
+        continue
+    tile = cache[1, 0].reshape(-1).view(torch.int16).to(torch.int64)
+    t, j = np.meshgrid(np.arange(bs), np.arange(hd), indexing="ij")
+    k_at = (t // 16) * 16 * hd + (j // 2) * 32 + (t % 16) * 2 + j % 2
+    v_at = bs * hd + (j // 16) * 16 * bs + (t // 2) * 32 + (j % 16) * 2 + t % 2
+    want = (t * hd + j + 1)
+    amx[f"bs{bs} hd{hd}"] = {"ran": True, "k_formula": bool((tile[k_at.reshape(-1)].numpy() == want.reshape(-1)).all()),
+                             "v_formula": bool((tile[v_at.reshape(-1)].numpy() == want.reshape(-1) + 16384).all())}
+out["amx"] = amx
 print(json.dumps(out))
