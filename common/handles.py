@@ -1,18 +1,31 @@
-"""What every engine's handoff handle must hold, checked once for all adapters.
+"""The handoff handle every plugin and the router share, checked once for all.
 
 A handle names one server's part in a handoff: ``op`` ("send" on the prefill, "recv" on
-the decode), the router's ``room`` id, and on a decode half where to find the prefill
-(an SGLang-compatible ``bootstrap`` address ``host:port``, or the prefill ranks'
-``tcp://`` endpoints). Each adapter carries it in its engine's own request field.
+the decode), the router's ``room`` id, and on a decode half where to find the prefill:
+an SGLang-compatible ``bootstrap`` address ``host:port``, the prefill ranks' ``tcp://``
+``endpoints`` (TP order), or a TensorRT-LLM prefill's bus (``prefill``, a ``tcp://``
+address; the TensorRT-LLM plugin asks it for the ranks). ``on_failure`` ("recompute" |
+"fail") overrides the decode server's setting for this request. Each plugin carries the
+handle in its engine's own request field (vLLM: ``kv_transfer_params``; TensorRT-LLM:
+announced under the prompt) and reads only the fields it serves (``Handle.from_dict``'s
+``fields``)::
+
+    Handle("send", room)                                      prefill half
+    Handle("recv", room, bootstrap="p:8998")                  decode half: an SGLang-compatible bootstrap server
+    Handle("recv", room, endpoints=("tcp://...", ...))         decode half: the prefill's ranks, TP order
+    Handle("recv", room, prefill="tcp://p:18500")             decode half: a TensorRT-LLM prefill's bus
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .bootstrap import parse_address
 
-__all__ = ["HandleError", "check_handle"]
+__all__ = ["FIELDS", "Handle", "HandleError", "check_handle"]
+
+FIELDS = ("op", "room", "bootstrap", "endpoints", "prefill", "on_failure")  # every field, in to_dict's order
 
 
 class HandleError(ValueError):
@@ -41,3 +54,53 @@ def check_handle(op: Any, room: Any, *, bootstrap: str = "", endpoints: Sequence
     for ep in endpoints:
         if not isinstance(ep, str) or not ep.startswith("tcp://"):
             raise HandleError(f"room {room}: endpoint {ep!r} is not a tcp:// address")
+
+
+@dataclass(frozen=True)
+class Handle:
+    """One server's part in a handoff (see the module docstring)."""
+
+    op: str  # "send" (prefill) or "recv" (decode)
+    room: int
+    bootstrap: str = ""
+    endpoints: tuple[str, ...] = ()
+    prefill: str = ""
+    on_failure: str = ""
+
+    def __post_init__(self) -> None:
+        check_handle(self.op, self.room, bootstrap=self.bootstrap,
+                     endpoints=((self.prefill,) if self.prefill else ()) + tuple(self.endpoints),
+                     decode_needs="'bootstrap', 'endpoints' or 'prefill'")
+        if self.on_failure not in ("", "recompute", "fail"):
+            raise HandleError(f"room {self.room}: on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that are set, as JSON/msgpack-ready values."""
+        d: dict[str, Any] = {"op": self.op, "room": self.room}
+        for name in FIELDS[2:]:
+            v = getattr(self, name)
+            if v:
+                d[name] = list(v) if name == "endpoints" else v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, *, fields: Sequence[str] = FIELDS, what: str = "handle") -> "Handle":
+        """A handle from ``to_dict``'s form; HandleError naming what is wrong. ``fields``:
+        the ones the reading plugin serves (any other is refused by name); ``what`` names
+        the handle in messages."""
+        if not isinstance(d, dict):
+            raise HandleError(f"{what} must be a mapping, got {type(d).__name__}")
+        extra = set(d) - set(fields)
+        if extra:
+            raise HandleError(f"{what} has unknown fields {sorted(extra)}")
+        eps = d.get("endpoints", ())
+        if not isinstance(eps, (list, tuple)):
+            raise HandleError(f"{what}: 'endpoints' must be a list")
+        for name in ("op", "bootstrap", "prefill", "on_failure"):
+            if not isinstance(d.get(name, ""), str):
+                raise HandleError(f"{what}: {name!r} must be a string")
+        peers = [f for f in ("bootstrap", "endpoints", "prefill") if f in fields]
+        if d.get("op") == "recv" and not any(d.get(f) for f in peers):  # name only what this plugin reads
+            check_handle("recv", d.get("room"), decode_needs=" or ".join(repr(f) for f in peers))
+        return cls(op=d.get("op", ""), room=d.get("room"), bootstrap=d.get("bootstrap", ""), endpoints=tuple(eps),
+                   prefill=d.get("prefill", ""), on_failure=d.get("on_failure", ""))

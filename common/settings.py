@@ -88,19 +88,20 @@ class BridgeSettings:
     sends whole requests and says so once.
     """
 
-    deadline_s: float = 60.0
-    heartbeat_s: float = 1.0
-    peer_timeout_s: float = 10.0
-    quiesce_s: float = 1.0
-    chunk_bytes: int = 64 << 20
+    # the handoff's defaults are HandoffConfig's, written there once
+    deadline_s: float = HandoffConfig.deadline_s
+    heartbeat_s: float = HandoffConfig.heartbeat_s
+    peer_timeout_s: float = HandoffConfig.peer_timeout_s
+    quiesce_s: float = HandoffConfig.quiesce_s
+    chunk_bytes: int = HandoffConfig.chunk_bytes
     secret: str = field(default="", repr=False)
     accepted_secrets: str = field(default="", repr=False)
-    replay_window_s: float = 30.0
-    allow_insecure: bool = False
-    model: str = ""
-    recv_staging_bytes: int = 0
-    integrity: str = "off"
-    integrity_sample: float = 0.1
+    replay_window_s: float = HandoffConfig.replay_window_s
+    allow_insecure: bool = HandoffConfig.allow_insecure
+    model: str = HandoffConfig.model
+    recv_staging_bytes: int = HandoffConfig.recv_staging_bytes
+    integrity: str = HandoffConfig.integrity
+    integrity_sample: float = HandoffConfig.integrity_sample
     protocol: str = "tcp"
     link: str = ""
     cost_gate_enabled: bool = False
@@ -153,8 +154,14 @@ class BridgeSettings:
         return Keyring.from_settings(self.secret, self.accepted_list, self.replay_window_s)
 
     def link_profile(self) -> LinkProfile:
-        """The link: ``link`` (or ``cost_link``), else the preset of ``protocol``."""
-        return resolve_link(self.link or self.cost_link, self.protocol)
+        """The link: ``link`` (or ``cost_link``), else the preset of ``protocol``; resolved
+        once per settings object (a measured-link file is read once: every cost these
+        settings give comes from the same figures)."""
+        link = self.__dict__.get("_link")
+        if link is None:
+            link = resolve_link(self.link or self.cost_link, self.protocol)
+            object.__setattr__(self, "_link", link)  # a cache beside the frozen fields, not a field
+        return link
 
     def handoff(self, *, receiver: bool = False, **extra: Any) -> HandoffConfig:
         """The handoff state machines' settings, with the plan costs of this link

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from kvbridge.adapters.vllm.handle import Handle
+from kvbridge.adapters.vllm.handle import Handle, to_params
 
 from .sglang_server import HOST, ServerError, generate_body, generate_output, new_room, post_json
 from .vllm_server import VllmServer, complete
@@ -52,7 +52,7 @@ def _external_tokens(srv: VllmServer) -> float:
 def vllm_to_vllm(prefill: VllmServer, decode: VllmServer, prompt: Sequence[int], max_new: int) -> dict:
     room = new_room()
     ext0 = _external_tokens(decode)
-    p = complete(prefill, prompt, 1, Handle("send", room).to_params())
+    p = complete(prefill, prompt, 1, to_params(Handle("send", room)))
     d = complete(decode, prompt, max_new, p["kv_transfer_params"])
     return {"room": room, "generated": d["token_ids"], "first_prefill": p["token_ids"][0],
             "decode_handle": p["kv_transfer_params"], "external_tokens": _external_tokens(decode) - ext0,
@@ -66,7 +66,7 @@ def sglang_to_vllm(prefill: Any, bootstrap_port: int, decode: VllmServer, prompt
     ext0 = _external_tokens(decode)
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(post_json, prefill.url + "/generate", generate_body(prompt, 1, bootstrap_port, room), 120)
-        d = complete(decode, prompt, max_new, Handle("recv", room, bootstrap=f"{HOST}:{bootstrap_port}").to_params())
+        d = complete(decode, prompt, max_new, to_params(Handle("recv", room, bootstrap=f"{HOST}:{bootstrap_port}")))
         out = generate_output(fut.result(), prefill, "SGLang prefill")
     return {"room": room, "generated": d["token_ids"], "first_prefill": int(out["output_ids"][0]),
             "external_tokens": _external_tokens(decode) - ext0, "load": _wait_record(decode, room, "load")}
@@ -78,7 +78,7 @@ def vllm_to_sglang(prefill: VllmServer, decode: Any, prompt: Sequence[int], max_
     room = new_room()
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(post_json, decode.url + "/generate", generate_body(prompt, max_new, prefill.bootstrap_port, room), 120)
-        p = complete(prefill, prompt, 1, Handle("send", room).to_params())
+        p = complete(prefill, prompt, 1, to_params(Handle("send", room)))
         out = generate_output(fut.result(), decode, "SGLang decode")
     return {"room": room, "generated": [int(t) for t in out["output_ids"]], "first_prefill": p["token_ids"][0],
             "send": _wait_record(prefill, room, "send")}
@@ -86,15 +86,15 @@ def vllm_to_sglang(prefill: VllmServer, decode: Any, prompt: Sequence[int], max_
 
 def vllm_to_trtllm(prefill: VllmServer, trt: Any, prompt: Sequence[int], max_new: int) -> dict:
     """``trt``: a ``kvbridge.demo.trtllm.StandInServer`` (decode)."""
-    from kvbridge.adapters.trtllm import Handle as TrtHandle, announce
+    from kvbridge.adapters.trtllm import announce
 
     from .trtllm import run_until
 
     room = new_room()
-    announce(trt.bus, prompt, TrtHandle("recv", room, bootstrap=prefill.bootstrap_address, on_failure="fail"))
+    announce(trt.bus, prompt, Handle("recv", room, bootstrap=prefill.bootstrap_address, on_failure="fail"))
     rid = trt.submit(prompt, max_new)
     with ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(complete, prefill, prompt, 1, Handle("send", room).to_params())
+        fut = ex.submit(complete, prefill, prompt, 1, to_params(Handle("send", room)))
         run_until([trt], lambda: rid in trt.responses and trt.drained(), 120, pause_s=0.001)
         p = fut.result()
     done = trt.state()["finished_loads"].get(rid) or {}
@@ -107,17 +107,17 @@ def vllm_to_trtllm(prefill: VllmServer, trt: Any, prompt: Sequence[int], max_new
 def trtllm_to_vllm(trt: Any, decode: VllmServer, prompt: Sequence[int], max_new: int) -> dict:
     """``trt``: a StandInServer (prefill) whose connector runs an SGLang-compatible
     bootstrap server (``sglang_bootstrap_port``)."""
-    from kvbridge.adapters.trtllm import Handle as TrtHandle, announce
+    from kvbridge.adapters.trtllm import announce
 
     from .trtllm import run_until
 
     room = new_room()
     ext0 = _external_tokens(decode)
-    announce(trt.bus, prompt, TrtHandle("send", room))
+    announce(trt.bus, prompt, Handle("send", room))
     rid = trt.submit(prompt, 1)
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(complete, decode, prompt, max_new,
-                        Handle("recv", room, bootstrap=trt.bootstrap_address).to_params())
+                        to_params(Handle("recv", room, bootstrap=trt.bootstrap_address)))
         run_until([trt], lambda: rid in trt.responses and trt.drained() and fut.done(), 120, pause_s=0.001)
         d = fut.result()
     saved = trt.state()["finished_saves"].get(rid) or {}

@@ -160,13 +160,13 @@ def vllm_completion_body(model: str, ids: list[int], s: Sampling, *, stream: boo
 def vllm_handle_params(handoff: Handoff, op: str) -> dict:
     """The ``kv_transfer_params`` of a vLLM half: ``send`` (prefill), or ``recv`` naming the
     prefill's bootstrap server (else its rank endpoints, which the router looked up)."""
-    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.adapters.vllm.handle import Handle, to_params
 
     if op == "send":
-        return Handle("send", handoff.room).to_params()
+        return to_params(Handle("send", handoff.room))
     if handoff.prefill.bootstrap:
-        return Handle("recv", handoff.room, bootstrap=handoff.prefill.bootstrap).to_params()
-    return Handle("recv", handoff.room, endpoints=tuple(handoff.endpoints)).to_params()
+        return to_params(Handle("recv", handoff.room, bootstrap=handoff.prefill.bootstrap))
+    return to_params(Handle("recv", handoff.room, endpoints=tuple(handoff.endpoints)))
 
 
 def check_vllm_prefill_answer(ev: dict, room: int) -> str | None:

@@ -228,6 +228,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                    gather.run(region, rows=(a, b), inline=None,\n",
         "inline_gather=True keeps every gather on the sender's send worker, off torch's OpenMP pool",
         ("tests/core/test_handoff.py::test_inline_gather_keeps_every_copy_on_the_send_worker[True]",)),
+    Mutation(
+        "link-read-once", "common/settings.py",
+        '        link = self.__dict__.get("_link")\n',
+        "        link = None\n",
+        "a deployment's link is resolved once per settings object: every cost comes from the same figures",
+        ("tests/core/test_settings.py::test_link_file_from_bench_link",)),
     # -- the layout core (README: The layout model)
     Mutation(
         "tp-head-slice", "layout/heads.py",

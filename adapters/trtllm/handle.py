@@ -12,16 +12,11 @@ handle for ``ttl_s`` and gives it to the next request with that prompt. Two requ
 the same prompt take the announced handles in order; their KV is the same bytes either
 way. A request nobody announced is served as usual.
 
-A handle says which side this server plays and where the other side is::
-
-    Handle("send", room)                                      prefill half
-    Handle("recv", room, prefill="tcp://p:18500")             decode half: a TensorRT-LLM prefill's bus
-    Handle("recv", room, endpoints=("tcp://...", ...))         decode half: the prefill's ranks, TP order
-    Handle("recv", room, bootstrap="p:8998")                  decode half: an SGLang (or SGLang-compatible) prefill
-
-``room`` is the router's id for the handoff (with an SGLang prefill: the request's
-``bootstrap_room``). ``on_failure`` ("recompute" | "fail") overrides the decode server's
-setting for this request.
+The handle is the one every plugin shares (``kvbridge.common.handles.Handle``); this
+plugin serves all its fields: a decode half may name a TensorRT-LLM prefill's bus
+(``prefill``), the prefill's ranks (``endpoints``) or an SGLang-compatible bootstrap
+server (``bootstrap``). ``room`` is the router's id for the handoff (with an SGLang
+prefill: the request's ``bootstrap_room``).
 """
 
 from __future__ import annotations
@@ -30,12 +25,11 @@ import hashlib
 import itertools
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from kvbridge.common.handles import HandleError, check_handle
+from kvbridge.common.handles import Handle, HandleError
 
 __all__ = ["Handle", "HandleError", "AnnounceError", "announce", "prompt_key"]
 
@@ -50,51 +44,6 @@ def prompt_key(token_ids: Sequence[int]) -> str:
     if arr.size == 0:
         raise HandleError("an empty prompt has no key")
     return hashlib.blake2b(arr.tobytes(), digest_size=16, person=b"kvbridge-prompt").hexdigest()
-
-
-@dataclass(frozen=True)
-class Handle:
-    """One server's part in a handoff."""
-
-    op: str  # "send" (prefill) or "recv" (decode)
-    room: int
-    prefill: str = ""
-    endpoints: tuple[str, ...] = ()
-    on_failure: str = ""
-    bootstrap: str = ""
-
-    def __post_init__(self) -> None:
-        check_handle(self.op, self.room, bootstrap=self.bootstrap,
-                     endpoints=((self.prefill,) if self.prefill else ()) + tuple(self.endpoints),
-                     decode_needs="'prefill', 'endpoints' or 'bootstrap'")
-        if self.on_failure not in ("", "recompute", "fail"):
-            raise HandleError(f"room {self.room}: on_failure must be 'recompute' or 'fail', got {self.on_failure!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"op": self.op, "room": self.room}
-        for name in ("prefill", "on_failure", "bootstrap"):
-            if getattr(self, name):
-                d[name] = getattr(self, name)
-        if self.endpoints:
-            d["endpoints"] = list(self.endpoints)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "Handle":
-        """A handle from ``to_dict``'s form; HandleError naming what is wrong."""
-        if not isinstance(d, dict):
-            raise HandleError(f"a handle is a mapping, got {type(d).__name__}")
-        extra = set(d) - {"op", "room", "prefill", "endpoints", "on_failure", "bootstrap"}
-        if extra:
-            raise HandleError(f"handle has unknown fields {sorted(extra)}")
-        eps = d.get("endpoints", ())
-        if not isinstance(eps, (list, tuple)):
-            raise HandleError("handle 'endpoints' must be a list")
-        for name in ("prefill", "on_failure", "bootstrap", "op"):
-            if not isinstance(d.get(name, ""), str):
-                raise HandleError(f"handle {name!r} must be a string")
-        return cls(op=d.get("op", ""), room=d.get("room"), prefill=d.get("prefill", ""), endpoints=tuple(eps),
-                   on_failure=d.get("on_failure", ""), bootstrap=d.get("bootstrap", ""))
 
 
 _nonces = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)

@@ -21,36 +21,22 @@ served as usual.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.common.handles import HandleError, check_handle
+from kvbridge.common.handles import Handle, HandleError
 
-__all__ = ["KEY", "Handle", "HandleError", "handle_of"]
+__all__ = ["FIELDS", "KEY", "Handle", "HandleError", "handle_of", "to_params"]
 
 KEY = "kvbridge"
+FIELDS = ("op", "room", "bootstrap", "endpoints")  # what this plugin serves of the shared handle
 
 
-@dataclass(frozen=True)
-class Handle:
-    """One server's part in a handoff."""
-
-    op: str  # "send" (prefill) or "recv" (decode)
-    room: int
-    bootstrap: str = ""
-    endpoints: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_handle(self.op, self.room, bootstrap=self.bootstrap, endpoints=self.endpoints)
-
-    def to_params(self) -> dict[str, Any]:
-        """``kv_transfer_params`` that carry this handle."""
-        d: dict[str, Any] = {"op": self.op, "room": self.room}
-        if self.bootstrap:
-            d["bootstrap"] = self.bootstrap
-        if self.endpoints:
-            d["endpoints"] = list(self.endpoints)
-        return {KEY: d}
+def to_params(handle: Handle) -> dict[str, Any]:
+    """``kv_transfer_params`` that carry ``handle``."""
+    bad = sorted(f for f in ("prefill", "on_failure") if getattr(handle, f))
+    if bad:
+        raise HandleError(f"room {handle.room}: the vLLM plugin does not serve handle fields {bad}")
+    return {KEY: handle.to_dict()}
 
 
 def handle_of(params: Any) -> Handle | None:
@@ -58,14 +44,4 @@ def handle_of(params: Any) -> Handle | None:
     HandleError naming what is wrong with one that is there."""
     if not isinstance(params, dict) or KEY not in params:
         return None
-    d = params[KEY]
-    if not isinstance(d, dict):
-        raise HandleError(f"kv_transfer_params[{KEY!r}] must be an object, got {type(d).__name__}")
-    extra = set(d) - {"op", "room", "bootstrap", "endpoints"}
-    if extra:
-        raise HandleError(f"kvbridge handle has unknown fields {sorted(extra)}")
-    eps = d.get("endpoints", ())
-    if not isinstance(eps, (list, tuple)) or not isinstance(d.get("bootstrap", ""), str) \
-            or not isinstance(d.get("op", ""), str):
-        raise HandleError("kvbridge handle: 'op' and 'bootstrap' must be strings, 'endpoints' a list")
-    return Handle(op=d.get("op", ""), room=d.get("room"), bootstrap=d.get("bootstrap", ""), endpoints=tuple(eps))
+    return Handle.from_dict(params[KEY], fields=FIELDS, what=f"kv_transfer_params[{KEY!r}]")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import VllmBridgeConfig
-from .handle import Handle, HandleError, handle_of
+from .handle import Handle, HandleError, handle_of, to_params
 
 __all__ = ["KVBridgeMetadata", "KVBridgeScheduler", "Open", "Send", "Load", "Drop"]
 
@@ -176,7 +176,7 @@ class KVBridgeScheduler:
             self._sending[rid] = room
             self._used.discard(rid)
             back = Handle("recv", room, bootstrap=self.bootstrap_address) if self.bootstrap_address else None
-            return True, (back.to_params() if back else None)
+            return True, (to_params(back) if back else None)
         room = self._loading.get(rid)
         if room is not None:  # aborted while its KV was loading: vLLM holds its blocks until the load reports
             self._orders.append(Drop(rid, room, "decode request aborted while loading"))

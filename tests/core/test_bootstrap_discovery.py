@@ -57,10 +57,33 @@ def test_handle_names_an_sglang_bootstrap_address():
     for bad in ("127.0.0.1", "host:0", "host:99999", ":8998", "a:b:c"):
         with pytest.raises(HandleError, match="host:port"):
             Handle("recv", 7, bootstrap=bad)
-    with pytest.raises(HandleError, match="'prefill', 'endpoints' or 'bootstrap'"):
+    with pytest.raises(HandleError, match="'bootstrap', 'endpoints' or 'prefill'"):
         Handle("recv", 7)
     with pytest.raises(HandleError, match="bootstrap"):
         Handle.from_dict({"op": "recv", "room": 7, "bootstrap": 8998})
+
+
+def test_one_handle_for_every_plugin_each_reading_what_it_serves():
+    """The TensorRT-LLM and vLLM plugins share one Handle; vLLM's request field carries only
+    the fields its plugin serves, and a handle naming another is refused by name, both
+    ways (never silently dropped: a decode told to find a TensorRT-LLM bus would pull
+    nothing)."""
+    from kvbridge.adapters.vllm.handle import Handle as VllmHandle, handle_of, to_params
+    from kvbridge.common.handles import Handle as Shared
+
+    assert Handle is VllmHandle is Shared
+    h = Handle("recv", 9, endpoints=("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"))
+    assert handle_of(to_params(h)) == h and Handle.from_dict(h.to_dict()) == h
+    assert handle_of({"other": 1}) is None
+    for extra in ({"prefill": "tcp://127.0.0.1:3"}, {"on_failure": "fail"}):
+        with pytest.raises(HandleError, match=f"unknown fields \\['{next(iter(extra))}'\\]"):
+            handle_of({"kvbridge": {"op": "recv", "room": 9, "bootstrap": "127.0.0.1:8998", **extra}})
+        with pytest.raises(HandleError, match="does not serve handle fields"):
+            to_params(Handle("recv", 9, bootstrap="127.0.0.1:8998", **extra))
+    with pytest.raises(HandleError, match="a decode handle needs 'bootstrap' or 'endpoints'$"):
+        handle_of({"kvbridge": {"op": "recv", "room": 9}})
+    with pytest.raises(HandleError, match="must be a mapping"):
+        handle_of({"kvbridge": [1]})
 
 
 def test_config_checks_the_bootstrap_settings():

@@ -73,6 +73,13 @@ def test_link_file_from_bench_link(tmp_path):
                              "repack_bytes_per_s": 6e9}))
     s = read_settings(BridgeSettings, environ={"KVBRIDGE_LINK": str(f)})
     assert s.handoff().costs == PlanCosts(segment_s=1e-5, wire_bytes_per_s=3e9, repack_bytes_per_s=6e9)
+    # read once: the plan costs, the cost gate and the layer-wise chooser of these settings
+    # keep the figures they started with, whatever happens to the file afterwards
+    f.write_text(json.dumps({"name": "changed", "bandwidth_bytes_per_s": 1e9, "per_segment_s": 1e-4, "setup_s": 1e-3,
+                             "repack_bytes_per_s": 2e9}))
+    assert s.link_profile().name == "here"
+    f.unlink()
+    assert s.handoff().costs == PlanCosts(segment_s=1e-5, wire_bytes_per_s=3e9, repack_bytes_per_s=6e9)
 
 
 def test_every_plugin_takes_the_link_from_the_same_setting():

@@ -55,7 +55,7 @@ def hooked_servers(model_dir, tmp_path_factory):  # noqa: F811
 
 
 def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_servers):  # noqa: F811
-    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.adapters.vllm.handle import Handle, to_params
     from kvbridge.demo.sglang_server import new_room, post_json
     from kvbridge.demo.vllm_flows import _wait_record
     from kvbridge.demo.vllm_server import complete
@@ -63,7 +63,7 @@ def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_
     (prefill, decode), sw = hooked_servers
     prompt = random_prompt(512, seed=4242)
     room = new_room()
-    p = complete(prefill, prompt, 1, Handle("send", room).to_params())
+    p = complete(prefill, prompt, 1, to_params(Handle("send", room)))
     sw.on(HELD, hold=True)
     body = {"model": str(model_dir), "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0.0,
             "kv_transfer_params": p["kv_transfer_params"]}
@@ -85,7 +85,7 @@ def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_
 
 
 def test_a_load_whose_content_differs_is_recomputed(model_dir, hooked_servers):  # noqa: F811
-    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.adapters.vllm.handle import Handle, to_params
     from kvbridge.demo.sglang_server import new_room
     from kvbridge.demo.vllm_flows import _external_tokens, _wait_record
     from kvbridge.demo.vllm_server import complete
@@ -94,7 +94,7 @@ def test_a_load_whose_content_differs_is_recomputed(model_dir, hooked_servers): 
     prompt = random_prompt(300, seed=4343)
     ref = reference_generate(model_dir, prompt, MAX_NEW).token_ids
     room = new_room()
-    p = complete(prefill, prompt, 1, Handle("send", room).to_params())
+    p = complete(prefill, prompt, 1, to_params(Handle("send", room)))
     ext0 = _external_tokens(decode)
     sw.on(FLIP)
     try:
@@ -108,7 +108,7 @@ def test_a_load_whose_content_differs_is_recomputed(model_dir, hooked_servers): 
     assert _external_tokens(decode) - ext0 == 0, "prompt tokens counted as loaded from a room that failed its digest"
     assert_blocks_freed(decode)
     room = new_room()  # the next room through the same pair loads, verified
-    p = complete(prefill, prompt[::-1], 1, Handle("send", room).to_params())
+    p = complete(prefill, prompt[::-1], 1, to_params(Handle("send", room)))
     assert complete(decode, prompt[::-1], MAX_NEW, p["kv_transfer_params"])["token_ids"] == \
         reference_generate(model_dir, prompt[::-1], MAX_NEW).token_ids
     rec = _wait_record(decode, room, "load")

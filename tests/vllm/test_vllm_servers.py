@@ -140,7 +140,7 @@ def test_vllm_and_trtllm(model_dir, vllm_servers, version):
 def test_failed_load_is_recomputed(model_dir, vllm_servers):
     """A decode half whose prefill cannot be found: the load fails (the record says why),
     vLLM recomputes the prompt (kv_load_failure_policy=recompute), the output is right."""
-    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.adapters.vllm.handle import Handle, to_params
     from kvbridge.demo.sglang_server import free_port, new_room
     from kvbridge.demo.vllm_flows import _external_tokens, _wait_record
     from kvbridge.demo.vllm_server import complete
@@ -149,7 +149,7 @@ def test_failed_load_is_recomputed(model_dir, vllm_servers):
     prompt, ref = reference(model_dir, LENS[1])
     room = new_room()
     ext0 = _external_tokens(decode)
-    d = complete(decode, prompt, MAX_NEW, Handle("recv", room, bootstrap=f"127.0.0.1:{free_port()}").to_params())
+    d = complete(decode, prompt, MAX_NEW, to_params(Handle("recv", room, bootstrap=f"127.0.0.1:{free_port()}")))
     assert d["token_ids"] == ref
     rec = _wait_record(decode, room, "load")
     assert not rec["ok"] and "cannot find the prefill" in rec["reason"], rec
@@ -183,7 +183,7 @@ def test_decode_abort_while_loading_releases_blocks(model_dir, vllm_servers):
     only once no sender can write, vLLM frees the blocks, and the server serves on."""
     import time
 
-    from kvbridge.adapters.vllm.handle import Handle
+    from kvbridge.adapters.vllm.handle import Handle, to_params
     from kvbridge.demo.sglang_server import new_room, post_json
     from kvbridge.demo.vllm_flows import _wait_record
     from kvbridge.demo.vllm_server import complete
@@ -192,7 +192,7 @@ def test_decode_abort_while_loading_releases_blocks(model_dir, vllm_servers):
     prompt, ref = reference(model_dir, LENS[0])
     room = new_room()
     body = {"model": str(model_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
-            "kv_transfer_params": Handle("recv", room, bootstrap=prefill.bootstrap_address).to_params()}
+            "kv_transfer_params": to_params(Handle("recv", room, bootstrap=prefill.bootstrap_address))}
     res = post_json(decode.url + "/v1/completions", body, 3.0)
     assert isinstance(res, Exception), "the load cannot finish: the prefill never opened the room"
     rec = _wait_record(decode, room, "load", timeout=30)
