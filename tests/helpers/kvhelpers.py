@@ -67,8 +67,23 @@ def written_mask(layout: KVLayout, offsets: np.ndarray) -> list[np.ndarray]:
     return masks
 
 
-def execute_segments(seg: Segments) -> None:
-    """Copy each segment with memmove (test-only stand-in for a transport in one process)."""
+def execute_segments(seg: Segments, dst_within=None) -> None:
+    """Copy each segment with memmove (test-only stand-in for a transport in one process).
+    ``dst_within``: the ``(addr, nbytes)`` regions the writes may touch (a ``KVLayout``'s
+    ``regions``, a staging buffer); a segment outside them fails the test before any byte
+    moves, as the transport's write guard would, instead of corrupting this process."""
+    if dst_within is not None and len(seg.dst):
+        lo = np.asarray([r[0] for r in dst_within], dtype=np.int64)
+        hi = lo + np.asarray([r[1] for r in dst_within], dtype=np.int64)
+        order = np.argsort(lo)
+        lo, hi = lo[order], hi[order]
+        d = np.asarray(seg.dst, dtype=np.int64)
+        i = np.searchsorted(lo, d, side="right") - 1
+        ok = (i >= 0) & (d + np.asarray(seg.length, dtype=np.int64) <= hi[np.maximum(i, 0)])
+        if not ok.all():
+            k = int(np.flatnonzero(~ok)[0])
+            raise AssertionError(f"segment {k} writes [{int(d[k]):#x}, +{int(seg.length[k])}) outside the destination's "
+                                 "memory")
     for s, d, n in zip(seg.src.tolist(), seg.dst.tolist(), seg.length.tolist()):
         ctypes.memmove(d, s, n)
 

@@ -105,17 +105,18 @@ def run_plan(plan, chunk_bytes=None):
     chunk by chunk through one reused staging buffer when ``chunk_bytes`` is given."""
     parts = plan.chunks(chunk_bytes) if chunk_bytes else [plan]
     stage = torch.zeros(max(p.nbytes for p in parts) + 64, dtype=torch.uint8)
+    pool = [(r.addr, r.nbytes) for r in plan.spec.dst.regions]  # a wrong plan fails here, never writes past the pool
     for part in parts:
         if plan.kind is PlanKind.DIRECT:
-            execute_segments(part.wire)
+            execute_segments(part.wire, dst_within=pool)
         elif plan.kind is PlanKind.STAGED_SEND:
             g = part.gather()
             step = max(1, g.rows // 3 + 1)  # in row parts (as the sender pipelines), each index built lazily
             for a in range(0, g.rows, step):
                 g.run(stage[a * g.row_bytes:], rows=(a, min(g.rows, a + step)))
-            execute_segments(part.wire.shifted(src_by=stage.data_ptr()))
+            execute_segments(part.wire.shifted(src_by=stage.data_ptr()), dst_within=pool)
         else:
-            execute_segments(part.wire.shifted(dst_by=stage.data_ptr()))
+            execute_segments(part.wire.shifted(dst_by=stage.data_ptr()), dst_within=[(stage.data_ptr(), stage.numel())])
             part.scatter().run(stage)
 
 
