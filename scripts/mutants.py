@@ -332,7 +332,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/trtllm/test_trtllm_idle.py::test_prefill_blocks_come_back_within_the_deadline_on_an_idle_executor[1.2]",)),
     Mutation(
         "trtllm-clears-wake-ids", "adapters/trtllm/worker.py",
-        "                forget_wake_ids(self._executor, released)\n",
+        "                forget_wake_ids(self._executor, self._let_go_of)\n",
         "                pass\n",
         "the ids the plugin used to wake TensorRT-LLM 1.2's executor leave its cancelled ids again (no list that "
         "grows by one per request)",

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +116,14 @@ def canceled_ids(executor: Any) -> list | None:
     return ids if isinstance(ids, list) else None
 
 
-def forget_wake_ids(executor: Any, woken_for: Iterable[int]) -> None:
-    """Executor thread: remove from the executor's cancelled ids those of ``woken_for``
-    (requests whose blocks this rank let go of) that cancel no active request."""
+def forget_wake_ids(executor: Any, let_go: Callable[[int], bool]) -> None:
+    """Executor thread: remove from the executor's cancelled ids those for which
+    ``let_go(id)`` (a request whose blocks this rank let go of) that cancel no active
+    request. Nothing to do, and ``let_go`` not asked, while the list is empty."""
     ids = canceled_ids(executor)
     if not ids:
         return
-    mine = set(woken_for)
-    stale = [i for i in ids if i in mine]
+    stale = [i for i in ids if let_go(i)]
     if not stale:
         return
     active = {getattr(r, "py_request_id", getattr(r, "request_id", None)) for r in getattr(executor, "active_requests", ())}

@@ -353,9 +353,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
             self._abort_cancelled_loads()
             self._free_held()
             if self._wake_ids and self._executor is not None:
-                with self._released_lock:
-                    released = set(self._released_ids)
-                forget_wake_ids(self._executor, released)
+                forget_wake_ids(self._executor, self._let_go_of)
             if self._idle_wake is not None:
                 self._idle_wake.polled()
             loaded = []
@@ -438,6 +436,11 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         if self.rank == 0 and LOCAL_SCHEDULERS:
             self._idle_wake = LOCAL_SCHEDULERS[-1].idle_wake
             self._idle_wake.attach(self._executor.cancel_request)
+
+    def _let_go_of(self, req: int) -> bool:
+        """Whether this rank let go of request ``req``'s blocks (recently: the last ``_KEEP``)."""
+        with self._released_lock:
+            return req in self._released_ids
 
     def _let_go(self, req: int) -> None:
         """Any thread: this rank let go of request ``req``'s blocks; rank 0 learns it (1.2)."""

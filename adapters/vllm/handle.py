@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbridge.common.handles import FIELDS as ALL_FIELDS
 from kvbridge.common.handles import Handle, HandleError
 
 __all__ = ["FIELDS", "KEY", "Handle", "HandleError", "handle_of", "to_params"]
@@ -33,7 +34,7 @@ FIELDS = ("op", "room", "bootstrap", "endpoints")  # what this plugin serves of 
 
 def to_params(handle: Handle) -> dict[str, Any]:
     """``kv_transfer_params`` that carry ``handle``."""
-    bad = sorted(f for f in ("prefill", "on_failure") if getattr(handle, f))
+    bad = sorted(f for f in ALL_FIELDS if f not in FIELDS and getattr(handle, f))
     if bad:
         raise HandleError(f"room {handle.room}: the vLLM plugin does not serve handle fields {bad}")
     return {KEY: handle.to_dict()}

@@ -258,10 +258,15 @@ class ExecutorRequestQueue:
         self.request_queue: queue.Queue = queue.Queue()
         self.enqueue_lock = threading.Lock()
         self.canceled_req_ids: list[int] = []
+        self.next_request_id = 1
 
-    def enqueue_request(self, rid: int, request: "ExecutorRequest") -> None:
+    def enqueue_request(self, request: "ExecutorRequest") -> int:
+        """The request's id, given under the lock it is queued under (``_enqueue_impl``)."""
         with self.enqueue_lock:
+            rid = self.next_request_id
+            self.next_request_id += 1
             self.request_queue.put((rid, request, False))
+        return rid
 
     def enqueue_cancel_request(self, req_id: int) -> None:
         with self.enqueue_lock:
@@ -298,8 +303,6 @@ class PyExecutor:
         self.active_requests: list[PyLlmRequest] = []
         self.executor_request_queue = ExecutorRequestQueue()
         self.idle_waits = 0  # iterations spent waiting for a request (nothing active, nothing queued)
-        self._next_id = 1
-        self._id_lock = threading.Lock()
         self._previous: _Batch | None = None
         self._computed: dict[int, int] = {}
         self._first_logits: dict[int, list[float]] = {}  # the logits the first token was sampled from
@@ -336,11 +339,7 @@ class PyExecutor:
                                      "backend:<backend_type>` in config file for disaggregated serving")
         if not request.input_token_ids:
             raise ValueError("empty prompt")
-        with self._id_lock:
-            rid = self._next_id
-            self._next_id += 1
-        self.executor_request_queue.enqueue_request(rid, request)
-        return rid
+        return self.executor_request_queue.enqueue_request(request)
 
     def cancel_request(self, request_id: int) -> None:
         """``PyExecutor.cancel_request`` (any thread): into the request queue, applied next iteration."""

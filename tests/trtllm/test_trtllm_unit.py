@@ -368,7 +368,7 @@ def test_idle_wake_wakes_only_an_executor_that_runs_no_iteration():
     assert one.ready_ids() == []
     ex = SimpleNamespace(executor_request_queue=SimpleNamespace(canceled_req_ids=[3, 4, 9]),
                          active_requests=[SimpleNamespace(py_request_id=4)])
-    forget_wake_ids(ex, {3, 4})
+    forget_wake_ids(ex, {3, 4}.__contains__)
     assert ex.executor_request_queue.canceled_req_ids == [4, 9]  # 4 cancels an active request: kept
 
 
