@@ -1,7 +1,7 @@
 """``kvbridge bench route``: a load through ``kvbridge route`` with a prefill killed part-way.
 
-The deployment of ``route.local`` (two SGLang prefills, an SGLang decode, an SGLang
-aggregated server and, unless ``trtllm=False``, a TensorRT-LLM decode stand-in), the
+The deployment of ``kvbridge.demo.route_local`` (two SGLang prefills, an SGLang decode,
+an SGLang aggregated server and, unless ``trtllm=False``, a TensorRT-LLM decode stand-in), the
 router in its own process, and ``requests`` requests from the ``openai`` package's
 async client, ``concurrency`` at a time, half of them streamed, prompts of 8 to 128
 tokens (the short ones below the cost model's break-even). After ``kill_after`` of the
@@ -129,9 +129,8 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
     import contextlib
 
     from kvbridge.demo.models import random_prompt, reference_generate
+    from kvbridge.demo.route_local import LocalDeployment
     from kvbridge.demo.run import ensure_tiny_model
-
-    from kvbridge.route.local import LocalDeployment
 
     say = progress or (lambda m: None)
     say("building the tiny model")
@@ -155,7 +154,7 @@ def bench_route(*, requests: int = 200, concurrency: int = 16, kill_after: float
         results, killed_at = asyncio.run(_load(router.url, prompts, refs, max_new, concurrency, kill_after,
                                                lambda: dep.kill("p0"), deadline_s, say))
         wall = time.monotonic() - t0
-        from kvbridge.route.demo import _metrics
+        from kvbridge.demo.route_demo import _metrics
 
         metrics = _metrics(router.url)
         retries = _retries(router.url)

@@ -3,7 +3,7 @@ decode side (``CostGate``)? Send it layer by layer during the prefill, or whole 
 (``LayerwiseChooser``, the ``layerwise: auto`` setting)?
 
 Every engine plugin that supports it consults a ``CostGate`` on the decode side when
-one is configured (off by default; settings ``cost_gate_enabled`` / ``cost_link``, ``link``,
+one is configured (off by default; settings ``cost_gate_enabled``, ``link``,
 ``cost_model``, ``cost_prefill_tps``, ``cost_decode_prefill_tps``, ``cost_queue_s`` of
 ``kvbridge.common.settings.BridgeSettings``, documented in the README's "Settings").
 
@@ -88,7 +88,7 @@ class CostGate:
             return None
         spec = model or default_model
         if not spec:
-            raise ValueError("cost gate: cost_link is set but no model geometry: set cost_model to a preset or a "
+            raise ValueError("cost gate: no model geometry: set cost_model to a preset or a "
                              "config.json (the served model's config could not be found)")
         gate = cls(model_geometry(spec), link if isinstance(link, LinkProfile) else load_link(link), prefill_tps=float(prefill_tps),
                    decode_prefill_tps=float(decode_prefill_tps), queue_s=float(queue_s))

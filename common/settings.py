@@ -75,11 +75,11 @@ class BridgeSettings:
     Link: ``link``, a preset (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or a
     ``kvbridge bench link --out`` file; empty: the preset of ``protocol``. It sets both
     the plan chooser's costs (``HandoffConfig.costs``) and the cost gate's figures.
-    Cost gate (decode side, off by default): ``cost_gate_enabled`` turns it on;
-    ``cost_link`` (the older way) turns it on too and names the link when ``link`` is
-    empty; ``cost_model`` (a model preset or a Hugging Face ``config.json``; default: the
-    served model's), ``cost_prefill_tps`` / ``cost_decode_prefill_tps`` (prefill tokens/s
-    of each worker, 0: from FLOPs), ``cost_queue_s`` (expected prefill queue wait).
+    Cost gate (decode side, off by default): ``cost_gate_enabled`` turns it on (on the
+    link above), ``cost_model`` (a model preset or a Hugging Face ``config.json``;
+    default: the served model's), ``cost_prefill_tps`` / ``cost_decode_prefill_tps``
+    (prefill tokens/s of each worker, 0: from FLOPs), ``cost_queue_s`` (expected prefill
+    queue wait).
     Layer-wise sends (prefill side, off by default): ``layerwise`` true sends each layer
     of a forward's tokens as soon as the forward wrote it, false sends a request's KV
     whole after its prefill, "auto" decides per request from the link and the model
@@ -105,7 +105,6 @@ class BridgeSettings:
     protocol: str = "tcp"
     link: str = ""
     cost_gate_enabled: bool = False
-    cost_link: str = ""
     cost_model: str = ""
     cost_prefill_tps: float = 0.0
     cost_decode_prefill_tps: float = 0.0
@@ -134,9 +133,6 @@ class BridgeSettings:
             raise ConfigError("accepted_secrets is set without a secret to sign with")
         if self.chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
-        if self.link and self.cost_link and self.link != self.cost_link:
-            raise ConfigError(f"link={self.link!r} and cost_link={self.cost_link!r} name different links; "
-                              "set link only (cost_gate_enabled=true turns the gate on)")
         try:
             self.link_profile()
         except ValueError as e:
@@ -154,12 +150,12 @@ class BridgeSettings:
         return Keyring.from_settings(self.secret, self.accepted_list, self.replay_window_s)
 
     def link_profile(self) -> LinkProfile:
-        """The link: ``link`` (or ``cost_link``), else the preset of ``protocol``; resolved
-        once per settings object (a measured-link file is read once: every cost these
-        settings give comes from the same figures)."""
+        """The link: ``link``, else the preset of ``protocol``; resolved once per settings
+        object (a measured-link file is read once: every cost these settings give comes
+        from the same figures)."""
         link = self.__dict__.get("_link")
         if link is None:
-            link = resolve_link(self.link or self.cost_link, self.protocol)
+            link = resolve_link(self.link, self.protocol)
             object.__setattr__(self, "_link", link)  # a cache beside the frozen fields, not a field
         return link
 
@@ -179,7 +175,7 @@ class BridgeSettings:
     @property
     def gate_on(self) -> bool:
         """Whether the decode side consults the cost gate."""
-        return bool(self.cost_gate_enabled or self.cost_link)
+        return bool(self.cost_gate_enabled)
 
     def make_cost_gate(self, default_model: str | Mapping[str, Any] | None = None):
         """The per-request ``CostGate`` on this link, or None when the gate is off.

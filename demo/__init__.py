@@ -9,9 +9,13 @@
   TensorRT-LLM's source fact by fact, that loads and drives the kvbridge connector as the
   real executor does, one process per rank.
 - ``run``: the demo itself (``run_demo``) and its report.
+- ``route_local``: a mixed deployment of real servers on this machine with ``kvbridge
+  route`` in front (the router's demo, ``kvbridge.bench.route``, tests).
+- ``route_demo``: ``kvbridge demo --router``, that deployment driven by the ``openai``
+  client, checked.
 
-Nothing here is imported by the plugins; ``run_demo`` imports torch, transformers and
-requests lazily.
+Nothing here is imported by the plugins or the router; ``run_demo`` imports torch,
+transformers and requests lazily.
 """
 
 from __future__ import annotations

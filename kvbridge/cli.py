@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trtllm-version", choices=("1.2", "main"), default="1.2",
                       help="the TensorRT-LLM version the executor stand-in models (default 1.2, PyPI's newest line)")
     demo.add_argument("--router", action="store_true",
-                      help="the mixed deployment behind `kvbridge route`, driven by an OpenAI client (kvbridge.route.demo)")
+                      help="the mixed deployment behind `kvbridge route`, driven by an OpenAI client (kvbridge.demo.route_demo)")
     demo.set_defaults(func=_demo)
 
     doc = sub.add_parser("doctor", help="what this machine imposes on kvbridge's copies (THP, CPUs, governor, threads, load)")
@@ -382,8 +382,8 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _demo_router(args: argparse.Namespace) -> int:
-    """``kvbridge demo --router``: the mixed deployment behind ``kvbridge route`` (kvbridge.route.demo)."""
-    from kvbridge.route.demo import format_router_demo, run_router_demo
+    """``kvbridge demo --router``: the mixed deployment behind ``kvbridge route`` (kvbridge.demo.route_demo)."""
+    from kvbridge.demo.route_demo import format_router_demo, run_router_demo
 
     res = run_with_status("kvbridge demo --router", lambda say: run_router_demo(
         model_dir=args.model_dir, prompt_len=args.prompt_len, max_new=args.max_new, trtllm_version=args.trtllm_version,

@@ -19,8 +19,9 @@ server that computes it alone when the cost model says moving the KV is not wort
 | ``app`` | the aiohttp application (``build_app``, ``serve``) |
 | ``metrics`` | Prometheus metrics per route (engine pair) |
 | ``check`` | ``--check``: probe every server |
-| ``local`` | a mixed deployment of real servers on this machine (demo, ``kvbridge.bench.route``, tests) |
-| ``demo`` | ``kvbridge demo --router``: that deployment driven by the ``openai`` client, checked |
+
+A mixed deployment of real servers on this machine behind the router, and ``kvbridge demo
+--router`` driving it, live in ``kvbridge.demo`` (``route_local``, ``route_demo``).
 """
 
 from .config import ConfigError, RouteConfig, load_config, parse_config

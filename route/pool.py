@@ -117,12 +117,6 @@ class ServerPool:
         p = self._least_busy((p for p in prefills if pairable(p.spec, d.spec)), "prefill")
         return (p, d) if p is not None else None
 
-    def pick_prefill(self, decode: Server, exclude: Iterable[Server] = ()) -> Server | None:
-        """Another prefill ``decode`` can pull from (for a retry)."""
-        ex = set(exclude)
-        return self._least_busy((p for p in self.healthy("prefill") if p not in ex and pairable(p.spec, decode.spec)),
-                                "prefill")
-
     def pick_compute(self, prefer: Server | None = None, exclude: Iterable[Server] = (),
                      needs: C.Needs | None = None) -> Server | None:
         """A healthy server that computes a request alone (and can serve ``needs``):

@@ -14,7 +14,7 @@ the prefill rank's ``KVSender`` plans (head slices for different TP, staging whe
 layouts differ) and writes over the Mooncake transport after every prefill chunk, and
 reports ``TransferDone`` with the first output token and the metadata row.
 
-Cost gate (decode, off by default; ``KVBRIDGE_COST_LINK`` turns it on, see
+Cost gate (decode, off by default; ``KVBRIDGE_COST_GATE_ENABLED`` turns it on, see
 ``kvbridge.common.gate``): SGLang 0.5.23's disaggregated decode cannot compute a prompt
 itself. Its scheduler only builds PREBUILT batches from requests whose KV arrived
 (``_get_new_prebuilt_batch`` / ``prepare_for_prebuilt`` in disaggregation/decode.py: no

@@ -60,7 +60,7 @@ class VllmBridgeConfig(BridgeSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.gate_on:
-            raise ConfigError("the cost gate (cost_gate_enabled / cost_link) is not supported by the vLLM connector")
+            raise ConfigError("the cost gate (cost_gate_enabled) is not supported by the vLLM connector")
         if not -1 <= self.bootstrap_port < 65536:
             raise ConfigError(f"bootstrap_port {self.bootstrap_port} is not a TCP port (or -1: none)")
         if self.sglang_page_size <= 0:

@@ -54,11 +54,9 @@ def test_settings_reader_types_names_and_link():
     # no link: the preset of the protocol in use
     assert read_settings(BridgeSettings, environ={"KVBRIDGE_PROTOCOL": "rdma"}).handoff().costs == \
         LINK_PRESETS["rdma"].plan_costs()
-    # the older name still turns the gate on and names its link
-    s = read_settings(BridgeSettings, environ={"KVBRIDGE_COST_LINK": "nvlink"})
-    assert s.gate_on and s.link_profile() is LINK_PRESETS["nvlink"]
-    with pytest.raises(ConfigError, match="different links"):
-        BridgeSettings(link="tcp", cost_link="nvlink")
+    # a link alone costs the plans; the gate stays off
+    s = read_settings(BridgeSettings, environ={"KVBRIDGE_LINK": "nvlink"})
+    assert not s.gate_on and s.link_profile() is LINK_PRESETS["nvlink"] and s.make_cost_gate() is None
     with pytest.raises(ConfigError, match="unknown"):
         read_settings(BridgeSettings, {"peer_timout_s": 1}, environ={})
     with pytest.raises(ConfigError, match="boolean"):
@@ -93,7 +91,7 @@ def test_every_plugin_takes_the_link_from_the_same_setting():
     assert BridgeConfig.load(environ={}).peer_timeout_s == 3.0 and VllmBridgeConfig.load({}, environ={}).peer_timeout_s == 5.0
     assert SglangBridgeConfig.load(environ={}).peer_timeout_s == 10.0
     with pytest.raises(ConfigError, match="vLLM"):
-        VllmBridgeConfig.load({"cost_link": "tcp"}, environ={})
+        VllmBridgeConfig.load({"cost_gate_enabled": True}, environ={})
 
 
 def test_sglang_settings_keep_their_environment_names_and_defaults(tmp_path):

@@ -699,7 +699,7 @@ TRT_PLUGIN = dict(host="127.0.0.1", deadline_s=4.0, heartbeat_s=0.2, peer_timeou
 # the cost gate of the fault matrix's decode server (tcp preset, the tiny model's config,
 # fixed throughputs): break-even about 52 tokens, so it moves every fault case's prompt
 # and computes the gate row's 30-token prompt itself
-TRT_GATE = dict(cost_link="tcp", cost_prefill_tps=1e6, cost_decode_prefill_tps=1000, cost_queue_s=0.05)
+TRT_GATE = dict(cost_gate_enabled=True, link="tcp", cost_prefill_tps=1e6, cost_decode_prefill_tps=1000, cost_queue_s=0.05)
 PROMPT = 256  # 8 blocks of 32 tokens, 16 KiB each (the tiny Llama: 512 B per token)
 MAX_NEW = 2
 HD = 16  # the tiny Llama's head_dim

@@ -44,7 +44,7 @@ def fake():
 def _router(tiny_model, fake, **sections):
     from kvbridge.route.app import BackgroundRouter
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
+    from kvbridge.demo.route_local import route_yaml
 
     cfg = {"model": {"name": "tiny-llama", "tokenizer": tiny_model},
            "servers": [{"name": "a0", "engine": "sglang", "role": "aggregated", "url": fake.url}], **sections}

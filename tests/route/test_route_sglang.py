@@ -3,8 +3,9 @@
 SGLang aggregated server, and the TensorRT-LLM decode stand-in behind trtllm-serve's HTTP
 shape; the router is ``kvbridge route --config route.yaml`` in its own process.
 
-Started once for the module (~5 server processes; ``route.local.LocalDeployment``), other
-modules' SGLang pairs stopped first to make room. Every answer is checked against
+Started once for the module (~5 server processes;
+``kvbridge.demo.route_local.LocalDeployment``), other modules' SGLang pairs stopped first
+to make room. Every answer is checked against
 transformers' greedy ``generate()`` computed here; what the router says it did is
 checked against its Prometheus metrics and the servers' behaviour. The destructive
 tests (a slowed prefill, a killed and restarted prefill) come last.
@@ -40,7 +41,7 @@ def dep(tiny_llama_dir, tmp_path_factory):
     import sglang  # noqa: F401  (pinned: a missing one fails the run, never skips)
     from tests.helpers import sglang_servers
 
-    from kvbridge.route.local import LocalDeployment
+    from kvbridge.demo.route_local import LocalDeployment
 
     sglang_servers.stop_shared()  # this module's five servers need the memory another module's pair holds
     d = LocalDeployment(tiny_llama_dir, log_dir=tmp_path_factory.mktemp("route-deployment"),
@@ -131,7 +132,7 @@ def test_generate_chat_and_streaming_from_the_sglang_decode(dep, tiny_llama_dir)
     the SGLang servers only, so that SGLang decodes it)."""
     from kvbridge.route.app import BackgroundRouter
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
+    from kvbridge.demo.route_local import route_yaml
 
     cfg = dep.config()
     cfg["servers"] = [s for s in cfg["servers"] if s["name"] in ("p0", "p1", "d0")]
@@ -223,7 +224,7 @@ def _sub_router(dep, names, **sections):
     every request is handed off when a pair can take it)."""
     from kvbridge.route.app import BackgroundRouter
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
+    from kvbridge.demo.route_local import route_yaml
 
     cfg = dep.config()
     cfg["servers"] = [s for s in cfg["servers"] if s["name"] in names]
@@ -325,7 +326,7 @@ def test_slow_prefill_is_given_up_and_the_request_recomputed_within_its_deadline
     its deadline."""
     from kvbridge.route.app import BackgroundRouter
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
+    from kvbridge.demo.route_local import route_yaml
 
     cfg = dep.config()
     cfg["servers"] = [s for s in cfg["servers"] if s["name"] in ("p0", "d0", "a0")]

@@ -53,7 +53,7 @@ def trt(tiny_llama_dir):
 
 def _cfg(md, servers: list[dict], **sections) -> "object":
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
+    from kvbridge.demo.route_local import route_yaml
 
     cfg = {"model": {"name": "tiny-llama", "tokenizer": str(md)}, "servers": servers, "secret": S1,
            "health": {"interval_s": 0.5, "fail_after": 1}, **sections}

@@ -20,7 +20,7 @@ EOS_PROMPT = (40, 213)  # the head_dim-32 Llama's greedy answer has EOS as its 3
 def _router(model_dir, vllm_servers):  # noqa: F811
     from kvbridge.route.app import BackgroundRouter
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
+    from kvbridge.demo.route_local import route_yaml
 
     v0, v1 = vllm_servers
     servers = [{"name": "v0", "engine": "vllm", "role": "prefill", "url": v0.url, "bootstrap": v0.bootstrap_address,

@@ -213,18 +213,19 @@ def test_pull_plans_cover_every_head_and_every_prefill_rank(heads, ptp, dtp):
 def test_cost_gate_settings(tmp_path):
     """Off by default; on with a link; the model from cost_model or the served model's config."""
     assert BridgeConfig.load(environ={}).cost_gate() is None
-    env = {"KVBRIDGE_COST_LINK": "tcp", "KVBRIDGE_COST_MODEL": "llama3-8b", "KVBRIDGE_COST_QUEUE_S": "0.25"}
+    env = {"KVBRIDGE_COST_GATE_ENABLED": "true", "KVBRIDGE_LINK": "tcp", "KVBRIDGE_COST_MODEL": "llama3-8b",
+           "KVBRIDGE_COST_QUEUE_S": "0.25"}
     gate = BridgeConfig.load(environ=env).cost_gate()
     assert gate.model.name == "llama3-8b" and gate.link.name == "tcp" and gate.break_even is not None
     served = tmp_path / "model"
     served.mkdir()
     (served / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
                                                     "num_attention_heads": 4, "num_key_value_heads": 2}))
-    assert BridgeConfig(cost_link="nvlink").cost_gate(str(served)).model.layers == 2
+    assert BridgeConfig(cost_gate_enabled=True, link="nvlink").cost_gate(str(served)).model.layers == 2
     with pytest.raises(ConfigError, match="no model geometry"):
-        BridgeConfig(cost_link="tcp").cost_gate(None)
+        BridgeConfig(cost_gate_enabled=True, link="tcp").cost_gate(None)
     with pytest.raises(ConfigError, match="unknown link"):
-        BridgeConfig(cost_link="carrier-pigeon", cost_model="llama3-8b").cost_gate()
+        BridgeConfig(cost_gate_enabled=True, link="carrier-pigeon", cost_model="llama3-8b").cost_gate()
     with pytest.raises(ConfigError, match="cost_queue_s must be >= 0"):
         BridgeConfig(cost_queue_s=-1.0)
     with pytest.raises(ConfigError, match="cost_prefill_tps"):

@@ -234,8 +234,8 @@ def _trt_state(srv) -> dict:
 
 
 def _route_cfg(model_dir, servers: list[dict], **sections):
+    from kvbridge.demo.route_local import route_yaml
     from kvbridge.route.config import parse_config
-    from kvbridge.route.local import route_yaml
 
     cfg = {"model": {"name": "tiny-llama", "tokenizer": str(model_dir)}, "servers": servers,
            "health": {"interval_s": 0.5, "fail_after": 1}, "deadlines": {"request_s": 120, "prefill_s": 60}, **sections}

@@ -40,10 +40,9 @@ def run_router_demo(*, model_dir: str | None = None, prompt_len: int = 70, max_n
     """Start the deployment, send the requests, check them; the report (JSON-ready)."""
     from openai import OpenAI
 
-    from kvbridge.demo.models import random_prompt, reference_generate
-    from kvbridge.demo.run import _model_info, ensure_tiny_model
-
-    from .local import LocalDeployment
+    from .models import random_prompt, reference_generate
+    from .route_local import LocalDeployment
+    from .run import _model_info, ensure_tiny_model
 
     say = progress or (lambda m: None)
     t_all = time.monotonic()

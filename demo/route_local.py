@@ -1,4 +1,5 @@
-"""A mixed deployment on this machine, for the router's demo, benchmark and tests.
+"""A mixed deployment on this machine behind ``kvbridge route``, for the router's demo,
+benchmark and tests.
 
 SGLang's REAL server on CPU (``kvbridge.demo.sglang_server``): prefills and a decode on
 the kvbridge backend, and an aggregated server (``--disaggregation-mode null``); the
@@ -138,7 +139,7 @@ class RouterProcess:
 
 
 def _tail(path: Path, n: int = 40) -> str:
-    from kvbridge.demo.sglang_server import log_tail
+    from .sglang_server import log_tail
 
     return log_tail(path, n)
 
@@ -160,7 +161,7 @@ class LocalDeployment:
                  trtllm: bool = True, trtllm_version: str = "1.2", route: dict | None = None,
                  log_dir: str | os.PathLike | None = None, start_timeout: float | None = None,
                  sglang_env: dict | None = None, max_total_tokens: int = 4096):
-        from kvbridge.demo.sglang_server import DEFAULT_START_TIMEOUT
+        from .sglang_server import DEFAULT_START_TIMEOUT
 
         self.model_dir = Path(model_dir).resolve()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-route-"))
@@ -194,7 +195,7 @@ class LocalDeployment:
 
     # -- servers ------------------------------------------------------------------------
     def _start_sglang(self, name: str):
-        from kvbridge.demo.sglang_server import start_server
+        from .sglang_server import start_server
 
         return start_server(self.model_dir, self.roles[name], extra_env=self.env, log_dir=self.log_dir / name,
                             timeout=self.timeout, max_total_tokens=self.max_total_tokens)
@@ -211,11 +212,11 @@ class LocalDeployment:
 
     def restart(self, name: str) -> None:
         """Start a killed SGLang server again on the same ports (the router's file names them)."""
-        from kvbridge.demo.sglang_server import wait_healthy
+        from .sglang_server import wait_healthy
 
         srv = self.sglang[name][0]
         srv.kill()
-        from kvbridge.demo.sglang_server import server_env
+        from .sglang_server import server_env
 
         env, _ = server_env("kvbridge", {"SGLANG_PLUGINS": "kvbridge", **self.env})
         srv.start(env)
@@ -261,7 +262,7 @@ class LocalDeployment:
 
     def start_router(self, cfg: dict | None = None) -> RouterProcess:
         """``kvbridge route --config`` for these servers, in its own process."""
-        from kvbridge.demo.sglang_server import free_port
+        from .sglang_server import free_port
 
         path = self.write_config(cfg)
         self.router = RouterProcess(path, free_port(), self.log_dir / "route.log").start()
