@@ -28,7 +28,8 @@ class PoolStore:
     tokens_per_block * head_dim]``, HND inside a block (``[head][token][dim]``, the
     TRTLLM attention backend's) or NHD (``[token][head][dim]``, ``block_order="NHD"``:
     backends that use ``KVCacheManager.get_buffers``); fp8 KV is stored as uint8
-    (``kv_dtype="fp8"``, e4m3, scale 1). ``head_slices[r] = (first,
+    (``kv_dtype="fp8"``, e4m3; ``kv_scales[layer]`` the number a stored element is
+    multiplied by to read it, 1.0 by default: written as ``value / scale``). ``head_slices[r] = (first,
     count)``: the model's KV heads rank ``r`` holds. A rank writes only its own heads
     (``own``) and reads every head from the pool that holds it: tensor-parallel ranks of
     one server compute the same sequences in lockstep, and reading another rank's heads
@@ -40,8 +41,9 @@ class PoolStore:
 
     def __init__(self, pools: Sequence[torch.Tensor], tokens_per_block: int,
                  head_slices: Sequence[tuple[int, int]] | None = None, own: int = 0, kv_dtype: str = "auto",
-                 block_order: str = "HND"):
+                 block_order: str = "HND", kv_scales: Sequence[float] | None = None):
         self.pools = list(pools)
+        self.kv_scales = [float(x) for x in kv_scales] if kv_scales else None
         self.tpb = int(tokens_per_block)
         p0 = self.pools[0]
         if p0.dim() != 4:
@@ -78,9 +80,13 @@ class PoolStore:
     def _where(self, blocks: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return PagedRunner._where(blocks, positions, self.tpb)
 
-    def as_stored(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` rounded to what the pool keeps (fp8 when the pool is fp8)."""
-        return rows.to(_FP8).float() if self.fp8 else rows
+    def _scale(self, layer: int) -> float:
+        return self.kv_scales[layer] if self.fp8 and self.kv_scales else 1.0
+
+    def as_stored(self, rows: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """``rows`` rounded to what the pool keeps (fp8 when the pool is fp8), as read back."""
+        s = self._scale(layer)
+        return (rows / s).to(_FP8).float() * s if self.fp8 else rows
 
     def write(self, layer: int, blocks: Sequence[int], positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Store ``rows`` ``[kv_factor, T, total_heads, head_dim]`` of ``positions`` (this
@@ -89,10 +95,10 @@ class PoolStore:
         first, count = self.slices[self.own]
         mine = rows[:, :, first:first + count, :]  # [kv, T, h, D]
         view = self._view(self.own)
-        val = mine.to(_FP8).view(torch.uint8) if self.fp8 else mine.to(view.dtype)
+        val = (mine / self._scale(layer)).to(_FP8).view(torch.uint8) if self.fp8 else mine.to(view.dtype)
         # view[blk, layer] -> [T, kv, h, tpb, D]; select each token's slot
         view[blk, layer, :, :, slot, :] = val.permute(1, 0, 2, 3)
-        return self.as_stored(rows)
+        return self.as_stored(rows, layer)
 
     def read(self, layer: int, blocks: Sequence[int], n: int) -> torch.Tensor:
         """Rows ``[kv_factor, n, total_heads, head_dim]`` (float32) of positions ``[0, n)``."""
@@ -102,7 +108,7 @@ class PoolStore:
         blk, slot = self._where(blocks, torch.arange(n))
         for r, (first, count) in enumerate(self.slices):
             got = self._view(r)[blk, layer, :, :, slot, :]  # [n, kv, h, D]
-            got = got.view(_FP8).float() if self.fp8 else got.float()
+            got = got.view(_FP8).float() * self._scale(layer) if self.fp8 else got.float()
             out[:, :, first:first + count, :] = got.permute(1, 0, 2, 3)
         return out
 

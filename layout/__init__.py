@@ -6,7 +6,8 @@ network, no globals.
 
 from .copyspec import CopySpec, TokenRuns
 from .digest import DIGEST_ALGORITHM, MAX_UNITS, DigestGrid, first_difference, grid_for, kv_digest
-from .geometry import KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype, check_compatible, dtype_itemsize
+from .geometry import (SCALED_DTYPES, KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype,
+                       check_compatible, dtype_itemsize, scale_mismatches)
 from .heads import HeadMap, tp_head_slice
 from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer, refused_kinds
 from .pools import alias_memory, allocate_pool
@@ -39,6 +40,8 @@ __all__ = [
     "block_ranges",
     "canonical_dtype",
     "check_compatible",
+    "scale_mismatches",
+    "SCALED_DTYPES",
     "check_segments_inside",
     "coalesce",
     "compile_segments",

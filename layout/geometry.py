@@ -27,6 +27,8 @@ __all__ = [
     "canonical_dtype",
     "dtype_itemsize",
     "check_compatible",
+    "SCALED_DTYPES",
+    "scale_mismatches",
 ]
 
 # Logical KV dtypes by canonical name; fp8 pools may store them as uint8.
@@ -50,6 +52,10 @@ _ALIASES = {
     "float8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
+
+
+# Dtypes whose stored values an engine multiplies by a per-(layer, K/V, head) scale to read them.
+SCALED_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
 class LayoutError(ValueError):
@@ -113,6 +119,14 @@ class KVLayout:
     head): token stride = itemsize, element stride = block_size * itemsize). Such a
     layout moves directly only to a layout with the same element strides; otherwise
     only through staging on its own side (``plan_transfer`` enforces this).
+
+    Scales (fp8 only, ``SCALED_DTYPES``): ``kv_scales`` is float64 ``[num_layers,
+    kv_factor, num_heads]``, the number the engine multiplies a stored element of that
+    (layer, K/V, head) by to read it (per-tensor scales repeat over heads); given as a
+    scalar, ``[num_layers, kv_factor]`` or the full shape. None means 1.0 everywhere (what
+    each engine uses when the checkpoint has no KV scales). Bytes move as they are, so
+    two fp8 layouts exchange KV only where their scales agree (``check_compatible``).
+    Other dtypes carry no scales.
     """
 
     engine: str
@@ -135,6 +149,7 @@ class KVLayout:
     layer_offset: int = 0
     tensors: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     row_strides: tuple[tuple[int, int], ...] = ()
+    kv_scales: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         base = np.ascontiguousarray(self.base, dtype=np.int64)
@@ -147,7 +162,37 @@ class KVLayout:
         except (TypeError, ValueError) as e:
             raise LayoutError(f"{self.engine} layout: row_strides must be (token, element) stride pairs: {e}") from None
         object.__setattr__(self, "row_strides", rows)
+        object.__setattr__(self, "kv_scales", self._scales_array(self.kv_scales))
         self._check()
+
+    def _scales_array(self, given: Any) -> np.ndarray | None:
+        """``kv_scales`` as float64 ``[num_layers, kv_factor, num_heads]`` (None: all 1.0)."""
+        if given is None:
+            return None
+        full = (self.num_layers, self.kv_factor, self.num_heads)
+        try:
+            arr = np.asarray(given, dtype=np.float64)
+            if arr.ndim == 2:
+                arr = arr[:, :, None]
+            arr = np.ascontiguousarray(np.broadcast_to(arr, full))
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"{self.engine} layout: kv_scales must broadcast to [layers, K/V, heads] {full}: {e}") \
+                from None
+        if not np.isfinite(arr).all() or (arr <= 0).any():
+            raise LayoutError(f"{self.engine} layout: kv_scales must be finite and positive")
+        if self.dtype not in SCALED_DTYPES:
+            if (arr != 1.0).any():
+                raise LayoutError(f"{self.engine} layout: a {self.dtype} KV cache carries no scales, got "
+                                  f"{sorted(set(arr.ravel().tolist()))[:4]}")
+            return None
+        return None if (arr == 1.0).all() else arr
+
+    @property
+    def scales(self) -> np.ndarray:
+        """float64 ``[num_layers, kv_factor, num_heads]``: each (layer, K/V, head)'s scale (1.0 unscaled)."""
+        if self.kv_scales is None:
+            return np.ones((self.num_layers, self.kv_factor, self.num_heads))
+        return self.kv_scales
 
     # -- derived geometry -------------------------------------------------------------
     @cached_property
@@ -299,7 +344,8 @@ class KVLayout:
         if start == 0 and stop == self.num_layers:
             return self
         return replace(self, num_layers=stop - start, layer_offset=self.layer_offset + start,
-                       base=self.base[start:stop], region_of=self.region_of[start:stop])
+                       base=self.base[start:stop], region_of=self.region_of[start:stop],
+                       kv_scales=None if self.kv_scales is None else self.kv_scales[start:stop])
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "KVLayout":
         """The same layout with local tensors attached (their addresses must match)."""
@@ -308,6 +354,10 @@ class KVLayout:
         if got != want:
             raise LayoutError("tensors do not sit at the layout's region addresses")
         return replace(self, tensors=tuple(tensors))
+
+    def with_scales(self, kv_scales: Any) -> "KVLayout":
+        """The same layout with the engine's KV scales (see the class docstring; None: 1.0)."""
+        return replace(self, kv_scales=kv_scales)
 
     # -- (de)serialisation for the control protocol -------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -332,6 +382,7 @@ class KVLayout:
             "regions": [[r.addr, r.nbytes] for r in self.regions],
             "layer_offset": self.layer_offset,
             **({"row_strides": [list(p) for p in self.row_strides]} if self.row_strides else {}),
+            **({"kv_scales": self.kv_scales.tolist()} if self.kv_scales is not None else {}),
         }
 
     @classmethod
@@ -343,7 +394,7 @@ class KVLayout:
         address arrays must be integer arrays of the right nesting."""
         if not isinstance(d, dict):
             raise LayoutError(f"malformed layout description: expected a map, got {type(d).__name__}")
-        unknown, missing = set(d) - _DESC_FIELDS, _DESC_FIELDS - set(d) - {"layer_offset", "row_strides"}
+        unknown, missing = set(d) - _DESC_FIELDS, _DESC_FIELDS - set(d) - {"layer_offset", "row_strides", "kv_scales"}
         if unknown or missing:
             raise LayoutError(f"malformed layout description: unknown fields {sorted(map(str, unknown))[:8]}, "
                               f"missing fields {sorted(missing)}")
@@ -377,6 +428,14 @@ class KVLayout:
                     raise LayoutError("malformed layout description: row_strides must be up to two [token, element] "
                                       f"pairs of positive integers, got {rows!r:.80}")
                 fields["row_strides"] = tuple(tuple(p) for p in rows)
+            if "kv_scales" in fields:
+                arr = np.asarray(fields["kv_scales"])
+                if arr.ndim != 3 or (arr.size and arr.dtype.kind != "f"):
+                    raise LayoutError("malformed layout description: kv_scales must be a 3-d array of floats "
+                                      f"[layers, K/V, heads], got {arr.dtype} of shape {arr.shape}")
+                if arr.shape != (fields.get("num_layers"), fields.get("kv_factor"), fields.get("num_heads")):
+                    raise LayoutError(f"malformed layout description: kv_scales has shape {arr.shape}, expected "
+                                      f"[num_layers, kv_factor, num_heads]")
             return cls(**fields)
         except LayoutError:
             raise
@@ -386,18 +445,48 @@ class KVLayout:
 
 _DESC_INTS = ("num_layers", "kv_factor", "num_heads", "head_offset", "total_heads", "head_dim", "tokens_per_block",
               "num_blocks", "first_block", "block_stride", "token_stride", "head_stride", "layer_offset")
-_DESC_FIELDS = frozenset(_DESC_INTS + ("engine", "dtype", "base", "region_of", "regions", "row_strides"))
+_DESC_FIELDS = frozenset(_DESC_INTS + ("engine", "dtype", "base", "region_of", "regions", "row_strides", "kv_scales"))
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     """Raise LayoutMismatchError naming every difference that makes src -> dst impossible.
 
-    Page size, head split and byte order may differ; the model geometry may not.
+    Page size, head split and byte order may differ; the model geometry may not, nor (fp8)
+    the scale of any (layer, K/V, head) both hold: bytes move as they are.
     """
     mism = []
     for name in ("num_layers", "layer_offset", "kv_factor", "total_heads", "head_dim", "dtype"):
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             mism.append(f"{name}: source {a} != destination {b}")
+    if not mism and src.dtype in SCALED_DTYPES:
+        mism += scale_mismatches(src, dst)
     if mism:
         raise LayoutMismatchError(mism)
+
+
+def scale_mismatches(src: KVLayout, dst: KVLayout, limit: int = 3) -> list[str]:
+    """Where the fp8 scales of the heads both layouts hold differ (relative 1e-6, so a
+    scale kept as float32 by one engine and float64 by the other agrees), in words: the
+    first head of each (layer, K/V) that differs, up to ``limit`` of them."""
+    h0, h1 = max(src.head_offset, dst.head_offset), min(src.head_offset + src.num_heads,
+                                                        dst.head_offset + dst.num_heads)
+    if h0 >= h1 or (src.kv_scales is None and dst.kv_scales is None):
+        return []
+    a = src.scales[:, :, h0 - src.head_offset:h1 - src.head_offset]
+    b = dst.scales[:, :, h0 - dst.head_offset:h1 - dst.head_offset]
+    bad = ~np.isclose(a, b, rtol=1e-6, atol=0.0)
+    pairs = np.argwhere(bad.any(axis=2))
+    if not len(pairs):
+        return []
+    names = ("latent",) if src.kv_factor == 1 else ("K", "V")
+    out = []
+    for l, kv in pairs[:limit]:
+        h = int(np.flatnonzero(bad[l, kv])[0])
+        out.append(f"{src.dtype} scale of layer {src.layer_offset + int(l)} {names[kv]} head {h0 + h}: source "
+                   f"{a[l, kv, h]:g} != destination {b[l, kv, h]:g}")
+    if len(pairs) > limit:
+        out.append(f"and {len(pairs) - limit} more (layer, K/V) with other scales")
+    out.append(f"{int(bad.sum())} of {bad.size} (layer, K/V, head) scales differ; fp8 bytes move as they are, "
+               "so they would decode to other numbers")
+    return out

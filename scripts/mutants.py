@@ -350,6 +350,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a layer-wise TensorRT-LLM prefill hands its sender calls over in order: a room's end never overtakes "
         "layers still waiting on the device",
         ("tests/core/test_guards_mutants.py::test_trtllm_send_waits_for_layers_queued_on_the_device",)),
+    Mutation(
+        "layout-compares-fp8-scales", "layout/geometry.py",
+        "    if not mism and src.dtype in SCALED_DTYPES:\n        mism += scale_mismatches(src, dst)\n",
+        "",
+        "two fp8 layouts exchange KV only where their scales agree: bytes move as they are",
+        ("tests/layout/test_layout_unit.py::test_fp8_scales_must_agree_on_every_head_both_hold",
+         "tests/core/test_handoff.py::test_fp8_scales_that_differ_fail_the_room_naming_both")),
+    Mutation(
+        "sglang-carries-fp8-scales", "adapters/sglang/manager.py",
+        "        return lay.with_scales(scales)\n",
+        "        return lay\n",
+        "an SGLang rank's fp8 layout carries the scales its model's attention layers read the cache with",
+        ("tests/sglang/test_sglang_backend.py::test_fp8_caches_with_other_scales_fail_naming_both",)),
+    Mutation(
+        "trtllm-carries-fp8-scales", "adapters/trtllm/worker.py",
+        "        self.layout = model_scales(self._executor, pool_layout(kv_cache_tensor, geo))\n",
+        "        self.layout = pool_layout(kv_cache_tensor, geo)\n",
+        "a TensorRT-LLM rank's fp8 layout carries its model's kv_cache_scaling_factor per layer",
+        ("tests/trtllm/test_trtllm_connector.py::test_fp8_scales_that_differ_are_recomputed_not_moved",)),
 )
 
 

@@ -25,10 +25,11 @@ from sglang.srt.utils.network import get_local_ip_auto
 from kvbridge.common.auth import AuthError, check_bind
 from kvbridge.common.bootstrap import rank_record, refused, seal_record
 from kvbridge.common.handoff import KVReceiver, KVSender, RoomState
-from kvbridge.layout import KVLayout, LayoutError, tp_head_slice
+from kvbridge.layout import SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice
 
 from .config import SglangBridgeConfig
 from .geometry import layout_from_kv_args, names_kv_dtype, resolve_kv_dtype, served_model_config
+from .scales import kv_scales
 from .layerwise import install_prefill_hooks, layerwise_wanted
 
 __all__ = ["KVBridgeKVManager", "REGISTER_TAG", "AUX_ROWS", "AUX_LENS", "ABORT_DOMAIN", "abort_seal_payload"]
@@ -80,6 +81,7 @@ class KVBridgeKVManager(CommonKVManager):
         else:
             self._kvb_model = None
         self._kvb_dtype = resolve_kv_dtype(args, server_args, getattr(self._kvb_model, "dtype", None))
+        self._kvb_decode = disaggregation_mode == DisaggregationMode.DECODE
         self._kvb_refused: dict[str, tuple[str, float]] = {}  # decode: prefill address -> (why SGLang refused it, when)
         self._kvb_host = get_local_ip_auto()
         self._kvb_lock = threading.Lock()
@@ -147,8 +149,15 @@ class KVBridgeKVManager(CommonKVManager):
 
     # -- geometry --------------------------------------------------------------------
     def _make_layout(self, args: KVArgs, heads: int | None = None, total: int | None = None) -> KVLayout:
-        return layout_from_kv_args(args, is_mla=self._kvb_mla, dtype=self._kvb_dtype, tp_rank=self._kvb_tp[0],
-                                   tp_size=self._kvb_tp[1], heads=heads, total_heads=total)
+        lay = layout_from_kv_args(args, is_mla=self._kvb_mla, dtype=self._kvb_dtype, tp_rank=self._kvb_tp[0],
+                                  tp_size=self._kvb_tp[1], heads=heads, total_heads=total)
+        if lay.dtype not in SCALED_DTYPES:
+            return lay
+        scales = kv_scales(lay.num_layers, lay.layer_offset, lay.kv_factor, decode=self._kvb_decode)
+        if scales is None:
+            raise LayoutError(f"the {lay.dtype} KV cache's scales are unknown (the scheduler's model was not seen "
+                              "before its KV manager was built); kvbridge moves an fp8 cache only with its scales")
+        return lay.with_scales(scales)
 
     def _make_receiver(self, args: KVArgs, heads: int | None = None, total: int | None = None) -> KVReceiver:
         with self._kvb_lock:

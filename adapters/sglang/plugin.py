@@ -3,7 +3,7 @@
 SGLang loads every function registered under the entry-point group
 ``sglang.srt.plugins`` in every process it starts (``sglang.srt.plugins.load_plugins``,
 filtered by ``SGLANG_PLUGINS``), then applies the hooks those functions registered.
-``register`` is that function for kvbridge. It does three things, each idempotently:
+``register`` is that function for kvbridge. It does four things, each idempotently:
 
 1. adds ``"kvbridge"`` to the ``--disaggregation-transfer-backend`` choices;
 2. adds ``KVBRIDGE = "kvbridge"`` to ``sglang.srt.disaggregation.utils.TransferBackend``
@@ -11,7 +11,9 @@ filtered by ``SGLANG_PLUGINS``), then applies the hooks those functions register
 3. registers an AROUND hook on ``sglang.srt.disaggregation.utils.get_kv_class`` that
    returns kvbridge's classes for that backend and defers to SGLang otherwise;
    ``HookRegistry.apply_hooks`` (run by ``load_plugins``) patches the function and every
-   ``from ... import get_kv_class`` binding already made.
+   ``from ... import get_kv_class`` binding already made;
+4. registers a BEFORE hook on ``Scheduler.init_disaggregation`` that notes the loaded
+   model's fp8 KV scales for the KV manager built next (``scales.record_scales``).
 
 A decode rank's manager adds two more hooks when it is built (``install_decode_hooks``,
 only in decode scheduler processes): around ``DecodePreallocQueue._send_kv_metadata``,
@@ -109,11 +111,13 @@ def register() -> None:
     Called by SGLang's ``load_plugins()`` once per process (launcher, tokenizer,
     scheduler of every prefill and decode rank), before any server argument is parsed
     or any KV manager is built, on both sides alike. Safe to call again.
-    Only registers the hook; ``load_plugins`` applies it (see ``install`` for manual use).
+    Only registers the hooks; ``load_plugins`` applies them (see ``install`` for manual use).
     """
     from sglang.srt.arg_groups import choices
     from sglang.srt.disaggregation import utils as dutils
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .scales import INIT_DISAGGREGATION, record_scales
 
     if BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices([BACKEND])
@@ -121,6 +125,8 @@ def register() -> None:
     with _lock:
         if not _hook_registered(HookRegistry):
             HookRegistry.register(GET_KV_CLASS, kvbridge_get_kv_class, HookType.AROUND)
+        if not any(h is record_scales for _, h, _ in HookRegistry._hooks.get(INIT_DISAGGREGATION, ())):
+            HookRegistry.register(INIT_DISAGGREGATION, record_scales, HookType.BEFORE)
     log.debug("kvbridge transfer backend registered with SGLang")
 
 

@@ -11,7 +11,8 @@ so the geometry comes from the pool's shape and the executor's own KV cache mana
 forces ``tokens_per_block`` (64 for MLA with FlashMLA, ``max_num_tokens`` for the VANILLA
 attention backend) without updating the config the connector holds. The model's total KV
 head count (for the tensor-parallel head split) comes from its Hugging Face config; the
-manager's ``total_num_kv_heads_per_layer`` holds per-rank counts.
+manager's ``total_num_kv_heads_per_layer`` holds per-rank counts. An fp8 pool's scales
+come from the model the executor runs (``model_scales``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, trtllm_pool_layout
+from kvbridge.layout import SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice, trtllm_pool_layout
 
 from .config import BridgeConfig, ConfigError
 
-__all__ = ["RankGeometry", "block_order", "pool_layout", "rank_geometry", "pull_plan"]
+__all__ = ["RankGeometry", "block_order", "model_scales", "pool_layout", "rank_geometry", "pull_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,31 @@ class RankGeometry:
     dtype: str = ""
     head_dim: int = 0
     token_major: bool = False  # NHD inside a block (VANILLA / FLASHINFER attention backends), else HND
+
+
+def model_scales(executor: Any, layout: KVLayout) -> KVLayout:
+    """``layout`` with the fp8 KV scales of the model ``executor`` runs (other dtypes as
+    they are). Each decoder layer's attention module (``_torch/modules/attention.py``:
+    ``layer_idx``; its backend ``attn``) keeps one scale for K and V, the TRTLLM backend's
+    ``kv_cache_scaling_factor`` (``attention_backend/trtllm.py``: stored = value / scale).
+    Raises LayoutError when the model or a layer's scale cannot be found: an fp8 cache
+    moves only with its scales."""
+    if layout.dtype not in SCALED_DTYPES:
+        return layout
+    model = getattr(getattr(executor, "model_engine", None), "model", None)
+    if model is None:
+        raise LayoutError(f"the {layout.dtype} KV cache's scales are unknown: no executor model to read them from")
+    found: dict[int, float] = {}
+    for m in model.modules():
+        factor = getattr(getattr(m, "attn", None), "kv_cache_scaling_factor", None)
+        if factor is not None and getattr(m, "layer_idx", None) is not None:
+            found[int(m.layer_idx)] = float(torch.as_tensor(factor).reshape(-1)[0])
+    want = range(layout.layer_offset, layout.layer_offset + layout.num_layers)
+    missing = [i for i in want if i not in found]
+    if missing:
+        raise LayoutError(f"the {layout.dtype} KV cache's scales are unknown for layer(s) {missing[:8]}: no attention "
+                          "module with that layer_idx holds a kv_cache_scaling_factor")
+    return layout.with_scales(np.repeat(np.array([found[i] for i in want])[:, None], layout.kv_factor, axis=1))
 
 
 def pool_layout(pool: torch.Tensor, geo: RankGeometry, pool_layers: Sequence[int] | None = None) -> KVLayout:

@@ -31,7 +31,7 @@ from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 from . import bus as B
 from ._compat import IDLE_WAIT_UNTIMED, KvCacheConnectorWorker
 from .config import BridgeConfig, ConfigError, agree_with_rank0, settings_environ
-from .geometry import pool_layout, pull_plan, rank_geometry
+from .geometry import model_scales, pool_layout, pull_plan, rank_geometry
 from .idle import canceled_ids, forget_wake_ids
 from .refusals import refuse_manager, refuse_unsupported
 from .scheduler import LOCAL_SCHEDULERS, KVBridgeConnectorMetadata, world_size
@@ -170,7 +170,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self.rank, self.tp_size = geo.tp_rank, geo.tp_size
         self._hold_engine_frees()
         self._attach_idle_wake()
-        self.layout = pool_layout(kv_cache_tensor, geo)
+        self.layout = model_scales(self._executor, pool_layout(kv_cache_tensor, geo))
         cfg = self.cfg
         self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
         log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())

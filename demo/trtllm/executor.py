@@ -24,6 +24,12 @@ Creation
   every rank, called from the executor's own method; a pre- and a post-hook on every
   decoder layer (``wait_for_layer_load`` / ``save_kv_layer``); main then calls the
   scheduler's ``wait_for_initialization()``.
+- The model (``PyExecutor.model_engine.model``) holds one attention module per decoder
+  layer (``_torch/modules/attention.py``: ``layer_idx``, its backend in ``attn``); the
+  TRTLLM backend keeps the fp8 KV scale as ``kv_cache_scaling_factor``, a ``[1]`` tensor
+  of 1.0 (``attention_backend/trtllm.py``, ``TrtllmAttention.__init__``) shared by K
+  and V: stored = value / scale, read = stored * scale. ``kv_scales`` (per layer) stands
+  for a checkpoint whose calibrated scales were loaded there.
 
 Requests
 - ``context_only`` / ``generation_only`` requests need a cache transceiver (there is
@@ -161,7 +167,7 @@ def _head_slice(total: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 def create_py_executor(llm_args: Any, *, version: EngineVersion, rank: int, world: int, pool_files: Sequence[str],
-                       num_blocks: int, seed: int = 7) -> "PyExecutor":
+                       num_blocks: int, seed: int = 7, kv_scales: Sequence[float] | None = None) -> "PyExecutor":
     """The rank's executor: KV cache (its pool in ``pool_files[rank]``, shared memory the
     other ranks of the server read), the model runner and, when configured, the connector."""
     if llm_args.pipeline_parallel_size != 1 and llm_args.kv_connector_config is None:
@@ -207,9 +213,25 @@ def create_py_executor(llm_args: Any, *, version: EngineVersion, rank: int, worl
     # the TRTLLM attention backend writes HND inside a block; backends that address the pool
     # through KVCacheManager.get_buffers ([blocks, kv_factor, tokens, heads, head_dim]) write NHD
     order = "NHD" if str(llm_args.attn_backend).upper() in ("VANILLA", "FLASHINFER") else "HND"
-    store = PoolStore(pools, tokens_per_block, slices, own=rank, kv_dtype=kv_dtype, block_order=order)
+    scales = list(kv_scales) if kv_scales else [1.0] * geo["layers"]
+    store = PoolStore(pools, tokens_per_block, slices, own=rank, kv_dtype=kv_dtype, block_order=order,
+                      kv_scales=scales)
     return PyExecutor(version=version, llm_args=llm_args, rank=rank, world=world, kv_cache_manager=kvm, store=store,
-                      kv_connector_manager=connector_mgr)
+                      kv_connector_manager=connector_mgr, model=AttentionLayers(scales))
+
+
+class AttentionLayers(torch.nn.Module):
+    """The model as the KV connector can see it: one attention module per decoder layer,
+    each with ``layer_idx`` and a backend (``attn``) holding ``kv_cache_scaling_factor``."""
+
+    def __init__(self, scales: Sequence[float]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        for i, scale in enumerate(scales):
+            m = torch.nn.Module()
+            m.layer_idx = i
+            m.attn = SimpleNamespace(kv_cache_scaling_factor=torch.full((1,), float(scale)))
+            self.layers.append(m)
 
 
 def _open_pools(files: Sequence[str], rank: int, num_blocks: int, geo: dict, slices, tpb: int, kv_dtype: str,
@@ -286,7 +308,7 @@ class PyExecutor:
     """One rank's executor loop around the KV cache, the model and the connector."""
 
     def __init__(self, *, version: EngineVersion, llm_args: Any, rank: int, world: int, kv_cache_manager: KVCacheManager,
-                 store: PoolStore, kv_connector_manager: Any):
+                 store: PoolStore, kv_connector_manager: Any, model: torch.nn.Module | None = None):
         from .runner import load_runner
 
         self.version = version
@@ -298,6 +320,7 @@ class PyExecutor:
         self.resource_manager = SimpleNamespace(resource_managers={"KV_CACHE_MANAGER": kv_cache_manager})
         self.kv_connector_manager = kv_connector_manager
         self.store = store
+        self.model_engine = SimpleNamespace(model=model)
         self.runner = load_runner(llm_args.model)
         self.disable_overlap_scheduler = bool(llm_args.disable_overlap_scheduler)
         self.active_requests: list[PyLlmRequest] = []

@@ -38,7 +38,7 @@ class _PipeComm:
 
 
 def rank_main(conn, rank: int, world: int, version: str, llm_kw: dict, pool_files: list[str], num_blocks: int,
-              setup: tuple | None) -> None:
+              setup: tuple | None, kv_scales: list[float] | None = None) -> None:
     """Build this rank's executor and serve the parent's commands until "stop"."""
     torch.set_num_threads(1)  # identical float sums on every rank of a server
     from transformers.utils import logging as hf_logging
@@ -61,7 +61,7 @@ def rank_main(conn, rank: int, world: int, version: str, llm_kw: dict, pool_file
     try:
         llm_args = make_llm_args(**llm_kw)
         ex = create_py_executor(llm_args, version=VERSIONS[version], rank=rank, world=world, pool_files=pool_files,
-                                num_blocks=num_blocks)
+                                num_blocks=num_blocks, kv_scales=kv_scales)
         mgr = ex.kv_connector_manager
         sched = mgr.scheduler if mgr is not None else None
         worker = mgr.worker if mgr is not None else None
@@ -169,7 +169,7 @@ def main(argv: list[str]) -> None:
     conn = Client((host, int(port)), authkey=authkey)
     setup = tuple(spec["setup"]) if spec.get("setup") else None
     rank_main(conn, spec["rank"], spec["world"], spec["version"], spec["llm_kw"], spec["pool_files"],
-              spec["num_blocks"], setup)
+              spec["num_blocks"], setup, spec.get("kv_scales"))
 
 
 if __name__ == "__main__":

@@ -72,14 +72,17 @@ class StandInServer:
     ``tokens_per_block``, ``kv_dtype``, ``enable_block_reuse``, ``disable_overlap_scheduler``,
     ``attn_backend``, ``enable_flash_mla``, ``enable_chunked_prefill``, ``max_num_tokens``,
     ``capacity_scheduler_policy``, ``connector``...). ``setup``: ("module:function", arg)
-    run first in every rank process (tests' fault hooks). ``rank_env``: how the ranks get
+    run first in every rank process (tests' fault hooks). ``kv_scales``: per layer, the fp8
+    KV scale the model's attention backends hold (a checkpoint with calibrated scales;
+    1.0 otherwise, as TensorRT-LLM keeps it). ``rank_env``: how the ranks get
     the ``KVBRIDGE_*`` variables of this process and ``plugin``: "inherit" (every rank, as
     under trtllm-serve on one host), "filtered" (none, as from an MPI pool that forwards
     only ``TRTLLM*``/``TLLM*`` variables), "rank0" (rank 0 only, as ranks ``mpirun``
     starts on other hosts without ``-x``)."""
 
     def __init__(self, version: str, model: str | os.PathLike, *, num_blocks: int = 64, plugin: dict | None = None,
-                 setup: tuple | None = None, start_timeout: float = 120.0, rank_env: str = "inherit", **llm_kw: Any):
+                 setup: tuple | None = None, start_timeout: float = 120.0, rank_env: str = "inherit",
+                 kv_scales: list[float] | None = None, **llm_kw: Any):
         if version not in VERSIONS:
             raise ValueError(f"unknown TensorRT-LLM version {version!r}; modelled: {sorted(VERSIONS)}")
         if rank_env not in ("inherit", "filtered", "rank0"):
@@ -102,7 +105,8 @@ class StandInServer:
                 host, port = listener.address
                 for r in range(tp):
                     spec = {"rank": r, "world": tp, "version": version, "llm_kw": llm_kw, "pool_files": self.pool_files,
-                            "num_blocks": num_blocks, "setup": list(setup) if setup else None}
+                            "num_blocks": num_blocks, "setup": list(setup) if setup else None,
+                            "kv_scales": list(kv_scales) if kv_scales else None}
                     proc = subprocess.Popen([sys.executable, "-m", "kvbridge.demo.trtllm.rank", f"{host}:{port}",
                                              authkey.hex(), json.dumps(spec)], env=_rank_env(env, rank_env, r))
                     conn = _accept(listener, proc, start_timeout)

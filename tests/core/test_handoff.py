@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from tests.helpers import handoff_peers
@@ -225,6 +226,33 @@ def test_mla_and_fp8_pools(peers):
     blocks = pre.call_raw("serve", 1, 100, 50)[1]
     res = pull(dec, 1, [pre], 0, 100, [(ps, blocks)])
     check_ok(res, [pre.call_raw("wait", 1, 30)])
+
+
+def test_fp8_scales_that_differ_fail_the_room_naming_both(peers):
+    """Two fp8 pools whose scales differ for one (layer, V) hold bytes that decode to other
+    numbers: the room fails on both sides naming the layer, the head and both scales, no
+    byte lands, and every block goes back once. Equal scales (kept as float32 by one side)
+    move byte-exact."""
+    scales = np.ones((2, 2))
+    other = scales.copy()
+    other[1, 1] = 0.5  # layer 1, V
+    ps = spec("sglang", dtype="fp8", seed=30) | {"kv_scales": scales * 0.25}
+    pre = peers("prefill", ps, {"deadline_s": 3.0})
+    bad = peers("decode", spec("trtllm", dtype="fp8", tpb=32, seed=31) | {"kv_scales": other * 0.25},
+                {"deadline_s": 3.0})
+    pre.call_raw("serve", 1, 64, 64)
+    res = pull(bad, 1, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and "layer 1 V head 0: source 0.25 != destination 0.125" in res["reason"], res
+    assert res["free"] == bad.free0, res
+    w = pre.call_raw("wait", 1, 5)
+    assert w[1] == "FAILED" and "scale" in w[2] and w[4] == pre.free0 and w[5] == 0, w
+
+    same = np.float32(0.1) * scales  # float32's nearest to 0.1, against Python's 0.1
+    pre2 = peers("prefill", spec("sglang", dtype="fp8", seed=32) | {"kv_scales": scales * 0.1})
+    good = peers("decode", spec("trtllm", dtype="fp8", tpb=32, seed=33) | {"kv_scales": same.astype(np.float64)})
+    blocks = pre2.call_raw("serve", 2, 64, 64)[1]
+    res = pull(good, 2, [pre2], 0, 64, [(pre2.spec, blocks)])
+    check_ok(res, [pre2.call_raw("wait", 2, 5)])
 
 
 def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):

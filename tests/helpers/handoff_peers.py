@@ -26,6 +26,8 @@ def build_pool(spec: dict):
     lay = allocate_pool(spec["engine"], layers=spec["layers"], total_heads=spec["total_heads"], head_dim=spec["head_dim"],
                         dtype=spec["dtype"], tokens_per_block=spec["tpb"], num_blocks=spec["blocks"], tp_size=spec["tp"],
                         tp_rank=spec["rank"], mla=spec.get("mla", False), seed=spec["seed"])
+    if spec.get("kv_scales") is not None:  # the engine's fp8 scales, as its plugin reports them
+        lay = lay.with_scales(spec["kv_scales"])
     return lay, list(lay.tensors)
 
 

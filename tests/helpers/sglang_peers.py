@@ -54,6 +54,7 @@ def _checks() -> dict:
     from sglang.srt.disaggregation import decode, prefill, utils
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.managers import disagg_service
+    from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs, prepare_server_args
 
     from kvbridge.adapters.sglang import conn
@@ -78,9 +79,41 @@ def _checks() -> dict:
         "patched_in": {m.__name__: (m.get_kv_class is utils.get_kv_class, m.TransferBackend is TransferBackend)
                        for m in (prefill, decode, disagg_service)},
         "argv_backend": sa.disaggregation_transfer_backend,
+        # the hook that notes the model's fp8 KV scales, applied by SGLang's loader
+        "scales_hook": "sglang.srt.managers.scheduler.Scheduler.init_disaggregation" in HookRegistry._patched,
         "server_args": ServerArgs(model_path="dummy", disaggregation_transfer_backend="kvbridge",
                                   device="cpu").disaggregation_transfer_backend,
     }
+
+
+def note_model_scales(scales, backend: str = "flashinfer") -> None:
+    """Load a model's fp8 KV scales the way SGLang does and let the plugin's hook see it.
+
+    Per layer ``(k, v)`` as a checkpoint's ``k_scale`` / ``v_scale``: SGLang's own
+    ``RadixAttention`` layers get them through SGLang's ``BaseKVCacheMethod``
+    (``create_weights``, the loader's copy, ``process_weights_after_loading``, which sets
+    ``k_scale_float`` / ``v_scale_float``); the hook (``record_scales``, the BEFORE hook on
+    ``Scheduler.init_disaggregation``) is then called as SGLang calls it, with a scheduler
+    whose ``tp_worker.model_runner`` holds that model and the attention backends."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from kvbridge.adapters.sglang.scales import record_scales
+
+    layers = torch.nn.ModuleList()
+    for i, (k, v) in enumerate(scales):
+        attn = RadixAttention(num_heads=4, head_dim=8, scaling=1.0, num_kv_heads=4, layer_id=i)
+        method = BaseKVCacheMethod(None)
+        method.create_weights(attn)
+        attn.k_scale.data.fill_(k)
+        attn.v_scale.data.fill_(v)
+        method.process_weights_after_loading(attn)
+        layers.append(attn)
+    runner = SimpleNamespace(model=layers, prefill_attention_backend_str=backend, decode_attention_backend_str=backend)
+    record_scales(SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner)))
 
 
 class Rank:
@@ -158,6 +191,9 @@ class Rank:
         kv_args.ib_device = None
         kv_args.gpu_id = None
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+        scales = case.get("p_scales" if role == "prefill" else "d_scales")
+        if scales is not None:  # the model's fp8 KV scales, seen by the plugin before its manager is built
+            note_model_scales(scales, case.get("attention_backend", "flashinfer"))
         self.bootstrap = None
         if role == "prefill" and rank == 0:  # disagg_service.start_disagg_service (tokenizer side)
             # "bootstrap": another backend's bootstrap server (e.g. "mooncake": SGLang's own,

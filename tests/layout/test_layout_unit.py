@@ -397,3 +397,57 @@ def test_alias_memory_is_the_memory_itself():
     assert int(a.view(torch.int32)[7]) == 99
     with pytest.raises(LayoutError, match="meta"):
         alias_memory(t.data_ptr(), 4, "meta")
+
+
+# -- fp8 scales ----------------------------------------------------------------------------
+def _fp8(engine, tp=1, rank=0, **kw):
+    from kvbridge.layout.pools import allocate_pool
+
+    return allocate_pool(engine, layers=3, total_heads=4, head_dim=16, dtype="fp8", tokens_per_block=16,
+                         num_blocks=8, tp_size=tp, tp_rank=rank, **kw)
+
+
+def test_fp8_scales_must_agree_on_every_head_both_hold():
+    """Per-tensor scales broadcast over heads; a scale that differs on a head both layouts
+    hold is named (layer, K/V, head, both values); heads only one side holds are not
+    compared; float32-rounded scales agree with float64 ones; no scales means 1.0."""
+    from kvbridge.layout import check_compatible
+
+    src = _fp8("sglang").with_scales(np.full((3, 2), 0.5))
+    assert src.scales.shape == (3, 2, 4) and (src.scales == 0.5).all()
+    check_compatible(src, _fp8("trtllm").with_scales(np.float32(0.5) * np.ones((3, 2))))
+    other = np.full((3, 2, 4), 0.5)
+    other[2, 0, 3] = 0.25  # layer 2, K, head 3
+    with pytest.raises(LayoutMismatchError, match=r"layer 2 K head 3: source 0.5 != destination 0.25"):
+        check_compatible(src, _fp8("trtllm").with_scales(other))
+    with pytest.raises(LayoutMismatchError, match="layer 0 K head 0: source 0.5 != destination 1"):
+        check_compatible(src, _fp8("trtllm"))  # an unscaled cache reads the same bytes as other numbers
+    # TP: decode rank 0 of 2 holds heads 0-1, where the scales agree; rank 1 holds head 3
+    check_compatible(src, _fp8("trtllm", tp=2, rank=0).with_scales(other[:, :, :2]))
+    with pytest.raises(LayoutMismatchError, match="head 3"):
+        check_compatible(src, _fp8("trtllm", tp=2, rank=1).with_scales(other[:, :, 2:]))
+    # a per-layer view keeps its layers' scales
+    assert (src.with_scales(other).layer_range(2, 3).scales == other[2:]).all()
+
+
+def test_fp8_scales_cross_the_wire_and_bad_ones_are_refused():
+    """``describe`` carries scales only when some differ from 1.0; a description's scales
+    must be a [layers, K/V, heads] float array; scales are finite and positive; a cache
+    that is not fp8 carries none."""
+    lay = _fp8("sglang").with_scales([[1.0, 2.0], [0.5, 0.5], [1.0, 1.0]])
+    d = json.loads(json.dumps(lay.describe()))
+    assert KVLayout.from_description(d).scales.tolist() == lay.scales.tolist()
+    assert "kv_scales" not in _fp8("sglang").describe()
+    for bad in ([[1.0, 2.0]], [[[1, 2]]], "x"):
+        with pytest.raises(LayoutError, match="kv_scales"):
+            KVLayout.from_description(dict(d, kv_scales=bad))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(LayoutError, match="finite and positive"):
+            lay.with_scales(bad)
+    from kvbridge.layout.pools import allocate_pool
+
+    bf16 = allocate_pool("sglang", layers=3, total_heads=4, head_dim=16, dtype="bf16", tokens_per_block=16,
+                         num_blocks=8)
+    assert bf16.with_scales(1.0).kv_scales is None
+    with pytest.raises(LayoutError, match="carries no scales"):
+        bf16.with_scales(0.5)

@@ -149,6 +149,7 @@ def test_plugin_loaded_by_sglang(peers):
         assert chk["classes"] and chk["kvargs"] == "KVArgs" and chk["mooncake_still"]
         assert all(a and b for a, b in chk["patched_in"].values()), chk["patched_in"]
         assert chk["argv_backend"] == "kvbridge" and chk["server_args"] == "kvbridge"
+        assert chk["scales_hook"]
 
 
 @pytest.mark.parametrize(
@@ -188,8 +189,8 @@ def test_cost_gate_fails_fast_below_break_even(peers, tmp_path):
     cfg = {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
            "num_key_value_heads": 4, "intermediate_size": 64, "vocab_size": 100}  # 3 layers x 4 heads x 8
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    env = {"KVBRIDGE_COST_LINK": "tcp", "KVBRIDGE_COST_MODEL": str(tmp_path), "KVBRIDGE_COST_PREFILL_TPS": "1e6",
-           "KVBRIDGE_COST_DECODE_PREFILL_TPS": "1000", "KVBRIDGE_COST_QUEUE_S": "0.05"}
+    env = {"KVBRIDGE_COST_GATE_ENABLED": "true", "KVBRIDGE_LINK": "tcp", "KVBRIDGE_COST_MODEL": str(tmp_path),
+           "KVBRIDGE_COST_PREFILL_TPS": "1e6", "KVBRIDGE_COST_DECODE_PREFILL_TPS": "1000", "KVBRIDGE_COST_QUEUE_S": "0.05"}
     pre, dec = procs[0], procs[1]
     dec.call("env", env)
     try:
@@ -215,7 +216,7 @@ def test_cost_gate_fails_fast_below_break_even(peers, tmp_path):
         _run(procs, _case(page_size=16, seed=7), [(62, 200, 3, 0)])
         assert dec.call("metrics")["fallbacks"] == after["fallbacks"]
     finally:
-        dec.call("env", {"KVBRIDGE_COST_LINK": ""})
+        dec.call("env", {"KVBRIDGE_COST_GATE_ENABLED": "", "KVBRIDGE_LINK": ""})
 
 
 def test_refused_pairing_fails_the_request_not_the_decode(peers):
@@ -256,18 +257,43 @@ def test_kv_dtype_kvbridge_does_not_convert_fails_both_sides(peers):
     does not convert dtypes, so the request fails on both sides with the mismatch named,
     at once (not at a timeout); the same prefill then serves a bfloat16 decode."""
     procs, _ = peers
-    case = _case(page_size=16, d_page_size=64, d_dtype="float16", seed=15)
+    d, s = _refused_request(procs, _case(page_size=16, d_page_size=64, d_dtype="float16", seed=15), 141,
+                            "dtype: source bfloat16 != destination float16")
+    assert s["t_end"] - d["t_end"] < 5, "the prefill learned of it late"
+    _run(procs, _case(page_size=16, d_page_size=64, seed=16), [(142, 100, 2, 0)])
+
+
+def _refused_request(procs, case, room, why):
+    """One 100-token request between a prefill and a decode of ``case`` that both sides
+    fail, each naming ``why``; (decode's, prefill's) results."""
     pre, dec = procs[0], procs[1]
     pre.call("setup", "prefill", case, 0)
     dec.call("setup", "decode", case, 0)
     try:
-        pre.conn.send(("serve", 141, list(range(1, 8)), 100, 2, 9, 20.0))
-        d = dec.call("pull", 141, 100, 0, 20.0)
+        pre.conn.send(("serve", room, list(range(1, 8)), 100, 2, 9, 20.0))
+        d = dec.call("pull", room, 100, 0, 20.0)
         s = pre.recv()[1]
         for side in (d, s):
-            assert side["state"] == 0 and "dtype: source bfloat16 != destination float16" in side["reason"], side
-        assert s["t_end"] - d["t_end"] < 5, "the prefill learned of it late"
+            assert side["state"] == 0 and why in side["reason"], side
+        return d, s
     finally:
         for p in (pre, dec):
             p.call("teardown")
-    _run(procs, _case(page_size=16, d_page_size=64, seed=16), [(142, 100, 2, 0)])
+
+
+def test_fp8_caches_with_other_scales_fail_naming_both(peers):
+    """Two fp8 caches whose models were loaded with different KV scales (SGLang's own
+    loading path: layer 1's V scale 0.5 on the prefill, 0.25 on the decode): the bytes would
+    decode to other numbers, so the request fails on both sides naming the layer and both
+    scales, nothing lands; caches whose scales agree move byte-exact; and with
+    ``torch_native`` (which applies no scale) on both sides the checkpoint's scales do not
+    matter."""
+    procs, _ = peers
+    p_scales, d_scales = [(1.0, 1.0), (1.0, 0.5), (2.0, 2.0)], [(1.0, 1.0), (1.0, 0.25), (2.0, 2.0)]
+    case = _case(page_size=16, d_page_size=64, dtype="float8_e4m3fn", p_scales=p_scales, d_scales=d_scales, seed=17)
+    d, _ = _refused_request(procs, case, 151, "layer 1 V head 0: source 0.5 != destination 0.25")
+    assert not d["landed_before_fail"], d
+    _run(procs, _case(page_size=16, d_page_size=64, dtype="float8_e4m3fn", p_scales=p_scales, d_scales=p_scales,
+                      seed=18), [(152, 100, 2, 0)])
+    _run(procs, _case(page_size=16, dtype="float8_e4m3fn", p_scales=p_scales, d_scales=d_scales,
+                      attention_backend="torch_native", seed=19), [(153, 100, 2, 0)])

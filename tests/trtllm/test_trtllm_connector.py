@@ -133,8 +133,8 @@ def test_cost_gate_computes_short_prompts_on_decode_and_moves_long_ones(trt_serv
     break-even about 52 tokens). A 30-token prompt and a 150-token one of which the decode
     holds 128 are computed on the decode (0 external tokens) and their prefill rooms declined
     and released; a 150-token prompt moves."""
-    gate = dict(cost_link="tcp", cost_model=str(tiny_llama_dir), cost_prefill_tps=1e6, cost_decode_prefill_tps=1000,
-                cost_queue_s=0.05)
+    gate = dict(cost_gate_enabled=True, link="tcp", cost_model=str(tiny_llama_dir), cost_prefill_tps=1e6,
+                cost_decode_prefill_tps=1000, cost_queue_s=0.05)
     pre = trt_servers("1.2", tiny_llama_dir, tokens_per_block=32, num_blocks=48)
     dec = trt_servers("main", tiny_llama_dir, tokens_per_block=16, num_blocks=64, plugin=gate)
     short, long_, base = random_prompt(30, seed=31), random_prompt(150, seed=32), random_prompt(129, seed=34)
@@ -183,5 +183,35 @@ def test_vanilla_backend_nhd_blocks_of_max_num_tokens(trt_servers, tiny_llama_di
     assert out["context_tokens_computed"] == 1
     assert out["output_token_ids"] == reference_generate(tiny_llama_dir, prompt, MAX_NEW).token_ids
     assert_matches_transformers(dec, tiny_llama_dir, prompt, out["blocks"], HD, "NHD decode KV", block_order="NHD")
+    check_clean(dec)
+    check_clean(pre)
+
+
+def test_fp8_scales_that_differ_are_recomputed_not_moved(trt_servers, tiny_llama_dir):
+    """fp8 caches whose models hold other KV scales (the decode's layer 1: 0.5, as from a
+    checkpoint with calibrated scales; the prefill's 1.0, TensorRT-LLM's own): the prefill's
+    bytes would read as other numbers on the decode, so the load fails naming the layer and
+    both scales, and the decode computes the prompt itself (on_failure=recompute): the
+    same tokens and the same pool bytes as the prompt computed there from the start."""
+    pre = trt_servers("main", tiny_llama_dir, tp=1, tokens_per_block=16, kv_dtype="fp8", num_blocks=32)
+    dec = trt_servers("1.2", tiny_llama_dir, tp=1, tokens_per_block=32, kv_dtype="fp8", num_blocks=32,
+                      kv_scales=[1.0, 0.5])
+    prompt = random_prompt(70, seed=31)
+    announce(pre.bus, prompt, Handle("send", 301))
+    announce(dec.bus, prompt, Handle("recv", 301, prefill=pre.bus))
+    pre.submit(prompt, 1)
+    d = dec.submit(prompt, 4)
+    wait_done([pre, dec], dec, [d])
+    ld = dec.state()["finished_loads"][d]
+    assert ld["verdict"] == "recompute" and not ld["ok"], ld
+    assert "layer 1 K head 0: source 1 != destination 0.5" in ld["reason"], ld["reason"]
+    out = dec.responses[d]
+    assert out["context_tokens_computed"] == len(prompt), out
+    got = server_kv(dec, out["blocks"], HD, range(len(prompt) - 1), fp8=True)  # before its blocks are used again
+    local = dec.submit(prompt, 4, cache_salt="computed-here")
+    wait_done([pre, dec], dec, [local])
+    assert out["output_token_ids"] == dec.responses[local]["output_token_ids"]
+    mine = server_kv(dec, dec.responses[local]["blocks"], HD, range(len(prompt) - 1), fp8=True)
+    torch.testing.assert_close(got, mine, rtol=0, atol=0)
     check_clean(dec)
     check_clean(pre)
