@@ -57,7 +57,8 @@ def record_scales(*args, **kwargs):
         layers = scales_of_model(runner.model)
         with _lock:
             _recorded.update(layers=layers, backends=backends)
-        log.debug("kvbridge: KV scales of %d attention layer(s) noted (backends %s)", len(layers), backends)
+        log.info("kvbridge: the model's KV scales noted: %d attention layer(s), attention backends %s (prefill, "
+                 "decode)", len(layers), backends)
     except Exception:  # the manager then refuses an fp8 cache (its scales unknown)
         log.exception("kvbridge: cannot read the model's KV scales")
     return None

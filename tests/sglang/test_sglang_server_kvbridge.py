@@ -66,6 +66,10 @@ def test_kvbridge_pair_concurrent_requests(kvbridge_pair, tiny_llama_dir):
         # read from SGLang's decode pool: every prompt row is transformers' K/V, nothing beyond it
         kvbridge_pair.probe("decode").assert_landed(tiny_llama_dir, p, prefix=0)
     kvbridge_pair.probe("decode").assert_clean()
+    # SGLang's loader applied the hook that notes the model's fp8 KV scales, in each scheduler
+    for srv in (kvbridge_pair.prefill, kvbridge_pair.decode):
+        log = srv.log_path.read_text(errors="replace")
+        assert "the model's KV scales noted: 2 attention layer(s)" in log, kvbridge_pair.log_tails(30)
 
 
 def test_prefill_page_1_to_decode_page_16(kvbridge_pair, tiny_llama_dir):
