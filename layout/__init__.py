@@ -15,7 +15,8 @@ from .repack import repack
 from .segments import Segments, block_ranges, check_segments_inside, coalesce, compile_segments, count_segments
 from .sglang_pool import sglang_layout_from_buffers, sglang_mha_layout, sglang_mla_layout
 from .trtllm_pool import trtllm_layout_from_geometry, trtllm_pool_layout
-from .vllm_pool import VLLM_CPU_ISAS, vllm_cpu_layout, vllm_cpu_layout_from_geometry, vllm_cpu_mla_layout
+from .vllm_pool import (VLLM_CPU_ISAS, vllm_cpu_layout, vllm_cpu_layout_from_geometry, vllm_cpu_mla_layout,
+                        vllm_paged_layout)
 
 __all__ = [
     "DIGEST_ALGORITHM",
@@ -60,4 +61,5 @@ __all__ = [
     "vllm_cpu_layout",
     "vllm_cpu_layout_from_geometry",
     "vllm_cpu_mla_layout",
+    "vllm_paged_layout",
 ]

@@ -1,4 +1,5 @@
-"""vLLM's paged KV cache as a KVLayout (the CPU attention backend's 'vec' and 'vec16' kernels).
+"""vLLM's paged KV cache as a KVLayout: its GPU backends' logical views
+(``vllm_paged_layout``) and the CPU attention backend's 'vec' and 'vec16' kernels.
 
 vLLM hands a KV connector one tensor per attention layer (``register_kv_caches``). The
 CPU backend (``CPU_ATTN``, ``vllm/v1/attention/backends/cpu_attn.py``,
@@ -36,7 +37,7 @@ import torch
 from .geometry import KVLayout, LayoutError, Region, canonical_dtype, dtype_itemsize
 from .heads import tp_head_slice
 
-__all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry", "vllm_cpu_mla_layout"]
+__all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry", "vllm_cpu_mla_layout", "vllm_paged_layout"]
 
 VLLM_CPU_ISAS = ("vec", "vec16")  # the CPU backend's kernels whose block layout kvbridge knows
 
@@ -166,3 +167,80 @@ def vllm_cpu_mla_layout(kv_caches: Sequence[torch.Tensor], *, dtype: Any = None,
         block_stride=block_size * row, token_stride=row, head_stride=row, base=ptrs[:, None].copy(),
         region_of=np.arange(ptrs.size, dtype=np.int64)[:, None], regions=tuple(Region(int(p), nbytes) for p in ptrs),
         layer_offset=layer_offset, tensors=tuple(kv_caches))
+
+
+def vllm_paged_layout(kv_caches: Sequence[torch.Tensor], *, head_size: int, head_size_v: int | None = None,
+                      total_heads: int | None = None, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
+                      dtype: Any = None, layer_offset: int = 0) -> KVLayout:
+    """Layout of vLLM's logical KV cache views: what every GPU attention backend of vLLM
+    0.32 gets per layer (``vllm/v1/kv_cache_interface.py``, ``create_kv_cache_views``).
+
+    ``kv_caches[l]``: layer ``l``'s ``[B, H, N, C]`` view (blocks, KV heads on this rank,
+    tokens per block, content elements), any of the six stride orders of
+    ``KVCacheLayout`` (layer-compact ``L...`` orders or block-outermost ``B...`` ones,
+    whose one block holds every layer). ``C`` is ``head_size`` K elements then
+    ``head_size_v`` V elements of one (block, head, token) (FLASH_ATTN and the other
+    backends split it so: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); with
+    ``mla``, ``C`` is one latent row (``head_size`` = kv_lora_rank + rope), kv_factor 1.
+    Strides come from the views themselves, so any order vLLM lays out is described as it
+    is. Block 0 is vLLM's null block. LayoutError when the views are not alike, ``C`` is
+    not contiguous, or K and V rows differ in size.
+
+    Example (LBNHC: tokens outside heads inside a block; two layers in one allocation)::
+
+        >>> raw = torch.zeros(2 * 8 * 16 * 4 * 2 * 64, dtype=torch.bfloat16)
+        >>> v = raw.view(2, 8, 16, 4, 128).permute(0, 1, 3, 2, 4)  # logical [L, B, H, N, C]
+        >>> lay = vllm_paged_layout(list(v.unbind(0)), head_size=64, total_heads=4)
+        >>> (lay.token_stride, lay.head_stride, lay.is_head_major)
+        (1024, 256, False)
+    """
+    if not kv_caches:
+        raise LayoutError("vLLM KV cache: no layer views")
+    t0 = kv_caches[0]
+    if t0.dim() != 4:
+        raise LayoutError(f"a vLLM KV cache view is [blocks, heads, tokens, content], got {tuple(t0.shape)}")
+    for t in kv_caches:
+        if tuple(t.shape) != tuple(t0.shape) or t.stride() != t0.stride() or t.dtype != t0.dtype:
+            raise LayoutError(f"vLLM KV cache views differ: {tuple(t.shape)} strides {t.stride()} {t.dtype} beside "
+                              f"{tuple(t0.shape)} strides {t0.stride()} {t0.dtype}")
+    num_blocks, heads, tokens, content = (int(x) for x in t0.shape)
+    hv = 0 if mla else (head_size if head_size_v is None else int(head_size_v))
+    if not mla and hv != head_size:
+        raise LayoutError(f"vLLM KV cache with K rows of {head_size} and V rows of {hv} elements: kvbridge moves "
+                          "K and V of one head size")
+    if content != head_size + hv:
+        raise LayoutError(f"vLLM KV cache content is {content} elements, expected {head_size} + {hv}")
+    if t0.stride(3) != 1:
+        raise LayoutError(f"vLLM KV cache content is not contiguous (stride {t0.stride(3)})")
+    if mla and heads != 1:
+        raise LayoutError(f"a vLLM MLA cache has one latent head, got {heads}")
+    dt = dtype if dtype is not None else t0.dtype
+    isz = t0.element_size()
+    if dtype_itemsize(dt) != isz:
+        raise LayoutError(f"dtype {dt} does not match the cache's {isz}-byte elements")
+    if mla:
+        total, first = 1, 0
+    else:
+        total = int(total_heads or heads * tp_size)
+        first, count = tp_head_slice(total, tp_size, tp_rank)
+        if count != heads:
+            raise LayoutError(f"{total} KV heads over tensor-parallel size {tp_size} give rank {tp_rank} {count} "
+                              f"head(s); its cache holds {heads}")
+    ptrs = np.asarray([t.data_ptr() for t in kv_caches], dtype=np.int64)
+    kv = 1 if mla else 2
+    base = ptrs[:, None] + np.arange(kv, dtype=np.int64)[None, :] * head_size * isz
+    # one region per backing allocation (a block-outermost order interleaves the layers in one)
+    storages: dict[int, torch.Tensor] = {}  # storage address -> its bytes
+    region_of = np.empty((ptrs.size, kv), dtype=np.int64)
+    for i, t in enumerate(kv_caches):
+        st = t.untyped_storage()
+        if st.data_ptr() not in storages:
+            storages[st.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))
+        region_of[i, :] = list(storages).index(st.data_ptr())
+    regions = tuple(Region(int(b.data_ptr()), int(b.numel())) for b in storages.values())
+    return KVLayout(
+        engine="vllm-mla" if mla else "vllm", num_layers=int(ptrs.size), kv_factor=kv, num_heads=heads,
+        head_offset=first, total_heads=total, head_dim=head_size, dtype=canonical_dtype(dt), tokens_per_block=tokens,
+        num_blocks=num_blocks, first_block=1, block_stride=t0.stride(0) * isz, token_stride=t0.stride(2) * isz,
+        head_stride=t0.stride(1) * isz, base=base, region_of=region_of, regions=regions,
+        layer_offset=layer_offset, tensors=tuple(storages.values()))

@@ -111,17 +111,17 @@ try:
 except Exception as e:
     out["torch_error"] = repr(e)
 try:
-    from kvbridge.adapters.vllm.worker import HANDLED_BACKENDS
-    out["backends"] = list(HANDLED_BACKENDS)
+    from kvbridge.layout import vllm_paged_layout  # noqa: F401  (GPU backends' logical views)
+    out["logical_views"] = True
 except Exception as e:
-    out["backends_error"] = repr(e)
+    out["logical_views_error"] = repr(e)
 print(json.dumps(out))
 """
 
 
 def probe_vllm() -> dict:
     """What the vLLM venv holds: vLLM's distribution, its torch, its Mooncake, the attention
-    backends kvbridge's connector handles there (or ``error``)."""
+    whether its kvbridge describes GPU backends' logical views (or ``error``)."""
     from kvbridge.demo.vllm_server import vllm_python
 
     py = vllm_python()
@@ -881,11 +881,9 @@ def check_vllm_sglang_both_ways(ctx: Ctx) -> dict:
     from kvbridge.demo.vllm_flows import sglang_to_vllm, vllm_to_sglang
     from kvbridge.demo.vllm_server import start_vllm_server
 
-    backends = ctx.env["vllm"].get("backends") or []
-    if "FLASH_ATTN" not in backends:
-        raise CheckFailed(f"kvbridge's vLLM connector in {ctx.env['vllm'].get('venv')} handles the attention backends "
-                          f"{backends}, not FLASH_ATTN: a vLLM GPU server with it refuses the connector at "
-                          "register_kv_caches")
+    if not ctx.env["vllm"].get("logical_views"):
+        raise CheckFailed(f"the kvbridge in {ctx.env['vllm'].get('venv')} cannot describe vLLM's GPU caches "
+                          f"({ctx.env['vllm'].get('logical_views_error', 'no vllm_paged_layout')})")
     max_new, page = 12, 16
     model = build_tiny_llama_hd32(ctx.out / "tiny_llama_hd32")
     kv_per_token = 2 * 2 * 2 * 32 * 2  # layers x K/V x KV heads x head_dim x float16

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -369,6 +370,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        self.layout = pool_layout(kv_cache_tensor, geo)\n",
         "a TensorRT-LLM rank's fp8 layout carries its model's kv_cache_scaling_factor per layer",
         ("tests/trtllm/test_trtllm_connector.py::test_fp8_scales_that_differ_are_recomputed_not_moved",)),
+    Mutation(
+        "vllm-views-token-stride", "layout/vllm_pool.py",
+        "block_stride=t0.stride(0) * isz, token_stride=t0.stride(2) * isz,",
+        "block_stride=t0.stride(0) * isz, token_stride=t0.stride(1) * isz,",
+        "vLLM's logical cache views are described by their own strides (each stride order of KVCacheLayout)",
+        ("tests/vllm/test_vllm_layout.py::test_every_kv_cache_layout_of_vllm_moves_to_and_from_sglang_and_trtllm",)),
+    Mutation(
+        "vllm-views-v-after-k", "layout/vllm_pool.py",
+        "np.arange(kv, dtype=np.int64)[None, :] * head_size * isz",
+        "np.arange(kv, dtype=np.int64)[None, :] * 0",
+        "V sits after K's head_size elements in a vLLM logical view's content",
+        ("tests/vllm/test_vllm_layout.py::test_every_kv_cache_layout_of_vllm_moves_to_and_from_sglang_and_trtllm",)),
 )
 
 
@@ -414,6 +427,11 @@ def scratch_env(scratch: Path) -> dict[str, str]:
     env.pop("KVBRIDGE_RELIABILITY_DIR", None)  # a mutated run's fault rows go nowhere
     keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not Path(p).resolve().is_relative_to(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join([str(scratch)] + keep)
+    # the vLLM venv's scripts (tests/helpers/vllm_env.py) import the scratch copy's kvbridge too
+    vllm = env.get("KVBRIDGE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if os.access(vllm, os.X_OK):
+        env["KVBRIDGE_VLLM_PYTHON"] = vllm
+    env["KVBRIDGE_VLLM_PYTHONPATH"] = str(scratch)
     return env
 
 
@@ -490,6 +508,8 @@ def run_pytest(scratch: Path, env: dict[str, str], tests, timeout_s: float) -> t
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     seconds = time.monotonic() - t0
+    if proc.returncode == 0 and re.search(r"\b\d+ skipped\b", out):
+        return "error", out + "\n(a listed test was skipped: it proves nothing here)", seconds
     if proc.returncode == 0:
         return "passed", out, seconds
     if proc.returncode < 0 or "Fatal Python error" in out:

@@ -8,8 +8,9 @@ the forward for asynchronous loads), ``wait_for_save``, ``get_transfer_results``
 ``clear_connector_metadata``. ``register_kv_caches`` is called once, after the KV cache
 is allocated, with every attention layer's cache tensor.
 
-The worker owns the rank's KVLayout (from those tensors and the attention backend in
-use; a backend or ISA it does not handle is refused by name), the Mooncake transport,
+The worker owns the rank's KVLayout (from those tensors and the attention layers: the
+CPU backend's per ISA, every other backend's from vLLM's logical views; what it cannot
+move is refused by name), the Mooncake transport,
 a kvbridge ``KVSender`` (prefill) and ``KVReceiver`` (decode), and on TP rank 0 of a
 prefill the SGLang-compatible bootstrap server where every rank registers its record.
 Loads and sends run on kvbridge's threads; their ends are reported in
@@ -36,7 +37,8 @@ import torch
 from kvbridge.common.bootstrap import (BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record,
                                        seal_record)
 from kvbridge.common.handoff import KVReceiver, KVSender
-from kvbridge.layout import KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout
+from kvbridge.layout import (SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout,
+                             vllm_paged_layout)
 
 from .config import ConfigError, VllmBridgeConfig
 from .scheduler import Drop, KVBridgeMetadata, Load, Open, Send
@@ -46,56 +48,98 @@ __all__ = ["KVBridgeWorker", "layout_from_vllm"]
 log = logging.getLogger(__name__)
 
 _KEEP = 4096
-HANDLED_BACKENDS = ("CPU_ATTN", "CPU_MLA")
+CPU_BACKENDS = ("CPU_ATTN", "CPU_MLA")  # their kernels lay a block out their own way (per ISA); others: logical views
 
 
 def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp_rank: int = 0,
                      tp_size: int = 1) -> KVLayout:
     """This rank's KVLayout from ``register_kv_caches``' tensors (ordered by layer index)
-    and the attention backend each layer uses; LayoutError naming a backend, ISA or
-    cache dtype kvbridge does not handle."""
+    and the attention layers behind them; LayoutError naming a layer, backend, ISA or
+    cache dtype kvbridge does not handle.
+
+    The CPU backends' caches are described per ISA (``vllm_cpu_layout``,
+    ``vllm_cpu_mla_layout``). Every other backend gets vLLM's logical ``[B, H, N, C]``
+    views in whichever ``KVCacheLayout`` vLLM chose (``vllm_paged_layout``: the strides
+    are read from the views), K then V inside ``C`` (MLA: the latent row); fp8 caches
+    carry each layer's ``_k_scale`` / ``_v_scale`` (per tensor or per head)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
     layers = dict(get_layers_from_vllm_config(vllm_config, Attention, list(kv_caches)))
+    mla_names: set[str] = set()
     try:
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-        layers.update(get_layers_from_vllm_config(vllm_config, MLAAttention, list(kv_caches)))
+        mla_layers = get_layers_from_vllm_config(vllm_config, MLAAttention, list(kv_caches))
+        layers.update(mla_layers)
+        mla_names = set(mla_layers)
     except ImportError:  # a vLLM without that module: plain attention only
         pass
     backends, isas = set(), set()
     for name in kv_caches:
         layer = layers.get(name)
         if layer is None:
-            raise LayoutError(f"vLLM layer {name!r} is neither attention nor MLA (Mamba, linear attention...): "
-                              "not supported")
+            raise LayoutError(f"vLLM layer {name!r} is neither attention nor MLA (Mamba, linear attention, an "
+                              "indexer cache...): not supported")
         backend = layer.attn_backend
         backends.add(backend.get_name() if hasattr(backend, "get_name") else type(backend).__name__)
         isas.add(getattr(layer, "isa", None))
-    if backends - set(HANDLED_BACKENDS):
-        raise LayoutError(f"vLLM attention backend {sorted(backends)} is not supported by kvbridge "
-                          f"(handled: {list(HANDLED_BACKENDS)})")
     if len(backends) != 1:
         raise LayoutError(f"vLLM layers use different attention backends {sorted(backends)}: not supported")
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
-        raise LayoutError(f"vLLM kv_cache_dtype {cache_dtype!r} is not supported by kvbridge on the CPU backend")
 
     def index(name: str) -> int:
         nums = re.findall(r"\.(\d+)\.", f".{name}.")
         return int(nums[0]) if nums else 0
 
     names = sorted(kv_caches, key=index)
-    if backends == {"CPU_MLA"}:
+    backend = next(iter(backends))
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    total = int(vllm_config.model_config.get_total_num_kv_heads())
+    if backend not in CPU_BACKENDS:
+        return _logical_layout(kv_caches, names, layers, mla=bool(mla_names & set(names)), backend=backend,
+                               cache_dtype=cache_dtype, total=total, tp_rank=tp_rank, tp_size=tp_size)
+    if cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise LayoutError(f"vLLM kv_cache_dtype {cache_dtype!r} is not supported by kvbridge on the CPU backend")
+    if backend == "CPU_MLA":
         return vllm_cpu_mla_layout([kv_caches[n] for n in names])
     if len(isas) != 1:
         raise LayoutError(f"vLLM CPU attention layers use different ISAs {sorted(map(str, isas))}")
-    total = int(vllm_config.model_config.get_total_num_kv_heads())
     return vllm_cpu_layout([kv_caches[n] for n in names], isa=str(isas.pop()), total_heads=total, tp_rank=tp_rank,
                            tp_size=tp_size)
+
+
+def _logical_layout(kv_caches: dict[str, torch.Tensor], names: list[str], layers: dict[str, Any], *, mla: bool,
+                    backend: str, cache_dtype: str, total: int, tp_rank: int, tp_size: int) -> KVLayout:
+    """The layout of a GPU backend's logical views, with an fp8 cache's scales."""
+    views = [kv_caches[n] for n in names]
+    first = layers[names[0]]
+    dtype = None
+    if cache_dtype.startswith("fp8"):
+        dtype = "fp8_e5m2" if "e5m2" in cache_dtype else "fp8_e4m3"
+        views = [v.view(torch.uint8) if v.element_size() == 1 else v for v in views]
+    elif cache_dtype != "auto":
+        dtype = cache_dtype
+    try:
+        if mla:
+            lay = vllm_paged_layout(views, head_size=int(views[0].shape[-1]), mla=True, dtype=dtype)
+        else:
+            hd = int(first.head_size)
+            lay = vllm_paged_layout(views, head_size=hd, head_size_v=int(getattr(first, "head_size_v", hd)),
+                                    total_heads=total, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+    except LayoutError as e:
+        raise LayoutError(f"vLLM {backend} cache ({cache_dtype}): {e}") from None
+    if lay.dtype not in SCALED_DTYPES:
+        return lay
+    scales = np.ones((lay.num_layers, lay.kv_factor, lay.num_heads))
+    for i, n in enumerate(names):
+        for k, attr in enumerate(("_k_scale", "_v_scale")[:lay.kv_factor]):
+            s = torch.as_tensor(getattr(layers[n], attr, 1.0)).float().reshape(-1).cpu().numpy()
+            if s.size not in (1, lay.num_heads):
+                raise LayoutError(f"vLLM layer {n!r}: {s.size} {attr} values for {lay.num_heads} KV head(s)")
+            scales[i, k] = s
+    return lay.with_scales(scales)
 
 
 @dataclass

@@ -32,6 +32,8 @@ requires_vllm = pytest.mark.skipif(
 def run_script(name: str, *args: str, timeout: float = 300.0) -> dict:
     """Run tests/helpers/vllm_scripts/``name`` in the vLLM venv; its last stdout line is JSON."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    if os.environ.get("KVBRIDGE_VLLM_PYTHONPATH"):  # another copy of kvbridge to import there (the mutation harness's)
+        env["PYTHONPATH"] = os.environ["KVBRIDGE_VLLM_PYTHONPATH"]
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING", MC_LOG_LEVEL="WARNING",
                NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     out = subprocess.run([vllm_python(), str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=timeout,

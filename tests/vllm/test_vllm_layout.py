@@ -173,3 +173,19 @@ def test_vllm_server_asks_for_cpu_mla_for_an_mla_model(tmp_path):
     assert "--attention-backend" not in argv({"model_type": "deepseek_v2", "kv_lora_rank": None})
     named = argv({"kv_lora_rank": 512}, extra_args=("--attention-backend", "CPU_MLA"))
     assert named.count("--attention-backend") == 1
+
+
+@requires_vllm
+def test_every_kv_cache_layout_of_vllm_moves_to_and_from_sglang_and_trtllm():
+    """vLLM's own allocation code lays one buffer out in each of ``KVCacheLayout``'s six
+    stride orders (attention and MLA); known K/V written through the logical view as
+    FLASH_ATTN reads it reach an SGLang and a TensorRT-LLM pool element for element (read by
+    those engines' indexing), and SGLang's KV comes back into other vLLM blocks with every
+    other (block, token) untouched (tests/helpers/vllm_scripts/logical_layouts.py)."""
+    r = run_script("logical_layouts.py")
+    names = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+    assert set(r) == {f"{k} {n}" for k in ("mha", "mla") for n in names}, sorted(r)
+    for case, res in r.items():
+        assert res.pop("block_outermost") == case.split()[1].startswith("B"), case
+        assert all(res.values()) and set(res) == {"to_sglang", "to_trtllm", "from_sglang", "untouched_elsewhere"}, \
+            (case, res)
