@@ -224,12 +224,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a prestaged part is used only for ascending block ids (any other request is served as before)",
         ("tests/core/test_handoff.py::test_first_part_gathered_before_the_request",)),
     Mutation(
-        "inline-gather", "common/send_pipeline.py",
-        "                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None,\n",
-        "                    gather.run(region, rows=(a, b), inline=None,\n",
-        "inline_gather=True keeps every gather on the sender's send worker, off torch's OpenMP pool",
-        ("tests/core/test_handoff.py::test_inline_gather_keeps_every_copy_on_the_send_worker[True]",)),
-    Mutation(
         "link-read-once", "common/settings.py",
         '        link = self.__dict__.get("_link")\n',
         "        link = None\n",
@@ -382,6 +376,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "np.arange(kv, dtype=np.int64)[None, :] * 0",
         "V sits after K's head_size elements in a vLLM logical view's content",
         ("tests/vllm/test_vllm_layout.py::test_every_kv_cache_layout_of_vllm_moves_to_and_from_sglang_and_trtllm",)),
+    Mutation(
+        "vllm-carries-fp8-scales", "adapters/vllm/worker.py",
+        "            scales[i, k] = s\n    return lay.with_scales(scales)\n",
+        "            scales[i, k] = s\n    return lay\n",
+        "a vLLM rank's fp8 layout carries the _k_scale / _v_scale vLLM loaded into each attention layer",
+        ("tests/vllm/test_vllm_layout.py::test_fp8_caches_carry_the_scales_vllm_loaded",)),
 )
 
 

@@ -189,3 +189,15 @@ def test_every_kv_cache_layout_of_vllm_moves_to_and_from_sglang_and_trtllm():
         assert res.pop("block_outermost") == case.split()[1].startswith("B"), case
         assert all(res.values()) and set(res) == {"to_sglang", "to_trtllm", "from_sglang", "untouched_elsewhere"}, \
             (case, res)
+
+
+@requires_vllm
+def test_fp8_caches_carry_the_scales_vllm_loaded():
+    """An fp8 cache of a GPU backend carries the KV scales vLLM's own quantization method
+    loaded into each layer: a decode whose layer 1 was calibrated at 0.5 is refused by a
+    prefill at 1.0, naming the layer and both scales; equal scales are compatible
+    (tests/helpers/vllm_scripts/fp8_scales.py)."""
+    r = run_script("fp8_scales.py")
+    assert r["dtype"] == "float8_e4m3fn" and r["decode_scales"] == [[1.0, 1.0], [0.5, 0.5]], r
+    assert "layer 1 K head 0: source 1 != destination 0.5" in r["refused"], r
+    assert r["same_ok"] is True, r
