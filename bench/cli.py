@@ -80,7 +80,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     res = run_with_bar(
         "kvbridge bench transfer",
         lambda say: bench_transfer(tokens=args.tokens, small_tokens=args.small_tokens, reps=reps, sweep=sweep,
-                                   gather_team=args.gather_team, inline_gather=args.inline_gather, progress=say),
+                                   progress=say),
         args.json, transfer_steps(reps, sweep),
     )
     _stash(args, "transfer", res)
@@ -422,10 +422,6 @@ def add_commands(sub) -> None:
         b.add_argument("--reps", type=int, default=None, help="repetitions (default: 5 layout, 7 transfer, 3 link and sglang)")
         b.add_argument("--tokens", type=int, default=8192, help="transfer: request size in tokens")
         b.add_argument("--small-tokens", type=int, default=128, help="transfer: the small request")
-        b.add_argument("--gather-team", action="store_true",
-                       help="transfer: the sender's gathers shared with its copy team, not torch's OpenMP pool (HandoffConfig.gather_team)")
-        b.add_argument("--inline-gather", action="store_true",
-                       help="transfer: every gather on the sender's send worker, off torch's OpenMP pool (HandoffConfig.inline_gather)")
         b.add_argument("--sweep", default="1024,2048,4096,8192,16384",
                        help="transfer: prompt lengths for the cost-model check (comma-separated)")
         b.add_argument("--plot", metavar="DIR",

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from kvbridge.bench.machine import copy_parts_one_thread, machine_notes, spread
-from kvbridge.common.copyteam import CopyTeam
 from kvbridge.common.rooms import HandoffConfig
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
@@ -130,21 +129,18 @@ def bench_layout(
     b = torch.empty(nbytes, dtype=torch.uint8)
     b.random_(0, 255)
 
-    team = CopyTeam()  # as KVSender's with gather_team: the calling thread and default_helpers() threads share each part
-
-    def chunked(inline: bool | None = None, ps=parts, into=ring, parallel=team) -> None:
+    def chunked(inline: bool | None = None, ps=parts, into=ring) -> None:
         for k, (g, a, b) in enumerate(ps):  # as KVSender's pipeline: parts into the regions of its ring in turn
-            g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline, parallel=parallel)
+            g.run(into[(k % ring_parts) * part_bytes:], rows=(a, b), inline=inline)
 
     def memcpy_one(into=ring) -> None:  # the same bytes part by part into the same ring, one thread
         copy_parts_one_thread(into, b, part_bytes, ring_parts)
 
     cases = {"memcpy": lambda: a.copy_(b), "memcpy_one": memcpy_one,
-             "repack": lambda: chunked(parallel=None),  # KVSender's default
-             "repack_team": chunked,  # HandoffConfig.gather_team
-             "repack_rows": lambda: chunked(ps=rows_only, parallel=None),
-             "repack_torch": lambda: chunked(ps=torch_tiles, parallel=None),
-             "repack_inline": lambda: chunked(inline=True, parallel=None), "repack_whole": lambda: whole.run(whole_stage)}
+             "repack": chunked,  # KVSender's gather
+             "repack_rows": lambda: chunked(ps=rows_only),
+             "repack_torch": lambda: chunked(ps=torch_tiles),
+             "repack_inline": lambda: chunked(inline=True), "repack_whole": lambda: whole.run(whole_stage)}
     warmup = max(1, reps // 5)
     for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
         for fn in cases.values():
@@ -165,11 +161,10 @@ def bench_layout(
 
         def cold_repack():  # as the sender's: one thread
             fresh = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
-            chunked(ps=parts_of([c.gather() for c in rplan.chunks(chunk_bytes)]), into=fresh, parallel=None)
+            chunked(ps=parts_of([c.gather() for c in rplan.chunks(chunk_bytes)]), into=fresh)
         for k, fn in ((("memcpy", cold_copy), ("repack", cold_repack)) if i % 2 == 0 else
                       (("repack", cold_repack), ("memcpy", cold_copy))):
             t_cold[k].append(_timed(fn))
-    team.close()
     copy_s, rep_s, whole_s = (statistics.median(t[k]) for k in ("memcpy", "repack", "repack_whole"))
     inline_s, rows_s = statistics.median(t["repack_inline"]), statistics.median(t["repack_rows"])
     # each gather against a memcpy by as many threads: the sender's (one thread) and the inline
@@ -216,11 +211,10 @@ def bench_layout(
         "repack_bytes": nbytes,
         "repack_mode": (f"{len(chunks)} chunks of {chunk_bytes >> 20} MiB gathered in {len(parts)} parts of "
                         f"{part_bytes >> 20} MiB into a {ring_parts} x {part_bytes >> 20} MiB staging ring (the sender's pipeline), "
-                        + ("each part one call of the C tile copy on the calling thread (KVSender's default); "
-                           if gathers[0].native else "parts over 1 MiB through torch's OpenMP pool (KVSender's default); ") +
-                        "repack_team: each part shared by the calling thread and a copy team's helpers (gather_team); "
+                        + ("each part one call of the C tile copy on the calling thread (as KVSender's gather); "
+                           if gathers[0].native else "parts over 1 MiB through torch's OpenMP pool (as KVSender's gather); ") +
                         "repack_rows: the row-index fallback; repack_torch: the box path with torch's copies "
-                        "(no C tile copy); repack_inline: the calling thread only (inline_gather); "
+                        "(no C tile copy); repack_inline: every copy on the calling thread; "
                         "repack_whole: the whole request in one gather"),
         "repack_path": "box tiles" if gathers[0].box_path else "row index",
         # who copies the tiles: the C tile copy (one thread, pool address order, streamed stores) or torch
@@ -241,10 +235,7 @@ def bench_layout(
         "repack_all_threads_ratio_spread": ratios["repack_all_threads"],
         "repack_rows_gbps": round(nbytes / rows_s / 1e9, 3),  # the row-index fallback on the same bytes
         "repack_rows_ratio_spread": ratios["repack_rows"],
-        "repack_team_gbps": round(nbytes / statistics.median(t["repack_team"]) / 1e9, 3),  # parts shared with a copy team
-        "repack_team_ratio_spread": ratios["repack_team"],
-        "copy_team_helpers": team.helpers,
-        "repack_inline_gbps": round(nbytes / inline_s / 1e9, 3),  # on the calling thread only (HandoffConfig.inline_gather)
+        "repack_inline_gbps": round(nbytes / inline_s / 1e9, 3),  # every copy on the calling thread
         "repack_inline_ratio_spread": ratios["repack_inline"],
         "repack_whole_gbps": round(nbytes / whole_s / 1e9, 3),
         "repack_whole_ratio": ratios["repack_whole"]["median"],

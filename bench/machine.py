@@ -16,7 +16,12 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["machine_notes", "machine_line", "spread", "copy_floor", "copy_parts_one_thread"]
+try:  # the C tile copy, built with the package (optional: pyproject's ext-modules)
+    from kvbridge.layout import _tilecopy
+except ImportError:  # no compiler at install time: numpy's memcpy stands in (copy_parts_one_thread)
+    _tilecopy = None
+
+__all__ = ["machine_notes", "machine_line", "spread", "copy_floor", "copy_parts_one_thread", "streamed_copy"]
 
 
 def _read(path: str) -> str | None:
@@ -185,13 +190,25 @@ def copy_parts_one_thread(ring: torch.Tensor, src: torch.Tensor, part: int, ring
     """``src`` (uint8 ``[nbytes]``) copied part by part into the regions of ``ring`` (uint8
     ``[ring_parts * part]``) in turn, on the calling thread: the C copy's streamed stores (a
     gather's), numpy's memcpy where the C copy is not built or cannot stream a part."""
-    from kvbridge.layout.tiles import streamed_copy
-
     for k, o in enumerate(range(0, src.numel(), part)):
         s = src[o:o + part]
         d = ring[(k % ring_parts) * part:][:s.numel()]
         if not streamed_copy(d, s):
             d.numpy()[:] = s.numpy()
+
+
+def streamed_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy ``src`` into ``dst`` (contiguous uint8 CPU tensors, ``[nbytes]``) on the calling
+    thread with the C tile copy's streamed stores, in address order: the memcpy a one-thread
+    gather's order is measured against (same thread, same stores). False, nothing copied,
+    where the C copy is not built or the buffers are not 16-byte aligned multiples of 16."""
+    n = src.numel()
+    if (_tilecopy is None or dst.numel() < n or n % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16
+            or src.device.type != "cpu" or dst.device.type != "cpu"):
+        return False
+    tile = np.array([src.data_ptr()], dtype=np.int64)  # one tile: the whole source, contiguous
+    _tilecopy.tile_copy(tile.ctypes.data, 1, dst.data_ptr(), 1, 1, n, n, n, False, True)
+    return True
 
 
 def _llc_bytes(llc: str | None) -> int | None:

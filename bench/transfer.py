@@ -293,8 +293,6 @@ def bench_transfer(
     chunk_bytes: int = 64 << 20,
     sweep: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384),
     link_only: bool = False,
-    gather_team: bool = False,
-    inline_gather: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the transfer benchmark in two spawned processes; returns a JSON-ready dict.
@@ -308,8 +306,7 @@ def bench_transfer(
     cap = max([tokens, small_tokens] + ([] if link_only else list(sweep)))
     # sealed control frames, as deployed (a routable bind needs a secret); the same small
     # request without one is measured beside it (``auth_cost``)
-    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, gather_team=gather_team,
-               inline_gather=inline_gather, secret=secrets.token_hex(32))
+    cfg = dict(chunk_bytes=chunk_bytes, deadline_s=120.0, write_timeout_s=120.0, secret=secrets.token_hex(32))
     pc, pchild = ctx.Pipe()
     dc, dchild = ctx.Pipe()
     say("starting peers")
@@ -526,8 +523,6 @@ def bench_transfer(
             "model_error_max": max(p["error"] for p in per_len),
             "model_check": per_len,
             "reps": reps,
-            "gather_team": gather_team,
-            "inline_gather": inline_gather,
             "small_reps": len(big["small"]),
             # medians with p10-p90 over the interleaved repetitions (ratios: per-repetition pairs;
             # small_overhead_ms: each small handoff minus the raw write just before it)

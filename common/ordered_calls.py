@@ -43,11 +43,6 @@ class OrderedCalls:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    @property
-    def threaded(self) -> bool:
-        """Whether calls now go through the thread (one brought an event)."""
-        return self._q is not None
-
     def call(self, fn: Callable[[], None], event: Any = None) -> None:
         """Run ``fn`` now (no event, nothing queued) or queue it after ``event``."""
         with self._lock:

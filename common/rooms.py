@@ -65,8 +65,6 @@ class HandoffConfig:
     part_bytes: int = 16 << 20  # one gather + one write of a staged send (the ring's region size)
     ring_parts: int = 4  # regions of a sender worker's staging ring: parts gathered ahead of the wire
     first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
-    inline_gather: bool = False  # CPU pools: True keeps every gather on its send worker; False: see gather_team
-    gather_team: bool = False  # CPU pools, inline_gather off: share each part with the sender's copy team instead of torch's OpenMP pool (parts over 1 MiB); see docs/benchmarks.md 2026-12-02 for why it is off
     prestage_slots: int = 4  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
     prestage_bytes: int = 16 << 20  # that first part (one slot of the sender's prestage buffer)
     write_timeout_s: float = 30.0  # bound on one chunk's write

@@ -379,8 +379,7 @@ class SendPipeline:
                         rec.transfer_s += time.perf_counter() - t0
                     region = ring[(k % regions) * cfg.part_bytes:]
                     t0 = time.perf_counter()
-                    gather.run(region, rows=(a, b), inline=True if cfg.inline_gather else None,
-                               parallel=None if cfg.inline_gather else self._team)
+                    gather.run(region, rows=(a, b))
                     rec.repack_s += time.perf_counter() - t0
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     rec.wrote_at = rec.wrote_at or time.monotonic()

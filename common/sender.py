@@ -36,7 +36,6 @@ from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
 from .send_pipeline import SendPipeline, _Prestaged
-from .copyteam import CopyTeam
 from .limits import BoundedMap
 from .staging import staging_buffer
 from .transport import MooncakeTransport
@@ -142,11 +141,6 @@ class KVSender(ControlSide, SendPipeline):
         cfg = self.config
         for t in layout.tensors or ():
             transport.register_tensor(t)
-        # CPU gathers shared with helper threads that never hold a part up (torch's OpenMP
-        # pool does, on a busy host: each part would wait for its threads to be scheduled)
-        dev = layout.device
-        self._team = (CopyTeam(name="kvbridge-gather") if self.config.gather_team and (dev is None or dev.type == "cpu")
-                      else None)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
         # content digests (integrity), taken beside the writes of the piece they describe
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-digest")
@@ -307,8 +301,6 @@ class KVSender(ControlSide, SendPipeline):
                 self._fail(room, "sender shutting down", code="shutdown", notify=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._digester.shutdown(wait=True, cancel_futures=True)
-        if self._team is not None:
-            self._team.close()
         super().close()
 
     # -- control plane (I/O thread) -----------------------------------------------------

@@ -231,11 +231,6 @@ class MooncakeTransport:
         if ret != 0:
             log.warning("Mooncake unregister_memory(0x%x) returned %d", addr, ret)
 
-    def registered_ranges(self) -> dict[int, int]:
-        """Registered memory, ``{addr: nbytes}`` in address order."""
-        with self._lock:
-            return dict(sorted(self._registry.items()))
-
     # -- writes ------------------------------------------------------------------------
 
     def write_async(self, session: str, src_addrs, dst_addrs, lengths, deadline_s: float = 30.0,

@@ -41,7 +41,6 @@ on two (docs/benchmarks.md). Without it (no compiler at install time, or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -269,38 +268,29 @@ class _PoolRows:
         first = int(self._box_end[i - 1]) if i else 0
         return self._rows_index(self._boxes.take(slice(i, j)), a - first, b - first)
 
-    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None,
-                     parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
+    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None) -> int:
         a, b = rows if rows is not None else (0, self.rows)
         if not 0 <= a <= b <= self.rows:
             raise LayoutError(f"row range [{a}, {b}) outside the {self.rows} rows of this repack")
         nbytes = (b - a) * self.row_bytes
         t = self._tiles
-        if (self._native and parallel is None and a % t.rows == 0 and b % t.rows == 0 and staging.dim() == 1
+        if (self._native and a % t.rows == 0 and b % t.rows == 0 and staging.dim() == 1
                 and staging.is_contiguous() and staging.dtype == torch.uint8 and staging.data_ptr() % self._space.unit == 0):
             # a pipeline's part of whole boxes: one C call, no staging views (their cost per part
             # was a fifth of a 4 MiB part's copy)
             t.native_copy(a // t.rows, b // t.rows, staging, scatter=False)
             return nbytes
         out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
-        if parallel is not None and self._device.type == "cpu" and not self._strided:
-            inline = True  # pieces below ATen's grain: each runs on whichever thread takes it
-        else:
-            parallel = None
         if self._tiles is not None:
-            # a team shares the C copy too: its boxes cut into one piece per thread
-            pieces = self._tiles_pieces(out, a, b, inline, 1 + getattr(parallel, "helpers", 0) if parallel else 1)
+            pieces = self._tiles_pieces(out, a, b, inline)
         elif self._strided:
             index = self._index_of(a, b)
             pieces = [lambda kv=kv, pos=pos: out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
                       for kv, pos in self._by_kv(a, b)]
         else:
             pieces = self._rows_pieces(out, a, b, inline)
-        if parallel is not None and len(pieces) > 1:
-            parallel(pieces)
-        else:
-            for piece in pieces:
-                piece()
+        for piece in pieces:
+            piece()
         self._complete()
         return nbytes
 
@@ -325,21 +315,18 @@ class _PoolRows:
         self._complete()
         return self.nbytes
 
-    def _tiles_pieces(self, out: torch.Tensor, a: int, b: int, inline: bool | None, threads: int = 1) -> list:
+    def _tiles_pieces(self, out: torch.Tensor, a: int, b: int, inline: bool | None) -> list:
         """The copies that put staging rows ``[a, b)`` into ``out`` (row 0 = row ``a``):
         whole boxes as tiles, the rows of a box the range cuts through the row index of
         those rows only. Each a thunk; they write disjoint rows (any order, any thread).
-        The C copy's boxes go in ``threads`` calls (a copy team's share each)."""
+        The C copy's whole boxes go in one call."""
         t = self._tiles
         i0, i1 = -(-a // t.rows), b // t.rows  # whole boxes [i0, i1)
         if i0 >= i1:  # inside one box (or across one boundary, no whole box)
             return self._rows_pieces(out, a, b, inline)
         pieces = self._rows_pieces(out[: i0 * t.rows - a], a, i0 * t.rows, inline)
-        if self._native:  # C calls, on whichever thread runs each (the GIL released)
-            k = max(1, min(threads, i1 - i0))
-            cuts = [i0 + (i1 - i0) * m // k for m in range(k + 1)]
-            pieces += [lambda i=i, j=j: t.native_copy(i, j, out[i * t.rows - a:], scatter=False)
-                       for i, j in zip(cuts[:-1], cuts[1:])]
+        if self._native:  # one C call (the GIL released)
+            pieces.append(lambda: t.native_copy(i0, i1, out[i0 * t.rows - a:], scatter=False))
             return pieces + self._rows_pieces(out[i1 * t.rows - a:], i1 * t.rows, b, inline)
         for i, j in self._box_copies(i0, i1, inline):
             pieces.append(lambda i=i, j=j: torch.index_select(
@@ -415,18 +402,14 @@ class Gather(_PoolRows):
                  native: bool | None = None):
         super().__init__(spec, "src", "dst", src_addr, tiles, native)
 
-    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None,
-            parallel: Callable[[list[Callable[[], object]]], None] | None = None) -> int:
+    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns
         bytes once they are all in place (on a GPU too), so ``staging`` may be sent at once.
         With ``rows=(a, b)``, only staging rows ``[a, b)``, written at the START of ``staging``
         (``(b - a) * row_bytes`` bytes): one part of a pipelined gather. ``inline=True`` keeps
         a CPU gather on the calling thread (torch's intra-op threads stay out of it), False
-        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline.
-        ``parallel`` (CPU): a callable that runs a list of thunks, in any threads, and returns
-        once all are done (e.g. ``kvbridge.common.copyteam.CopyTeam``); the gather is then cut
-        into copies small enough to stay off torch's OpenMP pool, handed to it."""
-        return self._gather_into(staging, rows, inline, parallel)
+        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline."""
+        return self._gather_into(staging, rows, inline)
 
 
 class Scatter(_PoolRows):

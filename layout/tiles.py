@@ -23,7 +23,7 @@ try:  # the C tile copy, built with the package (optional: pyproject's ext-modul
 except ImportError:  # no compiler at install time: torch's copies do the same work
     _tilecopy = None
 
-__all__ = ["BoxTiles", "native_tile_copy", "streamed_copy", "STREAM_MIN_BYTES"]
+__all__ = ["BoxTiles", "native_tile_copy", "STREAM_MIN_BYTES"]
 
 STREAM_MIN_BYTES = 256 << 10  # C tile copies this large store past the cache (smaller ones are read back soon)
 
@@ -31,20 +31,6 @@ STREAM_MIN_BYTES = 256 << 10  # C tile copies this large store past the cache (s
 def native_tile_copy() -> bool:
     """Whether the C tile copy was built (CPU box-path copies use it unless told not to)."""
     return _tilecopy is not None
-
-
-def streamed_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Copy ``src`` into ``dst`` (contiguous uint8 CPU tensors, ``[nbytes]``) on the calling
-    thread with the C tile copy's streamed stores, in address order: the memcpy a one-thread
-    gather's order is measured against (same thread, same stores). False, nothing copied,
-    where the C copy is not built or the buffers are not 16-byte aligned multiples of 16."""
-    n = src.numel()
-    if (_tilecopy is None or dst.numel() < n or n % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16
-            or src.device.type != "cpu" or dst.device.type != "cpu"):
-        return False
-    tile = np.array([src.data_ptr()], dtype=np.int64)  # one tile: the whole source, contiguous
-    _tilecopy.tile_copy(tile.ctypes.data, 1, dst.data_ptr(), 1, 1, n, n, n, False, True)
-    return True
 
 
 @dataclass
@@ -71,7 +57,7 @@ class BoxTiles:
             if idx.size and (idx.min() < 0 or idx.max() >= self.view.shape[0]):
                 raise LayoutError(f"box tiles reach outside the pool's memory (units {idx.min()}..{idx.max()}, "
                                   f"{self.view.shape[0]} tile starts)")
-            # setdefault: threads of a copy team that get here at once all keep the first array
+            # setdefault: threads that get here at once all keep the first array
             # (one assigned over another would free it under the thread that took its address)
             p = self.__dict__.setdefault("_pointers", self.view.data_ptr() + idx * self.unit)
         return p

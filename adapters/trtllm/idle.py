@@ -73,11 +73,6 @@ class IdleWake:
             while len(self._ready) > _KEEP:
                 self._ready.popitem(last=False)
 
-    def ready_ids(self) -> list[int]:
-        """Requests whose blocks every rank let go of, not yet taken by an iteration."""
-        with self._lock:
-            return list(self._ready)
-
     def polled(self) -> None:
         """Executor thread (rank 0's ``get_finished``): an iteration ran."""
         need = 1 if self.world_size == 1 else 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 from kvbridge.common.ordered_calls import OrderedCalls
+from tests.helpers.peek import ordered_calls_threaded
 
 
 class Gate:
@@ -24,7 +25,7 @@ def test_without_events_calls_run_at_once_on_the_callers_thread():
     oc = OrderedCalls("t")
     ran = []
     oc.call(lambda: ran.append(threading.get_ident()))
-    assert ran == [threading.get_ident()] and not oc.threaded
+    assert ran == [threading.get_ident()] and not ordered_calls_threaded(oc)
     oc.close()
 
 
@@ -34,7 +35,7 @@ def test_a_call_waits_for_its_event_and_later_calls_keep_their_order():
     oc.call(lambda: ran.append("layer 0"), gate)  # returns before the event completed
     oc.call(lambda: ran.append("finish"))  # no event, but it must not overtake layer 0
     oc.call(lambda: (ran.append("after"), finished.set()))
-    assert oc.threaded and ran == []
+    assert ordered_calls_threaded(oc) and ran == []
     gate.done.set()
     assert finished.wait(10)
     assert ran == ["layer 0", "finish", "after"]

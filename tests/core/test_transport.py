@@ -23,6 +23,7 @@ from kvbridge.common.transport import (
     TransportTimeout,
     split_pieces,
 )
+from tests.helpers.peek import registered_ranges
 
 CHILD_ENV = {
     "MC_FORCE_TCP": "1",
@@ -400,14 +401,14 @@ def test_session_id_and_registration(local):
     a = np.zeros(1 << 16, dtype=np.uint8)
     local.register(a.ctypes.data, a.nbytes)
     local.register(a.ctypes.data, a.nbytes)  # idempotent
-    assert local.registered_ranges()[a.ctypes.data] == a.nbytes
+    assert registered_ranges(local)[a.ctypes.data] == a.nbytes
     with pytest.raises(TransportError, match="registered with"):
         local.register(a.ctypes.data, 100)
     with pytest.raises(TransportError, match="overlaps"):
         local.register(a.ctypes.data + 8, 100)
     local.unregister(a.ctypes.data)
     local.unregister(a.ctypes.data)  # unknown: ignored
-    assert a.ctypes.data not in local.registered_ranges()
+    assert a.ctypes.data not in registered_ranges(local)
 
 
 def test_register_tensor(local):

@@ -83,24 +83,6 @@ def until(cond, deadline: float, what: str) -> None:
         time.sleep(0.002)
 
 
-def thread_times() -> dict:
-    """{thread id: (name, Python thread name or None, ns on a CPU)} of every thread of this process."""
-    import threading
-
-    py = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-        except OSError:
-            continue
-        out[int(tid)] = (comm, py.get(int(tid)), ns)
-    return out
-
-
 def serve(conn, handle, *parts) -> None:
     """Answer the parent's commands with ``handle`` until it says stop, then close
     ``parts`` (a kvbridge side, its transport...) in order, whatever happened."""
@@ -199,8 +181,6 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             return ("read", engine_read(spec, tensors, *args))
         if op == "pid":
             return ("pid", os.getpid())
-        if op == "threads":
-            return ("threads", thread_times())
         if op == "pool":  # where the engine's tensors lie: [(address, bytes)]
             return ("pool", [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
         if op == "asked":  # decode ranks whose request for the room the sender accepted

@@ -121,38 +121,10 @@ def test_scatter_writes_exactly_the_request(name, tiled, native):
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
 
 
-@pytest.mark.parametrize("name", ["sglang64_to_trtllm32", "partial_blocks"])
-def test_gather_shared_with_a_copy_team_is_exact(name, monkeypatch):
-    """A gather cut into pieces run by a copy team (the calling thread and 2 helpers, as the
-    sender's pipeline does), in parts that cut boxes: the reference's rows, on both paths."""
-    import sys
-
-    from kvbridge.common.copyteam import CopyTeam
-
-    monkeypatch.setattr(sys.modules["kvbridge.layout.repack"], "CPU_COPY_ELEMENTS", 64)  # many small pieces
-    src, sb, dst, db, start, stop, tiled = _pools(name)
-    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
-    team = CopyTeam(2)
-    try:
-        for tiles in (True, False):
-            g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)), tiles=tiles)
-            assert g.box_path is (tiled and tiles)
-            for step in (45, 1000):  # parts inside boxes; parts of whole boxes the team's threads share
-                out = torch.full((g.nbytes,), 0xEE, dtype=torch.uint8)
-                rb = g.row_bytes
-                for a in range(0, g.rows, step):
-                    b = min(g.rows, a + step)
-                    g.run(out[a * rb:], rows=(a, b), parallel=team)
-                assert np.array_equal(out.numpy().reshape(want.shape), want), (tiles, step)
-    finally:
-        team.close()
-
-
 def test_tile_pointers_built_by_two_threads_at_once_are_one_array():
-    """A copy team's threads may reach a fresh gather's first C copy together: both must use
-    the same pointer array (one built over the other was freed under the thread holding its
-    address: ``kvbridge bench layout`` crashed in its cold repack, 2 runs in 3, with 16 MiB
-    parts). Both threads are held inside the lazy build at once here."""
+    """Two threads may reach a fresh gather's first C copy together: both must use the same
+    pointer array (one built over the other would be freed under the thread holding its
+    address). Both threads are held inside the lazy build at once here."""
     import threading
 
     src, sb, dst, db, start, stop, _ = _pools("sglang64_to_trtllm32")
@@ -174,21 +146,6 @@ def test_tile_pointers_built_by_two_threads_at_once_are_one_array():
     assert len(got) == 2 and got[0] is got[1] and got[0] is tiles.pointers
     want = tiles.view.data_ptr() + index.numpy() * tiles.unit
     assert np.array_equal(got[0], want)
-
-
-def test_copy_team_raises_a_piece_error_in_the_caller_and_runs_every_piece():
-    from kvbridge.common.copyteam import CopyTeam
-
-    team = CopyTeam(1)
-    try:
-        seen = []
-        team([lambda i=i: seen.append(i) for i in range(100)])
-        assert sorted(seen) == list(range(100))
-        with pytest.raises(ZeroDivisionError):
-            team([lambda: None, lambda: 1 / 0, lambda: None])
-    finally:
-        team.close()
-    assert not team._threads
 
 
 @pytest.mark.parametrize("offset", [0, 8], ids=["aligned", "staging-8-bytes-off"])
@@ -224,23 +181,3 @@ def test_c_tile_copy_refuses_tiles_outside_the_pool():
     with pytest.raises(LayoutError, match="outside the pool's memory"):
         g.run(out)
     assert not out.any()
-
-
-def test_streamed_copy_is_a_memcpy_and_refuses_what_it_cannot_stream():
-    """``streamed_copy`` (the one-thread memcpy ``bench layout`` holds the gather to): the
-    destination gets exactly the source's bytes and nothing past them; unaligned or odd
-    sizes are refused untouched (False), so the bench falls back to numpy's memcpy."""
-    from kvbridge.layout.tiles import streamed_copy
-
-    src = torch.randint(0, 256, ((3 << 20) + 64,), dtype=torch.uint8)
-    buf = torch.full(((3 << 20) + 256,), 0x5A, dtype=torch.uint8)
-    base = (-buf.data_ptr()) % 64
-    n = 3 << 20
-    assert streamed_copy(buf[base: base + n], src[:n])
-    assert torch.equal(buf[base: base + n], src[:n])
-    assert (buf[:base] == 0x5A).all() and (buf[base + n:] == 0x5A).all()
-    buf.fill_(0x5A)
-    assert not streamed_copy(buf[base + 8: base + 8 + n], src[:n])  # destination 8 bytes off 16
-    assert not streamed_copy(buf[base: base + n], src[:n - 8])  # not a multiple of 16 bytes
-    assert not streamed_copy(buf[base: base + 1024], src[:n])  # destination too small
-    assert (buf == 0x5A).all()

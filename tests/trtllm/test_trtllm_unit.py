@@ -17,6 +17,7 @@ from kvbridge.adapters.trtllm import (AnnounceError, BridgeConfig, ConfigError, 
                                       announce, pool_layout, prompt_key, pull_plan, rank_geometry)
 from kvbridge.adapters.trtllm import bus as B
 from kvbridge.layout import LayoutError, tp_head_slice
+from tests.helpers.peek import ready_ids
 
 SECRET = os.environ["KVBRIDGE_SECRET"]  # the session's (tests/conftest.py): announce() seals with it
 
@@ -327,10 +328,10 @@ def test_released_is_taken_only_from_that_ranks_worker():
         stranger.send(B.pack(B.Released(req=5, rank=0), ring))
         worker.send(B.pack(B.Released(req=6, rank=0), ring))
         # both messages handled: the worker's counted, the stranger's refused (its warning logged)
-        while not (sched.idle_wake.ready_ids() and "released" in sched._bad_bus._last) and time.monotonic() < deadline:
+        while not (ready_ids(sched.idle_wake) and "released" in sched._bad_bus._last) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert "released" in sched._bad_bus._last, "the stranger's Released was never refused"
-        assert sched.idle_wake.ready_ids() == [6]
+        assert ready_ids(sched.idle_wake) == [6]
     finally:
         for s in socks:
             s.close(0)
@@ -350,11 +351,11 @@ def test_idle_wake_wakes_only_an_executor_that_runs_no_iteration():
     w.attach(woken.append)
     w.released(7, 0)
     w.tick(1e9)
-    assert w.ready_ids() == [] and woken == []  # rank 1 has not let go yet
+    assert ready_ids(w) == [] and woken == []  # rank 1 has not let go yet
     w.released(7, 1)
     w.polled()
     w.tick()
-    assert woken == [] and w.ready_ids() == [7]  # polled just now: nothing to wake
+    assert woken == [] and ready_ids(w) == [7]  # polled just now: nothing to wake
     import time as _t
     now = _t.monotonic()
     w.tick(now + 0.05)
@@ -363,11 +364,11 @@ def test_idle_wake_wakes_only_an_executor_that_runs_no_iteration():
     w.tick(now + 0.25)  # not again within after_s of the last wake
     assert woken == [7] and w.wakes == 1
     w.polled()
-    assert w.ready_ids() == []  # the second iteration since it was ready takes it
+    assert ready_ids(w) == []  # the second iteration since it was ready takes it
     one = IdleWake(world_size=1, after_s=0.1)
     one.released(3, 0)
     one.polled()
-    assert one.ready_ids() == []
+    assert ready_ids(one) == []
     ex = SimpleNamespace(executor_request_queue=SimpleNamespace(canceled_req_ids=[3, 4, 9]),
                          active_requests=[SimpleNamespace(py_request_id=4)])
     forget_wake_ids(ex, {3, 4}.__contains__)
