@@ -88,6 +88,24 @@ def execute_segments(seg: Segments, dst_within=None) -> None:
         ctypes.memmove(d, s, n)
 
 
+def run_plan(plan, dst_within=None) -> None:
+    """Execute a ``TransferPlan`` in this process (staging where its kind needs it); with
+    ``dst_within`` (the destination's regions), a write outside them and the staging
+    buffer fails the test before any byte moves (``execute_segments``)."""
+    from kvbridge.layout import PlanKind
+
+    stage = torch.empty(plan.nbytes + 64, dtype=torch.uint8)
+    inside = None if dst_within is None else [*dst_within, (stage.data_ptr(), stage.numel())]
+    if plan.kind is PlanKind.DIRECT:
+        execute_segments(plan.wire, inside)
+    elif plan.kind is PlanKind.STAGED_SEND:
+        plan.gather().run(stage)
+        execute_segments(plan.wire.shifted(src_by=stage.data_ptr()), inside)
+    else:
+        execute_segments(plan.wire.shifted(dst_by=stage.data_ptr()), inside)
+        plan.scatter().run(stage)
+
+
 class PipePeer:
     """A peer process driven over a Pipe: ``target(conn, spec, cfg)`` answers each command
     with a tuple, ``("error", text)`` on failure; its first message says it is ready."""

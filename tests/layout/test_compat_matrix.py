@@ -33,7 +33,7 @@ import torch
 
 from kvbridge.layout import (HeadMap, PlanKind, allocate_pool, grid_for, kv_digest, plan_transfer, sglang_mha_layout,
                              sglang_mla_layout, tp_head_slice)
-from tests.helpers.kvhelpers import execute_segments, fill_random, read_units, snapshot, unit_addresses, written_mask
+from tests.helpers.kvhelpers import fill_random, read_units, run_plan, snapshot, unit_addresses, written_mask
 
 MATRIX: dict[tuple, str] = {}
 
@@ -99,19 +99,6 @@ def plan_layers(s, sblocks, d, dblocks, tokens, mode):
         return [plan_transfer(s, sblocks, d, dblocks, tokens, kinds=tuple(PlanKind))]
     return [plan_transfer(s.layer_range(i, i + 1), sblocks, d.layer_range(i, i + 1), dblocks, tokens,
                           kinds=tuple(PlanKind)) for i in range(s.num_layers)]
-
-
-def run_plan(plan):
-    if plan.kind is PlanKind.DIRECT:
-        execute_segments(plan.wire)
-        return
-    stage = torch.empty(plan.nbytes + 64, dtype=torch.uint8)
-    if plan.kind is PlanKind.STAGED_SEND:
-        plan.gather().run(stage)
-        execute_segments(plan.wire.shifted(src_by=stage.data_ptr()))
-    else:
-        execute_segments(plan.wire.shifted(dst_by=stage.data_ptr()))
-        plan.scatter().run(stage)
 
 
 @pytest.mark.parametrize("mode", ["whole", "layerwise"])

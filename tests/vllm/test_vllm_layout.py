@@ -15,7 +15,7 @@ import torch
 
 from kvbridge.layout import (KVLayout, LayoutError, PlanKind, allocate_pool, plan_transfer, refused_kinds,
                              vllm_cpu_layout, vllm_cpu_layout_from_geometry)
-from tests.helpers.kvhelpers import execute_segments, read_units, snapshot, unit_addresses, written_mask
+from tests.helpers.kvhelpers import read_units, run_plan, snapshot, unit_addresses, written_mask
 from tests.helpers.vllm_env import requires_vllm, run_script
 
 L, H, HD, T = 2, 4, 32, 150
@@ -24,19 +24,6 @@ L, H, HD, T = 2, 4, 32, 150
 def pool(engine, page, blocks=None, seed=1, dtype="bf16"):
     return allocate_pool(engine, layers=L, total_heads=H, head_dim=HD, dtype=dtype, tokens_per_block=page,
                          num_blocks=blocks or -(-T // page) + 3, seed=seed)
-
-
-def run(plan):
-    if plan.kind is PlanKind.DIRECT:
-        execute_segments(plan.wire)
-        return
-    st = torch.empty(plan.nbytes + 64, dtype=torch.uint8)
-    if plan.kind is PlanKind.STAGED_SEND:
-        plan.gather().run(st)
-        execute_segments(plan.wire.shifted(src_by=st.data_ptr()))
-    else:
-        execute_segments(plan.wire.shifted(dst_by=st.data_ptr()))
-        plan.scatter().run(st)
 
 
 @requires_vllm
@@ -73,7 +60,7 @@ def test_every_byte_both_ways(other, page, vllm_sends):
     assert plan.kind is want, plan.explain()
     if other != "vllm":  # staged: a few large segments, never one per element
         assert plan.num_segments <= 4 * L * 2 * -(-T // min(page, 32)), plan.num_segments
-    run(plan)
+    run_plan(plan)
     so, do = unit_addresses(src, sb, 0, 20, T, range(H)), unit_addresses(dst, db, 0, 20, T, range(H))
     assert np.array_equal(read_units(src, so), read_units(dst, do))
     mask = written_mask(dst, do)

@@ -10,8 +10,9 @@ FLASH_ATTN; the latent row for MLA), kvbridge describes the views
 every element is compared through each engine's own indexing. Prints one JSON line:
 {"<mha|mla> <layout>": {"to_sglang", "to_trtllm", "from_sglang", "block_outermost", "kinds"}}."""
 
-import ctypes
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,7 +20,10 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, MLAAtt
                                         create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvbridge.layout import PlanKind, allocate_pool, plan_transfer, vllm_paged_layout
+from kvbridge.layout import allocate_pool, plan_transfer, vllm_paged_layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: its test helpers
+from tests.helpers.kvhelpers import run_plan  # noqa: E402
 
 L, NB, BS, H, HD, LATENT, T = 3, 10, 16, 4, 32, 96, 37
 DT = torch.bfloat16
@@ -44,26 +48,6 @@ def logical_rows(caches, mla):
     if mla:
         return [(c.transpose(1, 2),) for c in caches]
     return [tuple(c.transpose(1, 2).split(HD, dim=-1)) for c in caches]
-
-
-def run(plan, dst):
-    """Execute a plan on this host's memory (staging where the plan asks for it); every
-    write must land inside the destination's regions or the staging buffer."""
-    st = torch.empty(plan.nbytes + 64, dtype=torch.uint8)
-    inside = [(r.addr, r.nbytes) for r in dst.regions] + [(st.data_ptr(), st.numel())]
-
-    def copy(segs):
-        for s, d, n in zip(segs.src.tolist(), segs.dst.tolist(), segs.length.tolist()):
-            assert any(a <= d and d + n <= a + m for a, m in inside), f"a write to {d:#x} +{n} is outside"
-            ctypes.memmove(d, s, n)
-    if plan.kind is PlanKind.DIRECT:
-        copy(plan.wire)
-    elif plan.kind is PlanKind.STAGED_SEND:
-        plan.gather().run(st)
-        copy(plan.wire.shifted(src_by=st.data_ptr()))
-    else:
-        copy(plan.wire.shifted(dst_by=st.data_ptr()))
-        plan.scatter().run(st)
 
 
 def engine_rows(engine, pool, blocks, tpb, mla):
@@ -104,7 +88,7 @@ for kind in ("mha", "mla"):
             other = allocate_pool(engine, layers=L, total_heads=1 if mla else H, head_dim=LATENT if mla else HD,
                                   dtype="bf16", tokens_per_block=tpb, num_blocks=NB_OTHER, mla=mla, seed=3)
             oblocks = list(range(NB_OTHER - 1, NB_OTHER - 1 - (-(-T // tpb)), -1))
-            run(plan_transfer(lay, vblocks, other, oblocks, (0, T)), other)
+            run_plan(plan_transfer(lay, vblocks, other, oblocks, (0, T)), [(r.addr, r.nbytes) for r in other.regions])
             got = engine_rows(engine, other, oblocks, tpb, mla)
             res[f"to_{engine}"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
         # back: SGLang's pool (holding the request) into other vLLM blocks of the same cache
@@ -113,7 +97,7 @@ for kind in ("mha", "mla"):
                            dtype="bf16", tokens_per_block=8, num_blocks=NB_OTHER, mla=mla, seed=4)
         sblocks = list(range(1, 1 + -(-T // 8)))
         before = raw.clone()
-        run(plan_transfer(sg, sblocks, lay, back, (0, T)), lay)
+        run_plan(plan_transfer(sg, sblocks, lay, back, (0, T)), [(r.addr, r.nbytes) for r in lay.regions])
         # every other (block, token) of every layer as it was: compare the logical views
         # with the written (block, token) cells masked out
         written = torch.zeros(NB, BS, dtype=torch.bool)
