@@ -99,7 +99,8 @@ def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp
     total = int(vllm_config.model_config.get_total_num_kv_heads())
     if backend not in CPU_BACKENDS:
         return _logical_layout(kv_caches, names, layers, mla=bool(mla_names & set(names)), backend=backend,
-                               cache_dtype=cache_dtype, total=total, tp_rank=tp_rank, tp_size=tp_size)
+                               cache_dtype=cache_dtype, total=total, tp_rank=tp_rank, tp_size=tp_size,
+                               block_size=int(vllm_config.cache_config.block_size))
     if cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise LayoutError(f"vLLM kv_cache_dtype {cache_dtype!r} is not supported by kvbridge on the CPU backend")
     if backend == "CPU_MLA":
@@ -111,9 +112,16 @@ def layout_from_vllm(kv_caches: dict[str, torch.Tensor], vllm_config: Any, *, tp
 
 
 def _logical_layout(kv_caches: dict[str, torch.Tensor], names: list[str], layers: dict[str, Any], *, mla: bool,
-                    backend: str, cache_dtype: str, total: int, tp_rank: int, tp_size: int) -> KVLayout:
-    """The layout of a GPU backend's logical views, with an fp8 cache's scales."""
+                    backend: str, cache_dtype: str, total: int, tp_rank: int, tp_size: int,
+                    block_size: int | None = None) -> KVLayout:
+    """The layout of a GPU backend's logical views, with an fp8 cache's scales. Views
+    cut into kernel blocks smaller than vLLM's blocks (the block ids the scheduler hands
+    out) are refused."""
     views = [kv_caches[n] for n in names]
+    if block_size and views[0].dim() == 4 and int(views[0].shape[2]) != block_size:
+        raise LayoutError(f"vLLM {backend} cache views hold {int(views[0].shape[2])} tokens per block, vLLM's blocks "
+                          f"{block_size}: kernel blocks inside vLLM's blocks are not supported (set --block-size "
+                          f"{int(views[0].shape[2])})")
     first = layers[names[0]]
     dtype = None
     if cache_dtype.startswith("fp8"):
