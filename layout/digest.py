@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .geometry import KVLayout, LayoutError
+from .geometry import KVLayout, LayoutError, kv_name
 
 __all__ = ["DIGEST_ALGORITHM", "MAX_UNITS", "DigestGrid", "grid_for", "kv_digest", "first_difference"]
 
@@ -231,6 +231,6 @@ def first_difference(grid: DigestGrid, want, got) -> str:
     if not bad.size:
         return ""
     layer, kv, head, (a, b) = grid.unit(int(bad[0]))
-    what = ("latent" if grid.kv_factor == 1 else "KV"[kv])
+    what = kv_name(grid.kv_factor, kv)
     return (f"first at layer {layer} {what} head {head} tokens [{a}, {b}) ({bad.size} of {grid.units} units of "
             f"{grid.unit_tokens} token(s) differ)")

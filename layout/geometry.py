@@ -465,6 +465,11 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         raise LayoutMismatchError(mism)
 
 
+def kv_name(kv_factor: int, kv: int) -> str:
+    """'K' or 'V' (kv 0 or 1 of a kv_factor 2 layout), or 'latent' (kv_factor 1), for messages."""
+    return "latent" if kv_factor == 1 else "KV"[kv]
+
+
 def scale_mismatches(src: KVLayout, dst: KVLayout, limit: int = 3) -> list[str]:
     """Where the fp8 scales of the heads both layouts hold differ (relative 1e-6, so a
     scale kept as float32 by one engine and float64 by the other agrees), in words: the
@@ -479,11 +484,10 @@ def scale_mismatches(src: KVLayout, dst: KVLayout, limit: int = 3) -> list[str]:
     pairs = np.argwhere(bad.any(axis=2))
     if not len(pairs):
         return []
-    names = ("latent",) if src.kv_factor == 1 else ("K", "V")
     out = []
     for l, kv in pairs[:limit]:
         h = int(np.flatnonzero(bad[l, kv])[0])
-        out.append(f"{src.dtype} scale of layer {src.layer_offset + int(l)} {names[kv]} head {h0 + h}: source "
+        out.append(f"{src.dtype} scale of layer {src.layer_offset + int(l)} {kv_name(src.kv_factor, int(kv))} head {h0 + h}: source "
                    f"{a[l, kv, h]:g} != destination {b[l, kv, h]:g}")
     if len(pairs) > limit:
         out.append(f"and {len(pairs) - limit} more (layer, K/V) with other scales")

@@ -69,7 +69,7 @@ def model_scales(executor: Any, layout: KVLayout) -> KVLayout:
     if missing:
         raise LayoutError(f"the {layout.dtype} KV cache's scales are unknown for layer(s) {missing[:8]}: no attention "
                           "module with that layer_idx holds a kv_cache_scaling_factor")
-    return layout.with_scales(np.repeat(np.array([found[i] for i in want])[:, None], layout.kv_factor, axis=1))
+    return layout.with_scales(np.array([found[i] for i in want])[:, None])  # [layers, 1]: K and V share it
 
 
 def pool_layout(pool: torch.Tensor, geo: RankGeometry, pool_layers: Sequence[int] | None = None) -> KVLayout:
