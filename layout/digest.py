@@ -8,7 +8,9 @@ sequence into *units* (one layer, one K/V, one head, ``unit_tokens`` consecutive
 and hashes each unit with xxHash's XXH3-64 (``xxhash``: ~19 GB/s on one core here, 4.5x
 zlib's CRC-32; a checksum against corruption, not a MAC: the control plane's seal is what
 authenticates). Sender and receiver each digest their own side of the same rows; equal
-lists mean equal content, and the first unequal unit names where they differ.
+lists mean equal content, and the first unequal unit names where they differ. An fp8
+unit's scale (``KVLayout.kv_scales``, as float32: what the engines keep) seeds its hash,
+so a unit whose bytes or scale differ differs; a scale of 1.0 seeds 0, as other dtypes.
 
 ``DigestGrid`` says which rows (global layers, global heads, tokens) and how they are cut;
 ``grid_for`` picks ``unit_tokens`` so that a grid has at most ``MAX_UNITS`` units (or one
@@ -47,7 +49,7 @@ from .geometry import KVLayout, LayoutError, kv_name
 
 __all__ = ["DIGEST_ALGORITHM", "MAX_UNITS", "DigestGrid", "grid_for", "kv_digest", "first_difference"]
 
-DIGEST_ALGORITHM = "xxh3_64/lkht"  # the hash, and the canonical order: layer, K/V, head, token
+DIGEST_ALGORITHM = "xxh3_64/lkht/s32"  # the hash, the canonical order (layer, K/V, head, token), fp8 scale seeds
 SPAN_MIN_BYTES = 2048  # a block's run of one head at least this long: hashed in place, not gathered
 MAX_UNITS = 1024  # units a grid_for grid has at most (unless there are more (layer, K/V, head) than that)
 
@@ -112,6 +114,15 @@ def _rows_of(layout: KVLayout):
     return space
 
 
+def _seeds(layout: KVLayout, grid: DigestGrid) -> np.ndarray:
+    """uint64 ``[grid layers, K/V, grid heads]``: each unit's hash seed, the float32 bits of
+    its fp8 scale (0 where the scale is 1.0, and for dtypes without scales)."""
+    (l0, l1), (h0, hn) = grid.layers, grid.heads
+    s = layout.scales[l0 - layout.layer_offset:l1 - layout.layer_offset, :,
+                      h0 - layout.head_offset:h0 - layout.head_offset + hn].astype(np.float32)
+    return np.where(s == 1.0, 0, s.view(np.uint32)).astype(np.uint64)
+
+
 def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> np.ndarray:
     """XXH3-64 of each unit of ``grid``, read from ``layout``'s local pool: ``blocks``
     (block ids in token order, entry 0 holding token ``first_token``) hold the grid's
@@ -157,6 +168,7 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> n
     buf = torch.empty((n,) + tuple(view.shape[1:]), dtype=view.dtype, device=dev)  # one (layer, K/V), reused
     host = buf if dev.type == "cpu" else torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
     mv = memoryview(host.view(torch.uint8).numpy().reshape(-1))
+    seeds = _seeds(layout, grid).tolist()
     out = np.empty(grid.units, dtype=np.uint64)
     span, step = (t1 - t0) * row_bytes, grid.unit_tokens * row_bytes
     k = 0
@@ -169,8 +181,9 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> n
             if host is not buf:
                 host.copy_(buf)
             for h in range(hn):
+                seed = seeds[layer - (l0 - layout.layer_offset)][kv][h]
                 for a in range(h * span, (h + 1) * span, step):
-                    out[k] = xxhash.xxh3_64_intdigest(mv[a:min(a + step, (h + 1) * span)])
+                    out[k] = xxhash.xxh3_64_intdigest(mv[a:min(a + step, (h + 1) * span)], seed)
                     k += 1
     return out
 
@@ -196,12 +209,14 @@ def _span_digest(layout: KVLayout, space, blk: np.ndarray, slot: np.ndarray, hea
     out = np.empty(grid.units, dtype=np.uint64)
     bounds = np.append(first_run, starts.size).tolist()
     lens = run_len.tolist()
+    seeds = _seeds(layout, grid).tolist()
     k = 0
-    for layer in range(l0 - layout.layer_offset, l1 - layout.layer_offset):
+    for li, layer in enumerate(range(l0 - layout.layer_offset, l1 - layout.layer_offset)):
         for kv in range(layout.kv_factor):
-            for offs in (run_tok[None, :] + (head[:, None] + int(layout.base[layer, kv]))).tolist():
+            heads = (run_tok[None, :] + (head[:, None] + int(layout.base[layer, kv]))).tolist()
+            for offs, seed in zip(heads, seeds[li][kv]):
                 for u in range(len(bounds) - 1):
-                    x = xxhash.xxh3_64()
+                    x = xxhash.xxh3_64(seed=seed)
                     for r in range(bounds[u], bounds[u + 1]):
                         x.update(pool[offs[r]:offs[r] + lens[r]])
                     out[k] = x.intdigest()

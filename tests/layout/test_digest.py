@@ -144,3 +144,36 @@ def test_head_major_blocks_digest_as_the_engines_indexing_reads_them(monkeypatch
                                                 for t in range(t0, t1)]) for k in range(2)]) for lay_ in range(layers)])
     want = reference_digest(kv.view(torch.uint8), grid)
     assert np.array_equal(kv_digest(lay, blocks, 0, grid), want)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["runs-in-place", "gathered"])
+def test_fp8_scales_seed_the_units_they_scale(monkeypatch, in_place):
+    """An fp8 unit's hash is seeded by its (layer, K/V, head)'s scale as float32 bits: equal
+    bytes under another scale differ exactly in that head's units (named), a scale kept as
+    float32 by one side and float64 by the other agrees, and 1.0 digests as no scale."""
+    from kvbridge.layout import digest, trtllm_pool_layout
+
+    if not in_place:
+        monkeypatch.setattr(digest, "SPAN_MIN_BYTES", 1 << 40)
+    nb, layers, heads, tpb, hd = 4, 2, 3, 32, 64
+    pool = torch.randint(0, 255, (nb, layers, 2, heads * tpb * hd), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    lay = trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype="float8_e4m3fn")
+    blocks, grid = [2, 0], grid_for(lay, heads=(0, heads), tokens=(3, 50), max_units=48)
+    kv = pool.view(torch.uint8).view(nb, layers, 2, heads, tpb, hd)[blocks].permute(1, 2, 0, 4, 3, 5)
+    kv_bytes = kv.reshape(layers, 2, 2 * tpb, heads, hd)[:, :, 3:50]
+    plain = reference_digest(kv_bytes, grid)
+    assert np.array_equal(kv_digest(lay, blocks, 0, grid), plain)
+    assert np.array_equal(kv_digest(lay.with_scales(1.0), blocks, 0, grid), plain)
+
+    scales = np.full((layers, 2, heads), 0.1, dtype=np.float32)
+    scales[1, 1, 2] = 0.5
+    got32 = kv_digest(lay.with_scales(scales), blocks, 0, grid)
+    assert np.array_equal(got32, kv_digest(lay.with_scales(scales.astype(np.float64) * (1 + 1e-12)), blocks, 0, grid))
+    for u in range(grid.units):  # the engine's bytes, each unit's hash seeded with its scale's float32 bits
+        layer, kvi, h, (a, b) = grid.unit(u)
+        seed = int(np.float32(scales[layer, kvi, h]).view(np.uint32))
+        assert got32[u] == xxhash.xxh3_64_intdigest(kv_bytes[layer, kvi, a - 3:b - 3, h].contiguous().numpy().tobytes(), seed)
+    other = scales.copy()
+    other[1, 1, 2] = 0.25
+    where = first_difference(grid, got32, kv_digest(lay.with_scales(other), blocks, 0, grid))
+    assert where.startswith(f"first at layer 1 V head 2 tokens [3, ") and f"({grid.per_row} of {grid.units} units" in where, where
