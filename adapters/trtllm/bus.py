@@ -7,9 +7,9 @@ Who speaks: the workers of every rank (``Hello``, ``LoadResult``, ``Released``),
 msgspec checks every field while decoding (types, bounds, unknown fields refused), and
 a message of another bus version is refused by name.
 
-Orders (``Open``, ``Load``, ``Send``, ``Verdict``, ``Decline``, ``AbortRoom``) travel in
-``Orders`` and in the connector metadata TensorRT-LLM broadcasts; each carries a sequence
-number and is applied once per rank, from whichever copy arrives first.
+Orders (``kvbridge.common.orders``: ``Open``, ``Load``, ``Send``, ``Verdict``, ``Decline``,
+``Drop``) travel in ``Orders`` and in the connector metadata TensorRT-LLM broadcasts; each
+carries a sequence number and is applied once per rank, from whichever copy arrives first.
 """
 
 from __future__ import annotations
@@ -19,22 +19,18 @@ from typing import Annotated, Any, Union
 import msgspec
 from msgspec import Meta
 
+from kvbridge.common.orders import (Decline, Drop, Endpoint, EndpointList, Load, Open, Order, Reason, Send, SendLayers,
+                                    Verdict)
+
 __all__ = [
-    "AbortRoom", "BusError", "Decline", "Endpoints", "Expect", "Expected", "Hello", "LoadResult", "Load", "Open",
+    "BusError", "Decline", "Drop", "Endpoints", "Expect", "Expected", "Hello", "LoadResult", "Load", "Open",
     "Order", "Orders", "Released", "Send", "SendLayers", "Verdict", "Who", "decode", "encode", "BUS_VERSION",
 ]
 
-BUS_VERSION = 1
+BUS_VERSION = 2
 MAX_BUS_BYTES = 64 << 20
 
-ReqId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Seq = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Token = Annotated[int, Meta(ge=0, le=2**31 - 1)]
-BlockIds = Annotated[list[Annotated[int, Meta(ge=0, le=2**31 - 1)]], Meta(max_length=1 << 22)]
-Endpoint = Annotated[str, Meta(max_length=256)]
-EndpointList = Annotated[list[Endpoint], Meta(max_length=4096)]
-Reason = Annotated[str, Meta(max_length=4096)]
+ReqId = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # TensorRT-LLM's request ids are ints
 Key = Annotated[str, Meta(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
 
 
@@ -44,79 +40,6 @@ class BusError(ValueError):
 
 class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="t"):
     v: Annotated[int, Meta(ge=0, le=0xFFFF)] = BUS_VERSION
-
-
-# -- orders (scheduler -> every worker) ---------------------------------------------------
-
-
-class _Order(_Base, frozen=True, kw_only=True):
-    seq: Seq = 0
-    req: ReqId
-    room: Room
-
-
-class Open(_Order, tag="open", frozen=True, kw_only=True):
-    """Prefill half: open ``room`` on the request's ``blocks`` (decode ranks may ask early)."""
-
-    blocks: BlockIds
-
-
-class Send(_Order, tag="send", frozen=True, kw_only=True):
-    """Prefill half finished: send tokens ``[0, stop)`` from ``blocks``; ``first_token``
-    (the sampled one) rides with the final TransferDone. ``layered_to``: tokens
-    ``[0, layered_to)`` were given to forwards as ``SendLayers`` (layer-wise); a worker
-    whose own forward has not streamed them yet (a rank that lags rank 0, which issued
-    this order when its forward was done) applies it after that forward."""
-
-    blocks: BlockIds
-    stop: Token
-    first_token: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
-    layered_to: Token = 0
-
-
-class SendLayers(_Order, tag="send_layers", frozen=True, kw_only=True):
-    """Layer-wise prefill half (``layerwise`` on): this iteration's forward computes
-    tokens ``[start, stop)`` into ``blocks`` (entry 0 holds token 0); each worker sends each
-    layer of them from ``save_kv_layer``. Travels in the connector metadata of that
-    iteration only (it is about that forward), never over the bus, and is not numbered."""
-
-    blocks: BlockIds
-    start: Token
-    stop: Token
-
-
-class Load(_Order, tag="load", frozen=True, kw_only=True):
-    """Decode half: pull tokens ``[start, stop)`` of ``room`` from the prefill ranks
-    ``endpoints`` (TP order) into ``blocks``; on failure ``on_failure``."""
-
-    blocks: BlockIds
-    start: Token
-    stop: Token
-    endpoints: EndpointList
-    on_failure: Annotated[str, Meta(pattern=r"^(recompute|fail)$")]
-
-
-class Verdict(_Order, tag="verdict", frozen=True, kw_only=True):
-    """Rank 0's decision for a load, the same on every rank: ``ok``, ``recompute`` or ``fail``."""
-
-    action: Annotated[str, Meta(pattern=r"^(ok|recompute|fail)$")]
-    start: Token
-    reason: Reason = ""
-
-
-class Decline(_Order, tag="decline", frozen=True, kw_only=True):
-    """Decode computes this prompt itself: tell each prefill rank of ``room`` to let it go."""
-
-    endpoints: EndpointList
-    reason: Reason
-    label: Annotated[str, Meta(max_length=64)] = "below_break_even"
-
-
-class AbortRoom(_Order, tag="abort_room", frozen=True, kw_only=True):
-    """Prefill half ended before its prompt was computed: abort ``room``."""
-
-
-Order = Union[Open, Send, SendLayers, Load, Verdict, Decline, AbortRoom]
 
 
 # -- bus messages -----------------------------------------------------------------------

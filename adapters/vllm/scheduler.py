@@ -28,6 +28,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.common.orders import Drop, Load, Open, Send
+
 from .config import VllmBridgeConfig
 from .handle import Handle, HandleError, handle_of, to_params
 
@@ -36,54 +38,10 @@ __all__ = ["KVBridgeMetadata", "KVBridgeScheduler", "Open", "Send", "Load", "Dro
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Open:
-    """Prefill: open ``room`` for request ``req`` (its KV follows in a ``Send``)."""
-
-    req: str
-    room: int
-
-
-@dataclass(frozen=True)
-class Send:
-    """Prefill: tokens ``[0, stop)`` of ``room`` are in ``blocks`` (token order); the
-    sampled first token (-1: none) rides with the last message to the decode side."""
-
-    req: str
-    room: int
-    blocks: tuple[int, ...]
-    stop: int
-    first_token: int = -1
-
-
-@dataclass(frozen=True)
-class Load:
-    """Decode: pull tokens ``[start, stop)`` of ``room`` into ``blocks`` (token order,
-    entry 0 holding token 0) from the prefill named by ``bootstrap`` or ``endpoints``."""
-
-    req: str
-    room: int
-    blocks: tuple[int, ...]
-    start: int
-    stop: int
-    bootstrap: str = ""
-    endpoints: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Either side: request ``req`` ended before its handoff did (aborted, or its prompt
-    never finished): end ``room``, telling the peer."""
-
-    req: str
-    room: int
-    reason: str
-
-
 @dataclass
 class KVBridgeMetadata:
-    """What ``build_connector_meta`` hands every worker for one step: the orders issued
-    since the previous step, oldest first."""
+    """What ``build_connector_meta`` hands every worker for one step: the orders
+    (``kvbridge.common.orders``) issued since the previous step, oldest first."""
 
     orders: list = field(default_factory=list)
 
@@ -130,7 +88,7 @@ class KVBridgeScheduler:
                 return
             self._used.add(rid)
             self._opened[rid] = h.room
-            self._orders.append(Open(rid, h.room))
+            self._orders.append(Open(req=rid, room=h.room))
             return
         got = self._recv.pop(rid, None)
         if got is None or num_external_tokens <= 0:
@@ -143,7 +101,8 @@ class KVBridgeScheduler:
         ids = [int(b) for b in blocks.get_block_ids()[0]]
         stop = start + int(num_external_tokens)
         self._loading[rid] = h.room
-        self._orders.append(Load(rid, h.room, tuple(ids), start, stop, h.bootstrap, tuple(h.endpoints)))
+        self._orders.append(Load(req=rid, room=h.room, blocks=[int(b) for b in ids], start=start, stop=stop,
+                                 bootstrap=h.bootstrap, endpoints=list(h.endpoints)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         """This step's orders for every worker."""
@@ -168,18 +127,19 @@ class KVBridgeScheduler:
             aborted = "ABORT" in str(request.status).upper()
             if aborted or int(request.num_computed_tokens) < prompt_len or not block_ids:
                 why = "aborted" if aborted else f"finished after {request.num_computed_tokens} of {prompt_len} tokens"
-                self._orders.append(Drop(rid, room, f"prefill request {why}"))
+                self._orders.append(Drop(req=rid, room=room, reason=f"prefill request {why}"))
                 self._used.discard(rid)
                 return False, None
             out = list(request.output_token_ids or ())
-            self._orders.append(Send(rid, room, tuple(int(b) for b in block_ids), prompt_len, int(out[0]) if out else -1))
+            self._orders.append(Send(req=rid, room=room, blocks=[int(b) for b in block_ids], stop=prompt_len,
+                                     first_token=int(out[0]) if out else -1))
             self._sending[rid] = room
             self._used.discard(rid)
             back = Handle("recv", room, bootstrap=self.bootstrap_address) if self.bootstrap_address else None
             return True, (to_params(back) if back else None)
         room = self._loading.get(rid)
         if room is not None:  # aborted while its KV was loading: vLLM holds its blocks until the load reports
-            self._orders.append(Drop(rid, room, "decode request aborted while loading"))
+            self._orders.append(Drop(req=rid, room=room, reason="decode request aborted while loading"))
         self._used.discard(rid)
         return False, None
 

@@ -75,11 +75,15 @@ def test_handles_and_prompt_keys():
 def test_bus_messages_are_typed_and_bounded():
     o = B.Load(req=3, room=9, blocks=[1, 2], start=0, stop=40, endpoints=["tcp://a:1"], on_failure="recompute")
     assert B.decode(B.encode(B.Orders(orders=[o]))).orders == [o]
-    for bad in (b"garbage", B.encode({"t": "orders", "v": 2, "orders": []}), B.encode({"t": "nope", "v": 1}),
-                B.encode({"t": "load", "v": 1, "req": 3, "room": 9, "blocks": [-1], "start": 0, "stop": 1,
-                          "endpoints": [], "on_failure": "recompute"}),
-                B.encode({"t": "expect", "v": 1, "key": "x" * 32, "handle": {}}),
-                B.encode({"t": "hello", "v": 1, "rank": 0, "endpoint": "e", "extra": 1})):
+    v = B.BUS_VERSION
+    load = {"t": "load", "req": 3, "room": 9, "blocks": [1], "start": 0, "stop": 1, "endpoints": [], "on_failure": "recompute"}
+    assert B.decode(B.encode({"t": "orders", "v": v, "orders": [load]})).orders[0].blocks == [1]
+    for bad in (b"garbage", B.encode({"t": "orders", "v": v + 1, "orders": []}), B.encode({"t": "nope", "v": v}),
+                B.encode({"t": "orders", "v": v, "orders": [{**load, "blocks": [-1]}]}),
+                B.encode({"t": "orders", "v": v, "orders": [{**load, "on_failure": "maybe"}]}),
+                B.encode({"t": "orders", "v": v, "orders": [{**load, "extra": 1}]}),
+                B.encode({"t": "expect", "v": v, "key": "x" * 32, "handle": {}}),
+                B.encode({"t": "hello", "v": v, "rank": 0, "endpoint": "e", "extra": 1})):
         with pytest.raises(B.BusError):
             B.decode(bad)
 
@@ -112,7 +116,7 @@ class _UncheckedHandle:
 def test_config_from_file_env_and_overrides(tmp_path):
     f = tmp_path / "kvb.json"
     f.write_text(json.dumps({"bus_port": 18500, "on_failure": "fail", "deadline_s": 5}))
-    env = {"KVBRIDGE_TRTLLM_CONFIG": str(f), "KVBRIDGE_DEADLINE_S": "7.5", "KVBRIDGE_HOST": "10.1.2.3"}
+    env = {"KVBRIDGE_CONFIG": str(f), "KVBRIDGE_DEADLINE_S": "7.5", "KVBRIDGE_HOST": "10.1.2.3"}
     cfg = BridgeConfig.load({"tp_rank": 1}, environ=env)
     assert (cfg.bus_port, cfg.on_failure, cfg.deadline_s, cfg.host, cfg.tp_rank) == (18500, "fail", 7.5, "10.1.2.3", 1)
     assert cfg.handoff().deadline_s == 7.5
