@@ -15,7 +15,7 @@ QUIET  := { grep -v "is ignored: it is neither a file nor a directory" || true; 
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvbridge-deps
 
-.PHONY: install sysdeps test demo bench reliability clean vllm-venv mutants
+.PHONY: install sysdeps test demo bench reliability docs clean vllm-venv mutants
 
 sysdeps:
 	@bash scripts/sysdeps.sh
@@ -57,6 +57,10 @@ bench: install
 # docs/reliability.md: every registered section (load figures, fault matrix), regenerated in one go
 reliability: install
 	$(BIN)/kvbridge report --out docs/reliability.md
+
+# docs/settings.md: the settings reference, generated from the settings classes (tests/core/test_docs.py checks it)
+docs: install
+	$(BIN)/python scripts/settings_doc.py --out docs/settings.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .hypothesis
