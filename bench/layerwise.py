@@ -1,5 +1,5 @@
 """``kvbridge bench layerwise``: first-token time with the KV sent layer by layer during the
-prefill against sent whole after it (issue 20, item 5).
+prefill against sent whole after it.
 
 One prefill server per mode (``layerwise`` off, on) and one decode server, TensorRT-LLM
 stand-ins (``kvbridge.demo.trtllm``: one OS process per rank, the executor calling the
@@ -178,7 +178,7 @@ def bench_layerwise(
     i)``. ``link_mbit``: the KV crosses a loopback shaped to that many Mbit/s
     (``kvbridge.bench.link.ShapedLoopback``; needs root), or ``"auto"``: per prompt length,
     the rate at which its KV takes as long to move as the first warm-up's whole-mode prefill
-    took to compute it (the issue's regime, which an unshaped loopback never reaches on a
+    took to compute it (the regime layer-wise sends are for, which an unshaped loopback never reaches on a
     CPU host)."""
     if engine not in ("trtllm", "sglang"):
         raise ValueError(f"bench layerwise: engine {engine!r}: engines are trtllm (the stand-in) and sglang (real servers)")

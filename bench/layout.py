@@ -27,6 +27,7 @@ import torch
 
 from kvbridge.bench.machine import copy_parts_one_thread, machine_notes, spread
 from kvbridge.common.rooms import HandoffConfig
+from kvbridge.common.settings import BridgeSettings
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
@@ -64,7 +65,7 @@ def bench_layout(
     plan_tokens: int = 32768,
     repack_tokens: int = 4096,
     reps: int = 5,
-    chunk_bytes: int = HandoffConfig.chunk_bytes,  # the sender's pipeline, as it runs by default
+    chunk_bytes: int = BridgeSettings.chunk_bytes,  # the sender's pipeline, as it runs by default
     part_bytes: int = HandoffConfig.part_bytes,
     ring_parts: int = HandoffConfig.ring_parts,
     seed: int = 0,

@@ -25,7 +25,7 @@ __all__ = ["MOONCAKE_PORTS", "ShapedLoopback", "LinkShapingError", "port_masks"]
 
 log = logging.getLogger(__name__)
 
-MOONCAKE_PORTS = (15000, 17000)  # Mooncake's listeners (../shared/reference/mooncake.md), inclusive
+MOONCAKE_PORTS = (15000, 17000)  # the range Mooncake's TCP transport listens in (docs/security.md), inclusive
 _DEV = "lo"
 
 

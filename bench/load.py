@@ -136,13 +136,14 @@ def _prefill_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: 
                   sample_dir: str | None = None) -> None:
     """Register rooms (at most 2 x inflight open), write their KV, serve them; report at the end."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    from kvbridge.common.handoff import HandoffConfig, KVSender
+    from kvbridge.common.handoff import KVSender
+    from kvbridge.common.settings import handoff_config
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("sglang", inflight, max_tokens, 1)
     free = BlockFreeList(lay.first_block, lay.num_blocks)
     transport = MooncakeTransport("127.0.0.1")
-    sender = KVSender(lay, transport, config=HandoffConfig(**cfg), workers=2)
+    sender = KVSender(lay, transport, config=handoff_config(cfg), workers=2)
     noise = _noise(max_tokens, seed)
     rss0 = _rss_now_mb()
     conn.send(("ready", sender.endpoint))
@@ -219,14 +220,15 @@ def _decode_peer(conn, sizes: list[int], inflight: int, max_tokens: int, seed: i
                  lost_after_s: float, sample_dir: str | None = None) -> None:
     """Keep ``inflight`` requests outstanding; verify each landed room by checksum."""
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    from kvbridge.common.handoff import HandoffConfig, KVReceiver
+    from kvbridge.common.handoff import KVReceiver
+    from kvbridge.common.settings import handoff_config
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("trtllm", inflight, max_tokens, None)
     lay.tensors[0].zero_()  # touch every page now, so RSS growth during the run is kvbridge's, not the pool's
     free = BlockFreeList(lay.first_block, lay.num_blocks)
     transport = MooncakeTransport("127.0.0.1")
-    recv = KVReceiver(lay, transport, config=HandoffConfig(**cfg))
+    recv = KVReceiver(lay, transport, config=handoff_config(cfg, receiver=True))
     noise = _noise(max_tokens, seed)
     rss0 = _rss_now_mb()
     conn.send(("ready",))

@@ -108,7 +108,7 @@ def machine_notes() -> dict:
     return notes
 
 
-# the issue-21 margins a handoff is held to against a raw write of the same bytes
+# the margins a handoff is held to against a raw write of the same bytes
 HANDOFF_CPU_MARGIN_S_PER_GIB = 0.15
 SMALL_OVERHEAD_MARGIN_MS = 2.0
 ONE_THREAD_SHARE_WARN = 0.8  # below it, one thread's copy rate bounds a one-thread gather's ratio to all threads'

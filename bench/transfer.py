@@ -97,12 +97,13 @@ def _pool(engine: str, tokens: int, scattered_room: bool, seed: int | None):
 
 def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    from kvbridge.common.handoff import HandoffConfig, KVSender
+    from kvbridge.common.handoff import KVSender
+    from kvbridge.common.settings import handoff_config
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("sglang", tokens, False, 1)
     transport = MooncakeTransport("127.0.0.1")
-    sender = KVSender(lay, transport, config=HandoffConfig(**cfg), workers=1)
+    sender = KVSender(lay, transport, config=handoff_config(cfg), workers=1)
     # raw-write source: a registered buffer as large as the biggest request
     raw_src = torch.empty(tokens * _bytes_per_token(), dtype=torch.uint8)
     raw_src.random_(0, 255)
@@ -150,7 +151,8 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
 
 def _decode_peer(conn, tokens: int, cfg: dict) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    from kvbridge.common.handoff import HandoffConfig, KVReceiver, RoomState
+    from kvbridge.common.handoff import KVReceiver, RoomState
+    from kvbridge.common.settings import handoff_config
     from kvbridge.common.transport import MooncakeTransport
 
     lay = _pool("trtllm", tokens, True, None)  # its contents are overwritten anyway
@@ -158,8 +160,8 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
     for t in lay.tensors + same.tensors:  # but touched once, as a serving engine's pool is: no timed write pays first-touch page faults
         t.zero_()
     transport = MooncakeTransport("127.0.0.1")
-    receivers = {False: KVReceiver(lay, transport, config=HandoffConfig(**cfg)),
-                 True: KVReceiver(same, transport, config=HandoffConfig(**cfg))}
+    receivers = {False: KVReceiver(lay, transport, config=handoff_config(cfg, receiver=True)),
+                 True: KVReceiver(same, transport, config=handoff_config(cfg, receiver=True))}
     conn.send(("ready", transport.session_id, lay.regions[0].addr))
 
     asked: dict = {}  # room -> (receiver, perf_counter when asked): "ask" then "wait"
@@ -219,7 +221,7 @@ def transfer_steps(reps: int, sweep: tuple[int, ...] = (), link_only: bool = Fal
 
 def _paired_cost(ctx, n: int, cfg: dict, pairs: int, a: tuple[str, dict], b: tuple[str, dict], what: str) -> dict:
     """The ``n``-token request between two fresh pairs of peers alike but for the settings
-    ``a`` and ``b`` ((name, HandoffConfig fields)), interleaved ``pairs`` times: medians and
+    ``a`` and ``b`` ((name, ``handoff_config`` fields)), interleaved ``pairs`` times: medians and
     p10-p90 of each (ms) and of their ratio, a over b."""
     peers = {}
     try:

@@ -154,16 +154,6 @@ class Keyring:
         """A keyring for ``secret`` (None when it is empty: auth off)."""
         return cls(secret, accepted, window_s=window_s) if secret else None
 
-    @classmethod
-    def from_env(cls, environ=None) -> "Keyring | None":
-        """A keyring for the deployment's ``KVBRIDGE_SECRET`` and ``KVBRIDGE_ACCEPTED_SECRETS``
-        (None when no secret is set), for code that has no settings object of its own."""
-        import os
-
-        env = os.environ if environ is None else environ
-        return cls.from_settings(env.get("KVBRIDGE_SECRET", ""),
-                                 [k.strip() for k in env.get("KVBRIDGE_ACCEPTED_SECRETS", "").split(",") if k.strip()])
-
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or ``localhost``) is reachable from this host only."""

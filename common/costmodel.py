@@ -2,24 +2,28 @@
 
 For one request (model geometry, prompt length) on one link, the handoff costs
 
-    setup (handshake, registration) + segments * per_segment + bytes / bandwidth
-    (+ the sender's repack, of which only the first chunk is not hidden when overlapped)
+    setup (handshake, registration) + the plan chooser's estimate of the plan it would run
+    (segments * per_segment + bytes / bandwidth, and a staged plan's repack beside it:
+    ``kvbridge.layout.PlanCosts.seconds``, the one formula both use)
 
 and the alternatives are recomputing the prefill on the decode worker
 (``prompt_len / decode_prefill_tps``) or waiting in the prefill queue and then moving.
 One ``LinkProfile`` describes the link: a preset per Mooncake protocol (``tcp``,
 ``rdma``, ``nvlink``; see ``LINK_PRESETS`` for where each figure comes from), a file
 written by ``kvbridge bench link --out``, or the preset of the protocol the transport
-runs (``resolve_link``). It yields both this model's figures and the plan chooser's
-(``LinkProfile.plan_costs`` -> ``kvbridge.layout.PlanCosts``, what
-``HandoffConfig.costs`` holds). Segments and staging come from the plan the handoff
-would run: ``plan_transfer`` over the two sides' layouts (``request_plan``; by default
-SGLang-style pools of the model's geometry, blocks as a fresh pool hands them out).
+runs (``load_link``; a file is read once per process and version). It yields both this
+model's figures and the plan chooser's (``LinkProfile.plan_costs`` ->
+``kvbridge.layout.PlanCosts``, what ``HandoffConfig.costs`` holds). Segments and staging
+come from the plan the handoff would run, as the chooser estimates it over the two sides'
+layouts (``request_estimate``; by default SGLang-style pools of the model's geometry,
+blocks as a fresh pool hands them out).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -27,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.layout import KVLayout, PlanCosts, PlanKind, TransferPlan, plan_transfer, sglang_layout_from_buffers
+from kvbridge.layout import (CopySpec, KindEstimate, KVLayout, PlanCosts, PlanKind, TransferPlan, estimate_plan,
+                             sglang_layout_from_buffers)
 
 __all__ = [
     "LINK_PRESETS",
@@ -43,10 +48,8 @@ __all__ = [
     "predict_handoff_s",
     "break_even_prompt_len",
     "load_link",
-    "link_for_protocol",
-    "resolve_link",
     "model_layout",
-    "request_plan",
+    "request_estimate",
 ]
 
 
@@ -76,7 +79,7 @@ class LinkProfile:
 
 
 # Presets. ``tcp`` is MEASURED: Mooncake TCP between two processes on 127.0.0.1 on a
-# 2-core CPU machine (../shared/reference/mooncake.md: 1 GiB as 16 x 64 MiB at 1.6-2.5
+# 2-core CPU machine (1 GiB as 16 x 64 MiB at 1.6-2.5
 # GB/s; 1000 scattered 16 KiB pieces in one batch at 0.4-0.6 GB/s, i.e. ~25-35 us per
 # piece beyond the bytes; first write to a peer 1-7 ms, later small writes 73-163 us). Its
 # repack, 5 GB/s, is the CPU gather figure the plan chooser has always used; ``kvbridge
@@ -174,14 +177,37 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
 }
 
 
-def load_link(spec: str) -> LinkProfile:
-    """A preset name (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or the path of a
-    file written by ``kvbridge bench link --out``."""
+def load_link(spec: str = "", protocol: str = "tcp") -> LinkProfile:
+    """The link: ``spec``, a preset name (``tcp``, ``rdma``, ``nvlink``, ``pcie5``,
+    ``ib400``) or the path of a file written by ``kvbridge bench link --out``; when empty,
+    the preset of the Mooncake ``protocol`` in use. A file is read once per process for
+    as long as its modification time and size stay the same."""
+    if not spec:
+        name = PROTOCOL_LINKS.get(str(protocol).lower())
+        if name is None:
+            raise ValueError(f"no link preset for Mooncake protocol {protocol!r}; known: {sorted(PROTOCOL_LINKS)}")
+        return LINK_PRESETS[name]
     if spec in LINK_PRESETS:
         return LINK_PRESETS[spec]
-    p = Path(spec)
-    if not p.exists():
-        raise ValueError(f"unknown link {spec!r}: not a preset ({', '.join(LINK_PRESETS)}) nor a file")
+    try:
+        st = os.stat(spec)
+    except OSError:
+        raise ValueError(f"unknown link {spec!r}: not a preset ({', '.join(LINK_PRESETS)}) nor a file") from None
+    key, version = os.path.abspath(spec), (st.st_mtime_ns, st.st_size)
+    with _LINK_FILES_LOCK:
+        seen = _LINK_FILES.get(key)
+        if seen is None or seen[0] != version:
+            seen = _LINK_FILES[key] = (version, _read_link_file(Path(spec)))
+    return seen[1]
+
+
+# link file (absolute path) -> ((mtime_ns, size) when read, its LinkProfile): each version read once
+_LINK_FILES: dict[str, tuple[tuple[int, int], LinkProfile]] = {}
+_LINK_FILES_LOCK = threading.Lock()
+
+
+def _read_link_file(p: Path) -> LinkProfile:
+    """A ``kvbridge bench link --out`` file's link."""
     d = json.loads(p.read_text())
     try:
         return LinkProfile(d.get("name", p.stem), float(d["bandwidth_bytes_per_s"]), float(d["per_segment_s"]),
@@ -189,20 +215,6 @@ def load_link(spec: str) -> LinkProfile:
                            per_batch_s=float(d.get("per_batch_s", LinkProfile.per_batch_s)))
     except KeyError as e:
         raise ValueError(f"{p} lacks {e}; write it with `kvbridge bench link --out {p}`") from None
-
-
-def link_for_protocol(protocol: str) -> LinkProfile:
-    """The preset of a Mooncake transport protocol (``tcp``, ``rdma``, ``nvlink``)."""
-    name = PROTOCOL_LINKS.get(str(protocol).lower())
-    if name is None:
-        raise ValueError(f"no link preset for Mooncake protocol {protocol!r}; known: {sorted(PROTOCOL_LINKS)}")
-    return LINK_PRESETS[name]
-
-
-def resolve_link(spec: str = "", protocol: str = "tcp") -> LinkProfile:
-    """The link a deployment runs on: ``spec`` (a preset or a ``kvbridge bench link --out``
-    file), or when empty the preset of the Mooncake ``protocol`` in use."""
-    return load_link(spec) if spec else link_for_protocol(protocol)
 
 
 _DTYPE_OF_BYTES = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}
@@ -223,24 +235,24 @@ def model_layout(model: "ModelGeometry", tokens: int, *, page: int = 16, base_ad
                                       _DTYPE_OF_BYTES[model.dtype_bytes], is_mla=mla)
 
 
-def request_plan(src: KVLayout, dst: KVLayout, tokens: int | tuple[int, int], link: LinkProfile, *,
-                 kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND)) -> TransferPlan:
-    """The plan a handoff of ``tokens`` (``stop`` or ``(start, stop)``) from ``src`` to
-    ``dst`` would run on ``link``, with blocks as a fresh pool hands them out (consecutive
-    from each layout's first block)."""
+def request_estimate(src: KVLayout, dst: KVLayout, tokens: int | tuple[int, int], link: LinkProfile, *,
+                     kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND)) -> KindEstimate:
+    """The plan chooser's estimate (kind, segments, seconds) of the plan a handoff of
+    ``tokens`` (``stop`` or ``(start, stop)``) from ``src`` to ``dst`` would run on
+    ``link``, with blocks as a fresh pool hands them out (consecutive from each layout's
+    first block)."""
     start, stop = (0, tokens) if isinstance(tokens, int) else tokens
     sb = np.arange(src.first_block, src.first_block + -(-stop // src.tokens_per_block))
     db = np.arange(dst.first_block, dst.first_block + -(-stop // dst.tokens_per_block))
     if sb[-1] >= src.num_blocks or db[-1] >= dst.num_blocks:
         raise ValueError(f"{stop} tokens do not fit the layouts ({src.num_blocks} / {dst.num_blocks} blocks)")
-    return plan_transfer(src, sb, dst, db, (start, stop), kinds=kinds, costs=link.plan_costs())
+    return estimate_plan(CopySpec.build(src, sb, dst, db, (start, stop)), kinds=kinds, costs=link.plan_costs())
 
 
 @lru_cache(maxsize=256)
-def _model_plan_shape(model: "ModelGeometry", link: LinkProfile, start: int, stop: int) -> tuple[int, bool]:
+def _model_estimate(model: "ModelGeometry", link: LinkProfile, start: int, stop: int) -> KindEstimate:
     lay = model_layout(model, stop)
-    plan = request_plan(lay, lay, (start, stop), link)
-    return plan.num_segments, plan.kind is not PlanKind.DIRECT
+    return request_estimate(lay, lay, (start, stop), link)
 
 
 @dataclass(frozen=True)
@@ -256,20 +268,16 @@ class HandoffEstimate:
     total_s: float
 
 
-def predict_handoff_s(nbytes: int, segments: int, link: LinkProfile, *, staged: bool, first_part_bytes: int = 1 << 20,
+def predict_handoff_s(nbytes: int, segments: int, link: LinkProfile, *, staged: bool,
                       overlapped: bool = True) -> HandoffEstimate:
-    """Handoff time for ``nbytes`` in ``segments`` wire segments; a staged plan adds the
-    sender's repack, of which only the first part (``HandoffConfig.first_part_bytes``)
-    shows when overlapped with the wire, unless the repack is slower than the wire."""
+    """Handoff time for ``nbytes`` in ``segments`` wire segments: the link's setup plus the
+    plan chooser's estimate of a direct or staged plan (``PlanCosts.seconds``)."""
+    kind = PlanKind.STAGED_SEND if staged else PlanKind.DIRECT
+    plan_s = link.plan_costs(overlap_repack=overlapped).seconds(kind, nbytes, segments)
     wire = nbytes / link.bandwidth_bytes_per_s
     seg = segments * link.per_segment_s
-    rep = 0.0
-    if staged:
-        full = nbytes / link.repack_bytes_per_s
-        first = min(nbytes, first_part_bytes) / link.repack_bytes_per_s
-        rep = first + max(0.0, full - first - (wire + seg)) if overlapped else full
-    total = link.setup_s + wire + seg + rep
-    return HandoffEstimate(nbytes, segments, link.setup_s, wire, seg, rep, total)
+    rep = plan_s - wire - seg if staged else 0.0
+    return HandoffEstimate(nbytes, segments, link.setup_s, wire, seg, rep, link.setup_s + plan_s)
 
 
 @dataclass
@@ -319,9 +327,10 @@ def decide(
     worker (default: from FLOPs at ``gpu_tflops`` x ``mfu`` x ``tp``; the decode worker
     shares its GPU with running decodes, so by default it prefills at half that rate).
     ``queue_s``: time the request waits for the prefill worker. Segments and staging come
-    from ``plan`` (the request's ``TransferPlan``), else from ``segments`` (counted
-    elsewhere, e.g. a measured handoff; staging from ``staged``), else from the plan
-    ``request_plan`` makes over SGLang-style pools of the model (``model_layout``).
+    from ``plan`` (the request's ``TransferPlan``: its own estimate), else from
+    ``segments`` (counted elsewhere, e.g. a measured handoff; staging from ``staged``),
+    else from the plan chooser's estimate over SGLang-style pools of the model
+    (``request_estimate`` over ``model_layout``).
     ``held_tokens``: prompt tokens
     whose KV the decode worker already holds (prefix cache): only the rest is moved, or
     recomputed (attending to the held ones); the prefill worker computes the whole prompt."""
@@ -331,11 +340,13 @@ def decide(
         raise ValueError(f"held_tokens must be in [0, prompt_len={prompt_len}), got {held_tokens}")
     nbytes = model.kv_bytes(prompt_len - held_tokens)
     if plan is not None:
-        segs, staged = plan.num_segments, plan.kind is not PlanKind.DIRECT
+        est = plan.estimates[plan.kind]
+        segs, staged = est.segments, est.kind is not PlanKind.DIRECT
     elif segments is not None:
         segs = segments
     else:
-        segs, staged = _model_plan_shape(model, link, held_tokens, prompt_len)
+        est = _model_estimate(model, link, held_tokens, prompt_len)
+        segs, staged = est.segments, est.kind is not PlanKind.DIRECT
     flops_s = gpu_tflops * 1e12 * mfu * tp
     prefill_s = prompt_len / prefill_tps if prefill_tps else model.prefill_flops(prompt_len) / flops_s
     new_flops = model.prefill_flops(prompt_len) - model.prefill_flops(held_tokens)
@@ -378,24 +389,24 @@ def break_even_prompt_len(model: ModelGeometry, link: LinkProfile, *, lo: int = 
 @lru_cache(maxsize=256)
 def layer_plan_segments(model: "ModelGeometry", link: LinkProfile, start: int, stop: int) -> tuple[np.ndarray, bool]:
     """Segments of each layer's plan (int64 ``[layers]``) for tokens ``[start, stop)`` sent
-    layer by layer, and whether those plans stage: ``request_plan`` between
+    layer by layer, and whether those plans stage: ``request_estimate`` between
     ``KVLayout.layer_range(l, l + 1)`` views of ``model_layout``. The layers of one such
     pool share every stride and size (only their base differs), so the first and the
-    last layer's plans are made and, when they agree, stand for every layer; else every
-    layer is planned."""
+    last layer's estimates are made and, when they agree, stand for every layer; else
+    every layer is estimated."""
     lay = model_layout(model, stop)
     n = lay.num_layers
 
-    def one(i: int) -> TransferPlan:
+    def one(i: int) -> KindEstimate:
         v = lay.layer_range(i, i + 1)
-        return request_plan(v, v, (start, stop), link)
+        return request_estimate(v, v, (start, stop), link)
 
     first, last = one(0), one(n - 1)
-    if first.num_segments == last.num_segments and first.kind == last.kind:
-        return np.full(n, first.num_segments, dtype=np.int64), first.kind is not PlanKind.DIRECT
-    plans = [first] + [one(i) for i in range(1, n - 1)] + [last]
-    return (np.array([p.num_segments for p in plans], dtype=np.int64),
-            any(p.kind is not PlanKind.DIRECT for p in plans))
+    if first.segments == last.segments and first.kind == last.kind:
+        return np.full(n, first.segments, dtype=np.int64), first.kind is not PlanKind.DIRECT
+    ests = [first] + [one(i) for i in range(1, n - 1)] + [last]
+    return (np.array([e.segments for e in ests], dtype=np.int64),
+            any(e.kind is not PlanKind.DIRECT for e in ests))
 
 
 @dataclass(frozen=True)
@@ -453,7 +464,7 @@ def decide_layerwise(
     first ``held_tokens`` are not moved (the decode holds them), on ``link``. The prefill
     time is ``prefill_s`` when given, else ``prompt_len / prefill_tps``, else from FLOPs
     (as ``decide``). Segments come from the plans either way would run:
-    ``request_plan`` over ``model_layout`` for the whole send, over its
+    ``request_estimate`` over ``model_layout`` for the whole send, over its
     ``KVLayout.layer_range`` views per layer (``layer_plan_segments``)."""
     if prompt_len <= 0:
         raise ValueError(f"prompt_len must be positive, got {prompt_len}")
@@ -468,15 +479,16 @@ def decide_layerwise(
         raise ValueError(f"prefill_s must be >= 0, got {prefill_s}")
     moved = prompt_len - held_tokens
     nbytes = model.kv_bytes(moved)
-    segs_whole, staged_whole = _model_plan_shape(model, link, held_tokens, prompt_len)
-    whole = predict_handoff_s(nbytes, segs_whole, link, staged=staged_whole)
+    est_whole = _model_estimate(model, link, held_tokens, prompt_len)
+    segs_whole = est_whole.segments
+    whole = predict_handoff_s(nbytes, segs_whole, link, staged=est_whole.kind is not PlanKind.DIRECT)
     segs, staged = layer_plan_segments(model, link, held_tokens, prompt_len)
     n = model.layers
     layer_bytes = nbytes / n
-    # each layer's send: its bytes, its plan's segments, one write batch, and (staged) its
-    # repack, which has no later layer's wire time to hide behind
-    x = (layer_bytes / link.bandwidth_bytes_per_s + segs * link.per_segment_s + link.per_batch_s
-         + (layer_bytes / link.repack_bytes_per_s if staged else 0.0))
+    # each layer's send: its plan's estimate, with (staged) its whole repack, which has no
+    # later layer's wire time to hide behind, and one write batch
+    kind = PlanKind.STAGED_SEND if staged else PlanKind.DIRECT
+    x = link.plan_costs(overlap_repack=False).seconds(kind, layer_bytes, segs) + link.per_batch_s
     ready = prefill_s * np.arange(1, n + 1) / n  # layer l computed at (l + 1) / n of the prefill
     tail = np.cumsum(x[::-1])[::-1]  # sends of layers l.. back to back
     ttft_lw = link.setup_s + float(np.max(ready + tail))

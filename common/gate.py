@@ -5,7 +5,7 @@ decode side (``CostGate``)? Send it layer by layer during the prefill, or whole 
 Every engine plugin that supports it consults a ``CostGate`` on the decode side when
 one is configured (off by default; settings ``cost_gate_enabled``, ``link``,
 ``cost_model``, ``cost_prefill_tps``, ``cost_decode_prefill_tps``, ``cost_queue_s`` of
-``kvbridge.common.settings.BridgeSettings``, documented in the README's "Settings").
+``kvbridge.common.settings.BridgeSettings``, documented in docs/settings.md).
 
 The verdict for a request comes from its prompt length and the prompt tokens the decode
 worker already holds (``kvbridge.common.costmodel.decide``): "move" when the prefill

@@ -54,30 +54,34 @@ class PeerState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    """Knobs shared by both sides (seconds unless named otherwise)."""
+    """Knobs shared by both sides (seconds unless named otherwise), made by
+    ``kvbridge.common.settings.BridgeSettings.handoff``: the deployment's settings (their
+    defaults are written there) and the transfer core's own fields (with defaults here)."""
 
-    deadline_s: float = 60.0  # a room must finish within this after it starts
-    heartbeat_s: float = 1.0  # receivers ping the senders they wait on this often
-    peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
-    quiesce_s: float = 1.0  # a failing receiver reports Failed after this at most; blocks a sender may still write stay quarantined
+    # the deployment's settings (BridgeSettings documents each)
+    deadline_s: float
+    heartbeat_s: float
+    peer_timeout_s: float
+    quiesce_s: float
+    chunk_bytes: int
+    secret: str = field(repr=False)
+    accepted_secrets: tuple[str, ...] = field(repr=False)
+    replay_window_s: float
+    allow_insecure: bool
+    model: str
+    recv_staging_bytes: int  # 0 on a sender
+    integrity: str
+    integrity_sample: float
+    costs: PlanCosts  # the plan chooser's figures, from the link (LinkProfile.plan_costs)
+    # the transfer core's own
     gone_drain_s: float = 1.0  # a sender whose control connection closed and that answers no probe within this is gone
-    chunk_bytes: int = 64 << 20  # a sender prepares the gather of this much payload at a time
     part_bytes: int = 16 << 20  # one gather + one write of a staged send (the ring's region size)
     ring_parts: int = 4  # regions of a sender worker's staging ring: parts gathered ahead of the wire
     first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
     prestage_slots: int = 4  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
     prestage_bytes: int = 16 << 20  # that first part (one slot of the sender's prestage buffer)
     write_timeout_s: float = 30.0  # bound on one chunk's write
-    secret: str = field(default="", repr=False)  # the key control frames are sealed with (kvbridge.common.auth); empty: auth off
-    accepted_secrets: tuple[str, ...] = field(default=(), repr=False)  # keys also accepted (a rotation)
-    replay_window_s: float = 30.0  # a sealed frame older or newer than this is refused
-    allow_insecure: bool = False  # a sender may bind a routable address without a secret
-    model: str = ""  # model name both sides must agree on (empty: not checked)
     kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
-    costs: PlanCosts = field(default_factory=PlanCosts)  # from the link: BridgeSettings.handoff() / LinkProfile.plan_costs()
-    recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
-    integrity: str = "off"  # receiver: "on" verifies every room's content digest, "sample" a fraction, "off" none
-    integrity_sample: float = 0.1  # the fraction of rooms "sample" verifies (chosen by room id)
 
     def verifies(self, room: int) -> bool:
         """Whether the receiver verifies ``room``'s content (``integrity``)."""
@@ -138,7 +142,11 @@ class ControlSide:
                  metrics: KVBridgeMetrics | None, bind_host: str | None):
         self.layout = layout
         self.transport = transport
-        self.config = config or HandoffConfig()
+        if config is None:  # the default settings'
+            from .settings import BridgeSettings
+
+            config = BridgeSettings().handoff()
+        self.config = config
         self.metrics = metrics or default_metrics()
         self._lock = threading.RLock()
         # authenticated peers only (with a secret); the cap is far above any fleet, and bounds the no-secret case

@@ -1,13 +1,16 @@
 """The settings every engine plugin shares, and the one reader of them.
 
 ``BridgeSettings`` holds what all three adapters (SGLang, TensorRT-LLM, vLLM) configure
-alike: handoff timing and auth, the Mooncake protocol, the link description the plans
-and the cost model use, and the per-request cost gate. Each adapter's config subclasses
+alike: this rank's address and the Mooncake transport, handoff timing and auth, the link
+description the plans and the cost model use, the per-request cost gate and what a
+prefill's SGLang-compatible bootstrap server reports. Each adapter's config subclasses
 it with its own engine-specific fields (and its own defaults where they differ).
-``read_settings`` builds any of them from a mapping (a JSON/YAML file or an engine's
-config object), environment variables ``<prefix><FIELD>`` and explicit overrides, later
-sources winning, with typed values and unknown names refused. The table of settings is
-in the README ("Settings"); the names are the same in every plugin.
+``BridgeSettings.load`` builds any of them from the JSON/YAML file named by
+``KVBRIDGE_CONFIG``, an engine's config mapping, environment variables
+``KVBRIDGE_<FIELD>`` and explicit overrides, later sources winning, with typed values and
+unknown names refused. The handoff state machines' ``HandoffConfig`` is made from these
+settings only (``BridgeSettings.handoff``). The table of settings is docs/settings.md;
+the names are the same in every plugin.
 
 Nothing here imports an engine.
 """
@@ -16,15 +19,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, TypeVar
+from typing import Any, ClassVar, Mapping, TypeVar
 
-from .costmodel import LinkProfile, resolve_link
+from .costmodel import LinkProfile, load_link
 from .rooms import INTEGRITY_MODES, HandoffConfig
+from .transport import P2PHANDSHAKE
 
-__all__ = ["BridgeSettings", "ConfigError", "LAYERWISE_AUTO", "parse_layerwise", "read_settings", "read_mapping_file"]
+__all__ = ["BridgeSettings", "ConfigError", "CONFIG_ENV", "ENV_PREFIX", "LAYERWISE_AUTO", "handoff_config",
+           "parse_layerwise"]
 
 T = TypeVar("T", bound="BridgeSettings")
+
+ENV_PREFIX = "KVBRIDGE_"  # every setting's environment variable: KVBRIDGE_<FIELD>, in every plugin
+CONFIG_ENV = "KVBRIDGE_CONFIG"  # names a JSON or YAML file of settings, in every plugin
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -53,12 +62,27 @@ def parse_layerwise(v: Any) -> "bool | str":
     raise ConfigError(f"setting layerwise={v!r} is not one of auto, true, false")
 
 
+def _comma_list(v: Any) -> str:
+    """A comma-separated setting, also given as a list (a YAML file's, a ``HandoffConfig``'s tuple)."""
+    return ",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else str(v)
+
+
+_HOST = re.compile(r"[^\s/]+")
+_METADATA = re.compile(r"[a-z][a-z0-9+.-]*://\S+|[^\s/:]+:\d{1,5}")
+_DEVICES = re.compile(r"[A-Za-z0-9_.:,-]*")
+
+
 @dataclass(frozen=True)
 class BridgeSettings:
     """Settings shared by every kvbridge engine plugin (seconds unless named otherwise).
 
+    Networking: ``host``, the address this rank binds and advertises (control sockets,
+    Mooncake); ``metadata_server`` (``P2PHANDSHAKE``: none; else a URL such as
+    ``http://host:port/metadata`` or an etcd ``host:port``), ``protocol`` (``tcp``,
+    ``rdma``, ``nvlink``) and ``device_name`` (InfiniBand devices, comma-separated; empty:
+    Mooncake's choice) go to Mooncake.
     Handoff: ``deadline_s``, ``heartbeat_s``, ``peer_timeout_s``, ``quiesce_s``,
-    ``chunk_bytes`` (see ``HandoffConfig``). Auth (``kvbridge.common.auth``): ``secret``
+    ``chunk_bytes`` (per field below). Auth (``kvbridge.common.auth``): ``secret``
     (the shared key every control, bus and rank-record frame is sealed with, at least 16
     bytes; empty: auth off, allowed only on loopback binds unless ``allow_insecure``),
     ``accepted_secrets`` (comma-separated keys also accepted: a rotation),
@@ -71,10 +95,14 @@ class BridgeSettings:
     rank over what landed) before the room is admitted, "sample" does so for a fraction
     ``integrity_sample`` of the rooms, "off" for none; a mismatch fails the room
     (``code="integrity"``), which the plugin's failure policy then handles.
-    Transport: ``protocol`` (Mooncake's: ``tcp``, ``rdma``, ``nvlink``).
     Link: ``link``, a preset (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or a
     ``kvbridge bench link --out`` file; empty: the preset of ``protocol``. It sets both
     the plan chooser's costs (``HandoffConfig.costs``) and the cost gate's figures.
+    SGLang interop (vLLM and TensorRT-LLM): ``sglang_page_size``, the page size a
+    prefill's SGLang-compatible bootstrap server reports (it must be the SGLang decode's
+    ``--page-size``: SGLang refuses a prefill whose reported page size differs; kvbridge
+    converts block sizes itself); ``discovery_timeout_s``, how long a decode waits for a
+    prefill's bootstrap server to list its ranks.
     Cost gate (decode side, off by default): ``cost_gate_enabled`` turns it on (on the
     link above), ``cost_model`` (a model preset or a Hugging Face ``config.json``;
     default: the served model's), ``cost_prefill_tps`` / ``cost_decode_prefill_tps``
@@ -88,22 +116,28 @@ class BridgeSettings:
     sends whole requests and says so once.
     """
 
-    # the handoff's defaults are HandoffConfig's, written there once
-    deadline_s: float = HandoffConfig.deadline_s
-    heartbeat_s: float = HandoffConfig.heartbeat_s
-    peer_timeout_s: float = HandoffConfig.peer_timeout_s
-    quiesce_s: float = HandoffConfig.quiesce_s
-    chunk_bytes: int = HandoffConfig.chunk_bytes
-    secret: str = field(default="", repr=False)
-    accepted_secrets: str = field(default="", repr=False)
-    replay_window_s: float = HandoffConfig.replay_window_s
-    allow_insecure: bool = HandoffConfig.allow_insecure
-    model: str = HandoffConfig.model
-    recv_staging_bytes: int = HandoffConfig.recv_staging_bytes
-    integrity: str = HandoffConfig.integrity
-    integrity_sample: float = HandoffConfig.integrity_sample
+    WHAT: ClassVar[str] = "kvbridge"  # how errors name these settings
+
+    host: str = "127.0.0.1"
+    metadata_server: str = P2PHANDSHAKE
     protocol: str = "tcp"
+    device_name: str = ""
+    deadline_s: float = 60.0  # a room must finish within this after it starts
+    heartbeat_s: float = 1.0  # receivers ping the senders they wait on this often
+    peer_timeout_s: float = 10.0  # a peer silent this long is gone; its rooms fail (a busy prefill can be slow to answer)
+    quiesce_s: float = 1.0  # a failing receiver reports Failed after this at most; blocks a sender may still write stay quarantined
+    chunk_bytes: int = 64 << 20  # a sender prepares the gather of this much payload at a time
+    secret: str = field(default="", repr=False)
+    accepted_secrets: str = field(default="", repr=False, metadata={"parse": _comma_list})
+    replay_window_s: float = 30.0  # a sealed frame older or newer than this is refused
+    allow_insecure: bool = False  # a sender may bind a routable address without a secret
+    model: str = ""  # model name both sides must agree on (empty: not checked)
+    recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
+    integrity: str = "off"  # receiver: "on" verifies every room's content digest, "sample" a fraction, "off" none
+    integrity_sample: float = 0.1  # the fraction of rooms "sample" verifies (chosen by room id)
     link: str = ""
+    sglang_page_size: int = 1
+    discovery_timeout_s: float = 30.0
     cost_gate_enabled: bool = False
     cost_model: str = ""
     cost_prefill_tps: float = 0.0
@@ -113,9 +147,17 @@ class BridgeSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layerwise", parse_layerwise(self.layerwise))  # frozen: normalised once here
-        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "replay_window_s"):
+        for name in ("deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "replay_window_s", "discovery_timeout_s",
+                     "sglang_page_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not _HOST.fullmatch(self.host):
+            raise ConfigError(f"host {self.host!r} is not a host name or address")
+        if self.metadata_server != P2PHANDSHAKE and not _METADATA.fullmatch(self.metadata_server):
+            raise ConfigError(f"metadata_server {self.metadata_server!r} is not {P2PHANDSHAKE}, a URL "
+                              "(http://host:port/metadata) or an etcd host:port")
+        if not _DEVICES.fullmatch(self.device_name):
+            raise ConfigError(f"device_name {self.device_name!r} is not a comma-separated list of device names")
         for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s", "recv_staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -151,18 +193,23 @@ class BridgeSettings:
 
     def link_profile(self) -> LinkProfile:
         """The link: ``link``, else the preset of ``protocol``; resolved once per settings
-        object (a measured-link file is read once: every cost these settings give comes
-        from the same figures)."""
+        object (every cost these settings give comes from the same figures; a file is
+        also read once per process, ``load_link``)."""
         link = self.__dict__.get("_link")
         if link is None:
-            link = resolve_link(self.link, self.protocol)
+            link = load_link(self.link, self.protocol)
             object.__setattr__(self, "_link", link)  # a cache beside the frozen fields, not a field
         return link
 
     def handoff(self, *, receiver: bool = False, **extra: Any) -> HandoffConfig:
         """The handoff state machines' settings, with the plan costs of this link
-        (receiver staging only on the decode side); ``extra``: other ``HandoffConfig``
-        fields."""
+        (receiver staging only on the decode side); ``extra``: the transfer core's own
+        ``HandoffConfig`` fields (``part_bytes``...), any other name refused."""
+        own = {f.name for f in fields(HandoffConfig)} - _FROM_SETTINGS
+        unknown = sorted(set(extra) - own)
+        if unknown:
+            raise ConfigError(f"unknown handoff fields {unknown}: the transfer core's own are {sorted(own)}; "
+                              "the others come from the settings")
         return HandoffConfig(deadline_s=self.deadline_s, heartbeat_s=self.heartbeat_s,
                              peer_timeout_s=self.peer_timeout_s, quiesce_s=self.quiesce_s,
                              chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model,
@@ -172,15 +219,27 @@ class BridgeSettings:
                              recv_staging_bytes=self.recv_staging_bytes if receiver else 0,
                              costs=self.link_profile().plan_costs(), **extra)
 
+    def transport(self):
+        """This rank's Mooncake transport, bound to ``host`` (``device_name`` only off TCP)."""
+        from .transport import MooncakeTransport
+
+        return MooncakeTransport(self.host, self.metadata_server, self.protocol,
+                                 self.device_name if self.protocol != "tcp" else "")
+
     @property
     def gate_on(self) -> bool:
         """Whether the decode side consults the cost gate."""
         return bool(self.cost_gate_enabled)
 
-    def make_cost_gate(self, default_model: str | Mapping[str, Any] | None = None):
+    def _served_config(self, served: Any) -> "str | Mapping[str, Any] | None":
+        """The served model's config for the cost model from what the engine knows of it
+        (here: a ``config.json`` path or a config dict, as given)."""
+        return served
+
+    def cost_gate(self, served: Any = None):
         """The per-request ``CostGate`` on this link, or None when the gate is off.
-        ``default_model``: the served model's config (a path or a dict), used when
-        ``cost_model`` is empty."""
+        ``served``: what the engine knows of the served model (``_served_config``), whose
+        config is the geometry when ``cost_model`` is empty."""
         if not self.gate_on:
             return None
         from .gate import CostGate
@@ -188,7 +247,7 @@ class BridgeSettings:
         try:
             return CostGate.from_settings(self.link_profile(), self.cost_model, prefill_tps=self.cost_prefill_tps,
                                           decode_prefill_tps=self.cost_decode_prefill_tps, queue_s=self.cost_queue_s,
-                                          default_model=default_model)
+                                          default_model=self._served_config(served))
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -207,19 +266,61 @@ class BridgeSettings:
         est = chooser.choose(int(prompt_tokens))
         return bool(est.layerwise), est.reason
 
-    def layerwise_chooser(self, default_model: str | Mapping[str, Any] | None = None):
+    def layerwise_chooser(self, served: Any = None):
         """The per-request layer-wise decision (``kvbridge.common.gate.LayerwiseChooser``)
         when ``layerwise`` is "auto", else None (``layerwise`` itself is the answer).
-        ``default_model``: the served model's config, used when ``cost_model`` is empty."""
+        ``served`` as in ``cost_gate``."""
         if self.layerwise != LAYERWISE_AUTO:
             return None
         from .gate import LayerwiseChooser
 
         try:
             return LayerwiseChooser.from_settings(self.link_profile(), self.cost_model, prefill_tps=self.cost_prefill_tps,
-                                                  default_model=default_model)
+                                                  default_model=self._served_config(served))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    @classmethod
+    def load(cls: type[T], base: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None, defaults: Mapping[str, Any] | None = None) -> T:
+        """Settings from, later sources winning: ``defaults`` (the engine's own), the file
+        named by ``KVBRIDGE_CONFIG``, ``base`` (an engine's config mapping), environment
+        variables ``KVBRIDGE_<FIELD>`` (upper case; ``environ``, default the process's),
+        ``overrides``. Values are converted to each field's type; unknown names in a file or
+        mapping and malformed values raise ConfigError naming the setting."""
+        env = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        path = env.get(CONFIG_ENV, "")
+        layers = [defaults or {}, _read_mapping_file(path, CONFIG_ENV) if path else {}, base or {}]
+        values: dict[str, Any] = {}
+        for source in layers + [overrides or {}]:
+            unknown = sorted(set(source) - set(known))
+            if unknown:
+                raise ConfigError(f"unknown {cls.WHAT} settings {unknown}; known: {sorted(known)}")
+        for source in layers:
+            values.update(source)
+        for name in known:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = raw
+        values.update(overrides or {})
+        return cls(**{name: _typed(name, v, known[name].default, known[name].metadata.get("parse"))
+                      for name, v in values.items()})
+
+
+def handoff_config(values: Mapping[str, Any], *, receiver: bool = False) -> HandoffConfig:
+    """A ``HandoffConfig`` from one mapping of shared settings and transfer-core fields, for
+    code that runs the core without a plugin (benches, tests): ``BridgeSettings.load``
+    with them as overrides and no environment, then ``handoff``; unknown names refused."""
+    shared = {f.name for f in fields(BridgeSettings)}
+    settings = BridgeSettings.load(overrides={k: v for k, v in values.items() if k in shared}, environ={})
+    return settings.handoff(receiver=receiver, **{k: v for k, v in values.items() if k not in shared})
+
+
+# the HandoffConfig fields BridgeSettings.handoff() fills from the settings
+_FROM_SETTINGS = frozenset({"deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "chunk_bytes", "secret", "model",
+                            "accepted_secrets", "replay_window_s", "allow_insecure", "integrity", "integrity_sample",
+                            "recv_staging_bytes", "costs"})
 
 
 def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:
@@ -241,36 +342,7 @@ def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:
         raise ConfigError(f"setting {name}={v!r} is not a {kind.__name__}: {e}") from None
 
 
-# settings every plugin also reads as KVBRIDGE_<NAME> (below its own prefix): the deployment's keys
-DEPLOYMENT_WIDE = ("secret", "accepted_secrets", "replay_window_s", "allow_insecure", "integrity", "integrity_sample")
-
-
-def read_settings(cls: type[T], base: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None,
-                  prefix: str = "KVBRIDGE_", overrides: Mapping[str, Any] | None = None, what: str = "kvbridge") -> T:
-    """``cls`` from ``base`` (a file's or an engine config's mapping), then environment
-    variables ``prefix + FIELD`` (upper case; for ``DEPLOYMENT_WIDE`` fields also
-    ``KVBRIDGE_FIELD``), then ``overrides``; values are converted
-    to each field's type; unknown names in ``base`` or ``overrides`` raise ConfigError."""
-    env = os.environ if environ is None else environ
-    known = {f.name: f for f in fields(cls)}
-    values: dict[str, Any] = {}
-    for source in (base or {}), (overrides or {}):
-        unknown = sorted(set(source) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown {what} settings {unknown}; known: {sorted(known)}")
-    values.update(base or {})
-    for name in known:
-        raw = env.get(prefix + name.upper())
-        if raw is None and name in DEPLOYMENT_WIDE:
-            raw = env.get("KVBRIDGE_" + name.upper())  # one key for the whole deployment, whatever the plugin
-        if raw is not None:
-            values[name] = raw
-    values.update(overrides or {})
-    return cls(**{name: _typed(name, v, known[name].default, known[name].metadata.get("parse"))
-                  for name, v in values.items()})
-
-
-def read_mapping_file(path: str, what: str = "config file") -> dict[str, Any]:
+def _read_mapping_file(path: str, what: str) -> dict[str, Any]:
     """A mapping of settings from a JSON or YAML (``.yaml`` / ``.yml``) file."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -289,4 +361,3 @@ def read_mapping_file(path: str, what: str = "config file") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of settings")
     return data
-

@@ -356,8 +356,8 @@ def _sglang_layerwise(srv: Any, room: int, timeout: float = 10.0) -> dict:
 def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version,
                    trtllm_settings, sglang_env):
     from kvbridge.adapters.trtllm import Handle, announce
-    from kvbridge.common.auth import Keyring
     from kvbridge.common.bootstrap import fetch_ranks
+    from kvbridge.common.settings import BridgeSettings
 
     from .sglang_server import HOST, generate_body, generate_output, new_room, post_json, sglang_server
     from .trtllm import StandInServer, run_until
@@ -368,7 +368,7 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
                           plugin={"host": HOST, "on_failure": "fail", "peer_timeout_s": 3.0, **trtllm_settings}) as trt:
         prog.done("start server", f"SGLang prefill up in {srv.ready_after_s:.1f}s at {srv.url}, bootstrap {HOST}:{boot}; "
                   f"TensorRT-LLM {trtllm_version} decode bus {trt.bus}")
-        src_desc = fetch_ranks(f"{HOST}:{boot}", 30.0, keyring=Keyring.from_env())["ranks"][0]["layout"]  # for re-planning in the report
+        src_desc = fetch_ranks(f"{HOST}:{boot}", 30.0, keyring=BridgeSettings.load().keyring())["ranks"][0]["layout"]  # for re-planning in the report
         dst_desc = trt.state()["layout"]
         results = []
         for prompt, ref in zip(prompts, refs):

@@ -9,7 +9,7 @@ from .digest import DIGEST_ALGORITHM, MAX_UNITS, DigestGrid, first_difference, g
 from .geometry import (SCALED_DTYPES, KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype,
                        check_compatible, dtype_itemsize, scale_mismatches)
 from .heads import HeadMap, tp_head_slice
-from .plan import PlanCosts, PlanKind, TransferPlan, plan_transfer, refused_kinds
+from .plan import KindEstimate, PlanCosts, PlanKind, TransferPlan, estimate_plan, plan_transfer, refused_kinds
 from .pools import alias_memory, allocate_pool
 from .repack import repack
 from .segments import Segments, block_ranges, check_segments_inside, coalesce, compile_segments, count_segments
@@ -32,6 +32,7 @@ __all__ = [
     "KVLayout",
     "LayoutError",
     "LayoutMismatchError",
+    "KindEstimate",
     "PlanCosts",
     "PlanKind",
     "Region",
@@ -48,6 +49,7 @@ __all__ = [
     "compile_segments",
     "count_segments",
     "dtype_itemsize",
+    "estimate_plan",
     "plan_transfer",
     "refused_kinds",
     "repack",

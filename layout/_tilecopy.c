@@ -40,9 +40,9 @@ static inline void row_nt128(char *d, const char *s, int64_t R) {
    engine did not madvise is in 4 KiB pages (THP madvise-only), and the hardware prefetcher
    stops at each page's end. Which prefetch pays differs by vendor, measured one thread, 512 MiB
    in 16 MiB parts, interleaved in one process:
-   - AMD EPYC (L3 32 MiB, 2026-12-02): non-temporal 2 KiB ahead, repack_ratio 0.77-0.82 without
+   - AMD EPYC (L3 32 MiB): non-temporal 2 KiB ahead, repack_ratio 0.77-0.82 without
      it, 0.81-0.87 with it (six runs each); 4 KiB ahead was slower, 1 KiB no better;
-   - Intel Xeon with AVX-512 (2026-12-03): that prefetch made the gather slower (7.9 against 8.7
+   - Intel Xeon with AVX-512: that prefetch made the gather slower (7.9 against 8.7
      GB/s without); into L2 (prefetcht2) 4 KiB ahead 10.1 GB/s, 2 KiB 9.8, 8 KiB 9.2. */
 #define NEXT_TILE_BYTES 2048
 #define STREAMED_WALK(NAME, ATTR, ROW, PF, LOC)                                                        \

@@ -35,7 +35,8 @@ from .heads import HeadMap
 from .repack import Gather, Scatter
 from .segments import Segments, compile_segments, count_or_compile, side_runs
 
-__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "TransferPlan", "refused_kinds", "plan_transfer"]
+__all__ = ["PlanKind", "PlanCosts", "PlanChunk", "KindEstimate", "TransferPlan", "refused_kinds", "plan_transfer",
+           "estimate_plan"]
 
 
 class PlanKind(str, Enum):
@@ -62,14 +63,14 @@ class PlanCosts:
     repack_bytes_per_s: float = 5e9
     overlap_repack: bool = True
 
-    def wire_s(self, nbytes: int, segments: int) -> float:
-        """Estimated seconds on the wire."""
-        return segments * self.segment_s + nbytes / self.wire_bytes_per_s
-
-    def staged_s(self, nbytes: int, segments: int) -> float:
-        """Estimated seconds for a repack plus a transfer (overlapped when configured)."""
+    def seconds(self, kind: "PlanKind | str", nbytes, segments):
+        """Estimated seconds of a ``kind`` plan moving ``nbytes`` in ``segments`` wire
+        segments: the wire, plus for a staged kind the repack (overlapped with the wire
+        when configured). The one formula behind the plan chooser and the cost gate."""
+        wire = segments * self.segment_s + nbytes / self.wire_bytes_per_s
+        if PlanKind(kind) is PlanKind.DIRECT:
+            return wire
         rep = nbytes / self.repack_bytes_per_s
-        wire = self.wire_s(nbytes, segments)
         return max(rep, wire) + min(rep, wire) / 8 if self.overlap_repack else rep + wire
 
 
@@ -209,24 +210,47 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _estimates(spec: CopySpec, costs: PlanCosts, kinds) -> tuple[dict[PlanKind, KindEstimate], dict[PlanKind, Segments]]:
+def _estimates(spec: CopySpec, costs: PlanCosts, kinds,
+               wires: dict[PlanKind, Segments] | None = None) -> dict[PlanKind, KindEstimate]:
     """Wire segments and estimated seconds of each allowed kind (direct's segment count is
-    exact for small plans, an upper bound for large ones; see ``count_segments``), and
-    the wire segments built on the way."""
+    exact for small plans, an upper bound for large ones; see ``count_segments``). The wire
+    segments built on the way go into ``wires`` (None: count only)."""
     out: dict[PlanKind, KindEstimate] = {}
-    wires: dict[PlanKind, Segments] = {}
     n = spec.nbytes
     for kind in kinds:
         if kind is PlanKind.DIRECT:
             segs, wire = count_or_compile(spec)
-            if wire is not None:
-                wires[kind] = wire
-            out[kind] = KindEstimate(kind, segs, costs.wire_s(n, segs), 0)
+        elif wires is None:
+            segs, wire = side_runs(spec, "dst" if kind is PlanKind.STAGED_SEND else "src")[0].size, None
         else:
-            wires[kind] = _wire(kind, spec)
-            segs = wires[kind].count
-            out[kind] = KindEstimate(kind, segs, costs.staged_s(n, segs), n)
-    return out, wires
+            wire = _wire(kind, spec)
+            segs = wire.count
+        if wire is not None and wires is not None:
+            wires[kind] = wire
+        out[kind] = KindEstimate(kind, segs, costs.seconds(kind, n, segs), 0 if kind is PlanKind.DIRECT else n)
+    return out
+
+
+def _usable_kinds(src: KVLayout, dst: KVLayout, kinds, force: PlanKind | None) -> tuple[PlanKind, ...]:
+    """The allowed kinds these layouts can use (``force`` added); LayoutError when none."""
+    allowed = tuple(PlanKind(k) for k in kinds)
+    refused = refused_kinds(src, dst)
+    if force is not None:
+        if force in refused:
+            raise LayoutError(f"cannot force {force.value}: {refused[force]}")
+        allowed = tuple(dict.fromkeys(allowed + (force,)))
+    if refused:
+        usable = tuple(k for k in allowed if k not in refused)
+        if not usable:
+            raise LayoutError(f"no plan kind among {[k.value for k in allowed]} can move {src.engine} -> "
+                              f"{dst.engine}: " + "; ".join(refused[k] for k in allowed))
+        allowed = usable
+    return allowed
+
+
+def _cheapest(est: dict[PlanKind, KindEstimate]) -> KindEstimate:
+    """The estimate the chooser takes: the fastest, direct on a tie."""
+    return min(est.values(), key=lambda e: (e.seconds, e.kind is not PlanKind.DIRECT))
 
 
 def refused_kinds(src: KVLayout, dst: KVLayout) -> dict[PlanKind, str]:
@@ -275,25 +299,21 @@ def plan_transfer(
     spec = CopySpec.build(
         src, src_blocks, dst, dst_blocks, tokens, heads, src_first_token=src_first_token, dst_first_token=dst_first_token
     )
-    allowed = tuple(PlanKind(k) for k in kinds)
-    refused = refused_kinds(src, dst)
-    if force is not None:
-        force = PlanKind(force)
-        if force in refused:
-            raise LayoutError(f"cannot force {force.value}: {refused[force]}")
-        allowed = tuple(dict.fromkeys(allowed + (force,)))
-    if refused:
-        usable = tuple(k for k in allowed if k not in refused)
-        if not usable:
-            raise LayoutError(f"no plan kind among {[k.value for k in allowed]} can move {src.engine} -> "
-                              f"{dst.engine}: " + "; ".join(refused[k] for k in allowed))
-        allowed = usable
-    est, wires = _estimates(spec, costs, allowed)
-    ranked = sorted(est.values(), key=lambda e: (e.seconds, e.kind is not PlanKind.DIRECT))
-    chosen = est[force] if force is not None else ranked[0]
+    force = PlanKind(force) if force is not None else None
+    wires: dict[PlanKind, Segments] = {}
+    est = _estimates(spec, costs, _usable_kinds(src, dst, kinds, force), wires)
+    chosen = est[force] if force is not None else _cheapest(est)
 
     wire = wires[chosen.kind] if chosen.kind in wires else _wire(chosen.kind, spec)
     return TransferPlan(chosen.kind, spec, wire, est, costs, forced=force is not None)
+
+
+def estimate_plan(spec: CopySpec, *, kinds: tuple[PlanKind | str, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND),
+                  costs: PlanCosts | None = None) -> KindEstimate:
+    """The estimate (kind, segments, seconds) of the plan ``plan_transfer`` would choose
+    for ``spec`` (``CopySpec.build`` of its arguments), without building that plan
+    (segments counted as the chooser counts them)."""
+    return _cheapest(_estimates(spec, costs or PlanCosts(), _usable_kinds(spec.src, spec.dst, kinds, None)))
 
 
 def _reason(spec: CopySpec, chosen: KindEstimate, est: dict, costs: PlanCosts, forced: bool) -> str:

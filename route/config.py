@@ -196,24 +196,24 @@ class RouteConfig(_S):
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     limits: Limits = msgspec.field(default_factory=Limits)
     health: HealthSpec = msgspec.field(default_factory=HealthSpec)
-    secret: str = ""  # the servers' key (empty: KVBRIDGE_SECRET): the router's room aborts are sealed with it
-    # the decode servers' integrity setting (empty: KVBRIDGE_INTEGRITY, else off) and sample fraction (negative:
-    # KVBRIDGE_INTEGRITY_SAMPLE, else 0.1): which rooms' content the decode compares, reported per response
+    secret: str = ""  # the servers' key (empty: the shared setting, KVBRIDGE_SECRET): the router's room aborts are sealed with it
+    # the decode servers' integrity setting and sample fraction (empty / negative: the shared settings',
+    # KVBRIDGE_INTEGRITY / KVBRIDGE_INTEGRITY_SAMPLE): which rooms' content the decode compares, reported per response
     integrity: str = ""
     integrity_sample: float = -1.0
 
     def integrity_check(self):
-        """A ``HandoffConfig`` carrying the decode servers' integrity setting (``verifies(room)``)."""
-        import os
+        """A ``HandoffConfig`` carrying the decode servers' integrity setting (``verifies(room)``):
+        the shared settings (``BridgeSettings.load``) with this file's values over them."""
+        from kvbridge.common.settings import BridgeSettings
 
-        from kvbridge.common.rooms import INTEGRITY_MODES, HandoffConfig
-
-        mode = self.integrity or os.environ.get("KVBRIDGE_INTEGRITY", "") or "off"
-        frac = self.integrity_sample if self.integrity_sample >= 0 else float(os.environ.get("KVBRIDGE_INTEGRITY_SAMPLE", 0.1))
-        if mode not in INTEGRITY_MODES or not 0.0 <= frac <= 1.0:
-            raise ConfigError(f"integrity: {mode!r} (one of {', '.join(INTEGRITY_MODES)}), integrity_sample {frac} "
-                              "(within [0, 1])")
-        return HandoffConfig(integrity=mode, integrity_sample=frac)
+        mine = {"integrity": self.integrity} if self.integrity else {}
+        if self.integrity_sample >= 0:
+            mine["integrity_sample"] = self.integrity_sample
+        try:
+            return BridgeSettings.load(overrides=mine).handoff()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def server(self, name: str) -> ServerSpec:
         for s in self.servers:

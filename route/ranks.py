@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from .config import ServerSpec
@@ -67,11 +66,12 @@ def bootstrap_endpoints(address: str, timeout_s: float = 2.0, keyring=None) -> l
 
 
 def route_keyring(secret: str = ""):
-    """The router's ``Keyring``: its config's ``secret``, else the deployment's
-    ``KVBRIDGE_SECRET``, accepting ``KVBRIDGE_ACCEPTED_SECRETS`` too (None: no secret)."""
-    from kvbridge.common.auth import Keyring
+    """The router's ``Keyring``: the deployment's shared settings (``KVBRIDGE_SECRET``,
+    ``KVBRIDGE_ACCEPTED_SECRETS``, ``KVBRIDGE_REPLAY_WINDOW_S``...), with its config's
+    ``secret`` when set (None: no secret)."""
+    from kvbridge.common.settings import BridgeSettings
 
-    return Keyring.from_env({**os.environ, "KVBRIDGE_SECRET": secret} if secret else None)
+    return BridgeSettings.load(overrides={"secret": secret} if secret else None).keyring()
 
 
 class PrefillRanks:

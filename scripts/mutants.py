@@ -209,6 +209,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the content digest reads rows in the canonical order (layer, K/V, head, token), the same whatever "
         "layout holds them",
         ("tests/layout/test_digest.py::test_both_sides_digest_the_same_content_and_name_a_flipped_byte",)),
+    Mutation(
+        "digest-fp8-scales", "layout/digest.py",
+        "    return np.where(s == 1.0, 0, s.view(np.uint32)).astype(np.uint64)\n",
+        "    return np.zeros(s.shape, dtype=np.uint64)\n",
+        "an fp8 unit's content digest covers its scale: equal bytes under another scale differ",
+        ("tests/layout/test_digest.py::test_fp8_scales_seed_the_units_they_scale",)),
     # -- the prestage (README: The transfer core)
     Mutation(
         "prestage-used", "common/send_pipeline.py",

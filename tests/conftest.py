@@ -17,7 +17,7 @@ from kvbridge.demo.secret import ensure_secret  # noqa: E402
 
 ensure_secret()
 # every room a decode pulls in the tests is verified: its content digest compared with the
-# sender's (KVBRIDGE_INTEGRITY, read by every plugin; HandoffConfig built by hand stays off)
+# sender's (KVBRIDGE_INTEGRITY, read by every plugin; settings.handoff_config reads no environment: off there)
 os.environ.setdefault("KVBRIDGE_INTEGRITY", "on")
 
 

@@ -1,4 +1,4 @@
-"""Layer-wise sends on an SGLang prefill rank (``layerwise`` on; issue 20).
+"""Layer-wise sends on an SGLang prefill rank (``layerwise`` on).
 
 Two AROUND hooks, registered and applied by the prefill rank's manager
 (``install_prefill_hooks``, from ``KVBridgeKVManager.__init__``, in the scheduler process

@@ -83,26 +83,28 @@ class KVBridgeKVManager(CommonKVManager):
         self._kvb_dtype = resolve_kv_dtype(args, server_args, getattr(self._kvb_model, "dtype", None))
         self._kvb_decode = disaggregation_mode == DisaggregationMode.DECODE
         self._kvb_refused: dict[str, tuple[str, float]] = {}  # decode: prefill address -> (why SGLang refused it, when)
-        self._kvb_host = get_local_ip_auto()
         self._kvb_lock = threading.Lock()
         self._kvb_closed = threading.Event()
         timeout = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()) + float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-        # the shared settings (README "Settings"): handoff timing, link (the plans' costs), cost gate;
+        # the shared settings (docs/settings.md): handoff timing, link (the plans' costs), cost gate;
         # recv_staging_bytes: staging a decode rank offers its senders (staged_recv plans, e.g.
         # prefill TP 2 -> decode TP 1 MHA, where direct writes are per token)
         decode = disaggregation_mode == DisaggregationMode.DECODE
+        sglang_host = get_local_ip_auto()  # where SGLang binds this rank's sockets; kvbridge's by default
         self.kvb_settings = SglangBridgeConfig.load(ib_device=getattr(args, "ib_device", None) or "",
-                                                    sglang_timeout_s=timeout)
+                                                    sglang_timeout_s=timeout, host=sglang_host)
+        self._kvb_host = self.kvb_settings.host
         self.kvb_config = self.kvb_settings.handoff(receiver=decode)
-        self.kvb_gate = self.kvb_settings.cost_gate_for(server_args) if decode else None
+        self.kvb_gate = self.kvb_settings.cost_gate(server_args) if decode else None
         # every rank record and ABORT notice sealed with the deployment's secret (None: auth off);
-        # a prefill's sender and its Common PULL socket (ABORT notices) bind self._kvb_host, a
-        # routable address: refused without a secret unless allow_insecure (ValueError)
+        # a prefill's sender binds self._kvb_host and its Common PULL socket (ABORT notices)
+        # SGLang's address: a routable one is refused without a secret unless allow_insecure (ValueError)
         self.kvb_keyring = self.kvb_settings.keyring()
         if disaggregation_mode == DisaggregationMode.PREFILL:
-            check_bind(self._kvb_host, self.kvb_settings.secret, self.kvb_settings.allow_insecure,
-                       "the kvbridge SGLang prefill (its control endpoint and ABORT socket)")
-        self.transport = self.kvb_settings.transport(self._kvb_host)
+            for host in dict.fromkeys((self._kvb_host, sglang_host)):
+                check_bind(host, self.kvb_settings.secret, self.kvb_settings.allow_insecure,
+                           "the kvbridge SGLang prefill (its control endpoint and ABORT socket)")
+        self.transport = self.kvb_settings.transport()
         self.kv_sender: Optional[KVSender] = None
         self.kv_receiver: Optional[KVReceiver] = None
         self.layout: Optional[KVLayout] = None
@@ -123,7 +125,7 @@ class KVBridgeKVManager(CommonKVManager):
 
                 install_decode_hooks()
             elif layerwise_wanted(self.kvb_settings):
-                self.kvb_layerwise_chooser = self.kvb_settings.layerwise_chooser_for(server_args)
+                self.kvb_layerwise_chooser = self.kvb_settings.layerwise_chooser(server_args)
                 self.kvb_streamer = install_prefill_hooks(self)
         except Exception:
             self._close_kvbridge()

@@ -1,13 +1,13 @@
 """The plugin's own settings (TensorRT-LLM's ``kv_connector_config`` only names classes).
 
 Read, later entries winning, from: defaults; the JSON or YAML file named by
-``KVBRIDGE_TRTLLM_CONFIG``; environment variables ``KVBRIDGE_<FIELD>`` (e.g.
+``KVBRIDGE_CONFIG``; environment variables ``KVBRIDGE_<FIELD>`` (e.g.
 ``KVBRIDGE_BUS_PORT=18500``, ``KVBRIDGE_ON_FAILURE=fail``), the process's own and then
 the ``KVBRIDGE_*`` entries of the LLM args' ``env_overrides`` (TensorRT-LLM pickles the
 LLM args to every rank, whatever spawned it: the one source that reaches every rank on
 every launch path); explicit overrides. A rank that none of these reached takes rank 0's
 settings over MPI at ``register_kv_caches`` (``agree_with_rank0``). The settings every
-plugin shares (handoff timing, link, cost gate) are
+plugin shares (networking, handoff timing, link, cost gate) are
 ``kvbridge.common.settings.BridgeSettings``'s, read by its reader.
 """
 
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
-from kvbridge.common.settings import BridgeSettings, ConfigError, read_mapping_file, read_settings
+from kvbridge.common.settings import CONFIG_ENV, ENV_PREFIX, BridgeSettings, ConfigError
 
-__all__ = ["BridgeConfig", "ConfigError", "CONFIG_ENV", "settings_environ", "agree_with_rank0"]
+__all__ = ["BridgeConfig", "ConfigError", "settings_environ", "agree_with_rank0"]
 
-CONFIG_ENV = "KVBRIDGE_TRTLLM_CONFIG"
-PREFIX = "KVBRIDGE_"
+RETIRED_CONFIG_ENV = "KVBRIDGE_TRTLLM_CONFIG"  # the plugin's former name for KVBRIDGE_CONFIG
 # settings each rank may set for itself: its own address (ranks on other nodes), its TP rank
 RANK_LOCAL = ("host", "tp_rank")
 
@@ -32,12 +31,12 @@ def settings_environ(llm_args: Any = None, environ: Mapping[str, str] | None = N
     ``env_overrides`` (``LlmArgs.env_overrides``, applied by TensorRT-LLM's ``worker_main``
     on every rank; read here too, so they count whichever path started the rank)."""
     env = os.environ if environ is None else environ
-    out = {k: v for k, v in env.items() if k.startswith(PREFIX)}
+    out = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
     overrides = getattr(llm_args, "env_overrides", None) or {}
     if not isinstance(overrides, Mapping):
         raise ConfigError(f"llm_args.env_overrides must be a mapping of variable names to values, "
                           f"got {type(overrides).__name__}")
-    out.update({str(k): str(v) for k, v in overrides.items() if str(k).startswith(PREFIX)})
+    out.update({str(k): str(v) for k, v in overrides.items() if str(k).startswith(ENV_PREFIX)})
     return out
 
 
@@ -45,21 +44,18 @@ def settings_environ(llm_args: Any = None, environ: Mapping[str, str] | None = N
 class BridgeConfig(BridgeSettings):
     """Settings of one TensorRT-LLM server's kvbridge plugin.
 
-    Networking: ``host`` is the address this server's ranks bind and advertise (control
-    sockets and the Mooncake transfer engine); ``bus_port`` is where rank 0's connector
+    Networking (``host``, ``metadata_server``, ``protocol``, ``device_name``: shared
+    settings; ``protocol="rdma"`` on GPU hosts): ``bus_port`` is where rank 0's connector
     scheduler listens (its *bus*: rank coordination, and the discovery endpoint a router
     gives decode servers: ``tcp://host:bus_port``); 0 picks a free port.
     ``scheduler_endpoint`` names rank 0's bus explicitly for ranks that cannot learn it
-    over MPI. ``metadata_server``, ``protocol`` and ``device_name`` go to Mooncake
-    (``protocol="rdma"`` on GPU hosts).
+    over MPI.
 
     SGLang interop: ``sglang_bootstrap_port`` >= 0 makes rank 0 run an SGLang-compatible
     bootstrap server on that port (0: any free port; -1, the default: none) and register
     every rank's kvbridge record there, so SGLang decode servers on the kvbridge backend
     find this prefill server (a request names it with ``bootstrap_host`` /
-    ``bootstrap_port``). ``sglang_page_size`` is the page size that server reports: it
-    must be the SGLang decode's ``--page-size``, since SGLang's decode refuses a prefill
-    whose reported page size differs from its own (kvbridge converts block sizes itself).
+    ``bootstrap_port``); it reports the shared ``sglang_page_size``. The shared
     ``discovery_timeout_s``: how long a decode request whose handle names an SGLang
     bootstrap address (``Handle.bootstrap``) waits for that prefill's ranks.
     Announced handles (``handle.announce``) are held until their request comes, at most
@@ -71,7 +67,7 @@ class BridgeConfig(BridgeSettings):
     Behaviour: ``on_failure`` is what a decode server does when a handoff fails:
     ``"recompute"`` the prompt itself, or ``"fail"`` the request. Handoff timing, auth,
     ``protocol``, ``link`` and the cost gate are the shared settings
-    (``BridgeSettings``; README "Settings"). With the gate on, below break-even a request
+    (``BridgeSettings``; docs/settings.md). With the gate on, below break-even a request
     is computed on this decode server and the prefill's room released; its model
     geometry defaults to the served model's config (from the LLM args).
 
@@ -89,11 +85,10 @@ class BridgeConfig(BridgeSettings):
     ``world_size`` (ranks that run a connector worker).
     """
 
-    host: str = "127.0.0.1"
+    WHAT: ClassVar[str] = "kvbridge TensorRT-LLM"
+
     bus_port: int = 0
     scheduler_endpoint: str = ""
-    metadata_server: str = "P2PHANDSHAKE"
-    device_name: str = ""
     on_failure: str = "recompute"
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 3.0
@@ -106,8 +101,6 @@ class BridgeConfig(BridgeSettings):
     tp_rank: int = -1
     world_size: int = 0
     sglang_bootstrap_port: int = -1
-    sglang_page_size: int = 1
-    discovery_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,42 +113,27 @@ class BridgeConfig(BridgeSettings):
         if self.block_order not in ("", "HND", "NHD"):
             raise ConfigError(f"block_order must be 'HND' or 'NHD' (or empty: from the attention backend), "
                               f"got {self.block_order!r}")
-        if self.sglang_page_size <= 0:
-            raise ConfigError(f"sglang_page_size must be positive (the SGLang decode's --page-size), "
-                              f"got {self.sglang_page_size}")
-        if self.discovery_timeout_s <= 0:
-            raise ConfigError(f"discovery_timeout_s must be positive, got {self.discovery_timeout_s}")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
              llm_args: Any = None) -> "BridgeConfig":
-        """Settings from the config file, the environment, ``llm_args.env_overrides`` and ``overrides``."""
+        """Settings from the config file, the environment, ``llm_args.env_overrides`` and
+        ``overrides``; the retired ``KVBRIDGE_TRTLLM_CONFIG`` is refused, naming ``KVBRIDGE_CONFIG``."""
         env = settings_environ(llm_args, environ)
-        path = env.get(CONFIG_ENV, "")
-        base = read_mapping_file(path, CONFIG_ENV) if path else {}
-        return read_settings(cls, base, environ=env, overrides=overrides, what="kvbridge TensorRT-LLM")
+        if RETIRED_CONFIG_ENV in env:
+            raise ConfigError(f"{RETIRED_CONFIG_ENV}: no longer read; every plugin reads its settings file from "
+                              f"{CONFIG_ENV}")
+        return super().load(environ=env, overrides=overrides)
 
     def differences(self, other: "BridgeConfig") -> list[str]:
         """The names of the settings (rank-local ones aside) whose values differ from ``other``'s."""
         return [f.name for f in fields(self) if f.name not in RANK_LOCAL and getattr(self, f.name) != getattr(other, f.name)]
 
-    def cost_gate(self, served_model: Any = None):
-        """The per-request cost gate (``kvbridge.common.gate.CostGate``), or None when the
-        gate is off. ``served_model``: the LLM args' model (a directory with a
-        ``config.json``), used when ``cost_model`` is empty."""
-        return self.make_cost_gate(_served_config(served_model))
-
-    def layerwise_chooser_for(self, served_model: Any = None):
-        """The per-request layer-wise decision (``kvbridge.common.gate.LayerwiseChooser``)
-        when ``layerwise`` is "auto", else None. ``served_model`` as in ``cost_gate``."""
-        return self.layerwise_chooser(_served_config(served_model))
-
-
-def _served_config(served_model: Any) -> str | None:
-    """The served model's folder when it holds a ``config.json`` (the LLM args' model), else None."""
-    if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
-        return os.fspath(served_model)
-    return None
+    def _served_config(self, served_model: Any) -> str | None:
+        """The LLM args' model when it is a folder holding a ``config.json``, else None."""
+        if isinstance(served_model, (str, os.PathLike)) and os.path.isfile(os.path.join(served_model, "config.json")):
+            return os.fspath(served_model)
+        return None
 
 
 def agree_with_rank0(mine: BridgeConfig, configured: bool, rank0: BridgeConfig, rank0_configured: bool, rank: int,

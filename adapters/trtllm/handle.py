@@ -55,16 +55,17 @@ def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s
     ``tcp://host:bus_port``) that its next request with this prompt plays ``handle``.
     Returns once the server has it; call it before sending the request. Raises
     AnnounceError when the server does not answer in ``timeout_s`` or refuses.
-    ``keyring``: the deployment's ``Keyring`` (default: one for ``KVBRIDGE_SECRET``), the
-    announcement and its answer are sealed with it."""
+    ``keyring``: the deployment's ``Keyring`` (default: the shared settings', e.g.
+    ``KVBRIDGE_SECRET``), the announcement and its answer are sealed with it."""
     import zmq
 
-    from kvbridge.common.auth import AuthError, Keyring
+    from kvbridge.common.auth import AuthError
+    from kvbridge.common.settings import BridgeSettings
 
     from . import bus as B
 
     if keyring is None:
-        keyring = Keyring.from_env()
+        keyring = BridgeSettings.load().keyring()
 
     key = prompt_key(prompt_token_ids)
     nonce = next(_nonces)

@@ -141,7 +141,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         self._discovering: dict[str, float] = {}
         self._parked: dict[str, list] = {}  # prefill -> orders waiting for its endpoints
         self.gate = self.cfg.cost_gate(_get(llm_args, "model", None))
-        self.layerwise_chooser = self.cfg.layerwise_chooser_for(_get(llm_args, "model", None))  # layerwise=auto
+        self.layerwise_chooser = self.cfg.layerwise_chooser(_get(llm_args, "model", None))  # layerwise=auto
         self.layerwise_decisions: OrderedDict[int, bool] = OrderedDict()  # request id -> layer-wise or not (prefill halves)
         self.fallbacks: OrderedDict[int, dict] = OrderedDict()  # request id -> why it is computed here
         self.idle_wake = IdleWake(self.world_size)  # wakes 1.2's idle executor for released blocks (rank 0's worker attaches it)
@@ -297,7 +297,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
         if int(request.context_remaining_length) > 0:
             log.warning("kvbridge: room %s: request %s finished before its prefill did; not serving it", h.room, rid)
             with self._lock:
-                self._issue(B.AbortRoom(req=rid, room=h.room))
+                self._issue(B.Drop(req=rid, room=h.room, reason="prefill request ended before its prompt was computed"))
             return False
         tokens = request.get_tokens(0)
         first = int(tokens[prompt_len]) if len(tokens) > prompt_len else -1

@@ -85,7 +85,12 @@ class _LayerSend:
 def find_executor() -> Any:
     """The PyExecutor whose ``_maybe_init_kv_connector_manager`` is calling
     ``register_kv_caches`` (a few frames up): its ``kv_cache_manager`` gives the pool's
-    geometry, its ``active_requests`` and ``cancel_request`` what a failed load needs."""
+    geometry, its ``active_requests`` and ``cancel_request`` what a failed load needs.
+
+    Found as the caller because TensorRT-LLM offers no other way: ``PyExecutor`` hands
+    ``register_kv_caches`` only the pool tensor (``kv_cache_manager.get_unique_primary_pool()``
+    in ``_maybe_init_kv_connector_manager``, every version indexed), and neither the
+    connector manager nor the worker it builds keeps a reference to the executor."""
     frame = inspect.currentframe()
     try:
         f = frame.f_back if frame else None
@@ -146,7 +151,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._released_ids: OrderedDict[int, None] = OrderedDict()  # requests whose blocks this rank let go of (1.2)
         self._released_lock = threading.Lock()  # release callbacks run on the sender's threads
         self._apply_order = {B.Open: self._open, B.Send: self._send_in_order, B.Load: self._load, B.Verdict: self._verdict,
-                             B.Decline: self._decline, B.AbortRoom: self._abort}
+                             B.Decline: self._decline, B.Drop: self._drop}
 
     # -- KvCacheConnectorWorker (TensorRT-LLM calls these on every rank) ------------------------
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor):
@@ -154,8 +159,6 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         primary pool ``[num_blocks, layers, kv_factor, heads * tokens_per_block *
         head_dim]`` (HND inside a block): describe it from the executor's KV cache
         manager, register it with Mooncake, start the sender and receiver, join rank 0's bus."""
-        from kvbridge.common.transport import MooncakeTransport
-
         if self.layout is not None:
             raise RuntimeError("register_kv_caches called twice")
         self._scheduler_ep = self._join_rank0(world_size(self._llm_args, self.cfg))  # settings agreed first
@@ -172,7 +175,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._attach_idle_wake()
         self.layout = model_scales(self._executor, pool_layout(kv_cache_tensor, geo))
         cfg = self.cfg
-        self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        self.transport = cfg.transport()
         log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())
         hc = cfg.handoff()
         self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=hc)
@@ -513,10 +516,10 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self.sender.send_chunk(o.room, np.asarray(o.blocks, dtype=np.int64), s.streamed_to, o.stop, last=True,
                                first_token=0, aux=aux)
 
-    def _abort(self, o: B.AbortRoom) -> None:
+    def _drop(self, o: B.Drop) -> None:
         s = self._sends.pop(o.req, None)
         if s is not None and s.opened:
-            self.sender.abort(s.room, "prefill request ended before its prompt was computed")
+            self.sender.abort(s.room, o.reason or "prefill request ended")
             self._forget_sent.add(s.room)
 
     # -- a load's end ---------------------------------------------------------------------
@@ -558,7 +561,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         request's blocks are freed only once no sender can write into them (the room is
         aborted at once, so the senders stop and prove it). With TP > 1 the ranks would
         free at different iterations and their block pools diverge, so the free stays
-        TensorRT-LLM's (README, Limits)."""
+        TensorRT-LLM's (adapters/trtllm/README.md, Limits)."""
         kvm = getattr(self._executor, "kv_cache_manager", None)
         free = getattr(kvm, "free_resources", None)
         if free is None or self.tp_size != 1 or getattr(free, "_kvbridge_held", False):
@@ -604,7 +607,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         """A load whose request the engine has dropped (its client cancelled it) is aborted:
         on 1.2 TensorRT-LLM frees such a request's blocks at once (the connector API has no
         hook for it), so the prefill must stop writing into them as soon as we can tell.
-        Pieces already in flight can still land: see README's Limits."""
+        Pieces already in flight can still land: see adapters/trtllm/README.md, Limits."""
         loading = [ld for ld in self._loads.values() if ld.started and not ld.gone and not ld.released.is_set()]
         if self._executor is None or not loading:
             return

@@ -37,11 +37,12 @@ import torch
 from kvbridge.common.bootstrap import (BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record,
                                        seal_record)
 from kvbridge.common.handoff import KVReceiver, KVSender
+from kvbridge.common.orders import Drop, Load, Open, Send
 from kvbridge.layout import (SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout,
                              vllm_paged_layout)
 
 from .config import ConfigError, VllmBridgeConfig
-from .scheduler import Drop, KVBridgeMetadata, Load, Open, Send
+from .scheduler import KVBridgeMetadata
 
 __all__ = ["KVBridgeWorker", "layout_from_vllm"]
 
@@ -206,8 +207,6 @@ class KVBridgeWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the cache, register it with Mooncake, start the sender / receiver and
         (prefill, TP rank 0) the bootstrap server."""
-        from kvbridge.common.transport import MooncakeTransport
-
         if self.layout is not None:
             raise RuntimeError("register_kv_caches called twice")
         try:
@@ -218,7 +217,7 @@ class KVBridgeWorker:
             self.tp_rank, self.tp_size = 0, 1
         self.layout = layout_from_vllm(kv_caches, self.vllm_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         cfg = self.cfg
-        self.transport = MooncakeTransport(cfg.host, cfg.metadata_server, cfg.protocol, cfg.device_name)
+        self.transport = cfg.transport()
         log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())
         if self.producer:
             self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=cfg.handoff(receiver=False))

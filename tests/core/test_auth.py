@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from kvbridge.common import protocol as P
 from kvbridge.common.auth import MIN_SECRET_BYTES, OVERHEAD, AuthError, Keyring, check_bind, is_loopback, key_id
-from kvbridge.common.rooms import HandoffConfig
-from kvbridge.common.settings import BridgeSettings, ConfigError, read_settings
+from kvbridge.common.settings import BridgeSettings, ConfigError
 
 K1 = "k1-" + "a" * 29
 K2 = "k2-" + "b" * 29
@@ -130,10 +129,10 @@ def test_short_keys_are_refused_and_the_secret_is_never_printed():
     with pytest.raises(ConfigError, match=r"accepted_secrets\[0\] is 3 bytes"):
         BridgeSettings(secret=K1, accepted_secrets="abc")
     with pytest.raises(ConfigError, match="secret is 5 bytes"):
-        read_settings(BridgeSettings, environ={"KVBRIDGE_SECRET": "short"})
-    s = read_settings(BridgeSettings, environ={"KVBRIDGE_SECRET": K1, "KVBRIDGE_ACCEPTED_SECRETS": f"{K2}, "})
+        BridgeSettings.load(environ={"KVBRIDGE_SECRET": "short"})
+    s = BridgeSettings.load(environ={"KVBRIDGE_SECRET": K1, "KVBRIDGE_ACCEPTED_SECRETS": f"{K2}, "})
     assert s.accepted_list == (K2,)
-    for obj in (s, s.handoff(), s.keyring(), HandoffConfig(secret=K1, accepted_secrets=(K2,))):
+    for obj in (s, s.handoff(), s.keyring()):
         assert K1 not in repr(obj) and K2 not in repr(obj) and K1 not in str(obj)
     assert key_id(K1).hex() in repr(s.keyring())
 
@@ -163,8 +162,8 @@ def test_a_sender_refuses_a_routable_bind_without_a_secret():
     kw = dict(host="0.0.0.0", metrics=KVBridgeMetrics(CollectorRegistry()))
     try:
         with pytest.raises(HandoffFailed, match="KVBRIDGE_SECRET"):
-            KVSender(lay, t, config=HandoffConfig(), **kw)
-        KVSender(lay, t, config=HandoffConfig(allow_insecure=True), **kw).close()
-        KVSender(lay, t, config=HandoffConfig(secret=K1), **kw).close()
+            KVSender(lay, t, config=BridgeSettings().handoff(), **kw)
+        KVSender(lay, t, config=BridgeSettings(allow_insecure=True).handoff(), **kw).close()
+        KVSender(lay, t, config=BridgeSettings(secret=K1).handoff(), **kw).close()
     finally:
         t.close()

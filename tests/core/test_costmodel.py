@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvbridge.common.costmodel import (
@@ -16,8 +17,10 @@ from kvbridge.common.costmodel import (
     break_even_prompt_len,
     decide,
     load_link,
+    model_layout,
     predict_handoff_s,
 )
+from kvbridge.layout import PlanKind, plan_transfer
 
 LINK = LinkProfile("test", bandwidth_bytes_per_s=1e9, per_segment_s=10e-6, setup_s=1e-3, repack_bytes_per_s=4e9)
 
@@ -33,16 +36,39 @@ def test_handoff_prediction_parts():
     assert h.wire_s == pytest.approx((1 << 30) / 1e9)
     assert h.segments_s == pytest.approx(64e-5)
     assert h.total_s == pytest.approx(1e-3 + (1 << 30) / 1e9 + 64e-5)
-    # staged and overlapped: only the first part's repack (1 MiB at 4 GB/s) shows
+    # staged and overlapped, as the plan chooser prices it: the longer of the repack (1 GiB
+    # at 4 GB/s) and the wire, plus an eighth of the shorter
     s = predict_handoff_s(1 << 30, 64, LINK, staged=True)
-    assert s.repack_s == pytest.approx((1 << 20) / 4e9)
-    assert predict_handoff_s(1 << 30, 64, LINK, staged=True, first_part_bytes=4 << 20).repack_s == pytest.approx((4 << 20) / 4e9)
+    rep = (1 << 30) / 4e9
+    assert s.repack_s == pytest.approx(rep / 8) and s.total_s == pytest.approx(h.total_s + rep / 8)
     # not overlapped: all of it
-    assert predict_handoff_s(1 << 30, 64, LINK, staged=True, overlapped=False).repack_s == pytest.approx((1 << 30) / 4e9)
-    # a repack slower than the wire shows beyond the wire time
+    assert predict_handoff_s(1 << 30, 64, LINK, staged=True, overlapped=False).repack_s == pytest.approx(rep)
+    # a repack slower than the wire shows beyond the wire time, with an eighth of the wire
     slow = LinkProfile("slow-repack", 1e9, 0, 0, 0.5e9)
     r = predict_handoff_s(1 << 30, 1, slow, staged=True)
-    assert r.total_s == pytest.approx((1 << 30) / 0.5e9, rel=1e-3)
+    assert r.total_s == pytest.approx((1 << 30) / 0.5e9 + (1 << 30) / 1e9 / 8)
+
+
+@pytest.mark.parametrize("link, model, prompt, held", [
+    ("tcp", "llama3-8b", 4096, 0),  # a direct plan
+    ("nvlink", "llama3-8b", 32768, 0),  # staged: direct's segment count is the chooser's upper bound
+    ("tcp", "llama3-70b", 4096, 100),  # staged, from a held prefix
+    ("rdma", "deepseek-v3", 1000, 37),  # MLA, direct
+])
+def test_the_gate_prices_a_handoff_with_the_plan_choosers_own_figure(link, model, prompt, held):
+    """One formula: the cost gate's handoff is the link's setup plus the estimate
+    ``plan_transfer`` chose its plan by, between pools of the model (blocks in order)."""
+    lk, m = LINK_PRESETS[link], MODEL_PRESETS[model]
+    lay = model_layout(m, prompt)
+    blocks = np.arange(lay.first_block, lay.first_block + -(-prompt // lay.tokens_per_block))
+    plan = plan_transfer(lay, blocks, lay, blocks, (held, prompt), costs=lk.plan_costs(),
+                         kinds=(PlanKind.DIRECT, PlanKind.STAGED_SEND))
+    chosen = plan.estimates[plan.kind]
+    v = CostGate(m, lk).check(prompt, held)
+    assert v.decision.handoff.total_s == lk.setup_s + chosen.seconds
+    assert v.decision.details["segments"] == chosen.segments
+    assert v.decision.details["staged"] is (plan.kind is not PlanKind.DIRECT)
+    assert decide(m, lk, prompt, held_tokens=held, plan=plan).handoff.total_s == lk.setup_s + chosen.seconds
 
 
 def test_decision_compares_first_token_times():

@@ -24,8 +24,9 @@ from kvbridge.adapters.trtllm.config import BridgeConfig
 from kvbridge.adapters.trtllm.worker import KVBridgeConnectorWorker, _LayerSend, _Saving
 from kvbridge.common import protocol as P
 from kvbridge.common.blocks import BlockLease
-from kvbridge.common.handoff import HandoffConfig, KVReceiver, RoomState
+from kvbridge.common.handoff import KVReceiver, RoomState
 from kvbridge.common.metrics import KVBridgeMetrics
+from kvbridge.common.settings import BridgeSettings
 from kvbridge.common.transport import MooncakeTransport
 from kvbridge.layout.pools import allocate_pool
 
@@ -58,7 +59,8 @@ def test_a_sender_not_proven_quiet_is_asked_to_stop_every_heartbeat():
     lay = allocate_pool("sglang", layers=2, total_heads=2, head_dim=16, dtype="bf16", tokens_per_block=16,
                         num_blocks=32, tp_size=1, tp_rank=0, seed=3)
     transport = MooncakeTransport("127.0.0.1")
-    recv = KVReceiver(lay, transport, config=HandoffConfig(heartbeat_s=0.1, quiesce_s=0.2, peer_timeout_s=30.0),
+    cfg = BridgeSettings(heartbeat_s=0.1, quiesce_s=0.2, peer_timeout_s=30.0).handoff(receiver=True)
+    recv = KVReceiver(lay, transport, config=cfg,
                       metrics=KVBridgeMetrics(CollectorRegistry()))
     prefill = zmq.Context.instance().socket(zmq.ROUTER)
     prefill.setsockopt(zmq.LINGER, 0)

@@ -1,4 +1,4 @@
-"""When to send a request's KV layer by layer (issue 20, item 4): the cost model's
+"""When to send a request's KV layer by layer: the cost model's
 decision (``decide_layerwise``), the ``layerwise: auto | true | false`` setting and its
 per-request chooser, and `kvbridge plan` showing the decision.
 
@@ -17,7 +17,7 @@ import pytest
 
 from kvbridge.common.costmodel import (LINK_PRESETS, MODEL_PRESETS, LinkProfile, decide_layerwise, layer_plan_segments,
                                        model_layout)
-from kvbridge.common.settings import BridgeSettings, ConfigError, read_settings
+from kvbridge.common.settings import BridgeSettings, ConfigError
 from kvbridge.layout import PlanKind, plan_transfer
 
 M8B = MODEL_PRESETS["llama3-8b"]
@@ -33,10 +33,9 @@ def _reference(model, link: LinkProfile, prompt_len: int, prefill_s: float) -> t
     nbytes = model.layers * model.kv_factor * model.kv_heads * model.head_dim * model.dtype_bytes * prompt_len
     wire = nbytes / link.bandwidth_bytes_per_s
     whole = prefill_s + link.setup_s + wire + whole_plan.num_segments * link.per_segment_s
-    if whole_plan.kind is not PlanKind.DIRECT:  # staged: the first MiB's repack shows, the rest hides behind the wire
-        full = nbytes / link.repack_bytes_per_s
-        first = min(nbytes, 1 << 20) / link.repack_bytes_per_s
-        whole += first + max(0.0, full - first - (wire + whole_plan.num_segments * link.per_segment_s))
+    if whole_plan.kind is not PlanKind.DIRECT:  # staged: the longer of repack and wire, plus an eighth of the shorter
+        rep, on_wire = nbytes / link.repack_bytes_per_s, wire + whole_plan.num_segments * link.per_segment_s
+        whole += max(rep, on_wire) + min(rep, on_wire) / 8 - on_wire
     t_link = link.setup_s
     for layer in range(model.layers):
         v = lay.layer_range(layer, layer + 1)
@@ -67,7 +66,7 @@ def test_decision_flips_with_link_and_prompt_length(link, prompt_len, expect):
     assert est.layerwise is expect is (lw < 0.9 * whole), est.reason
     assert est.reason.startswith("LAYER-WISE" if expect else "WHOLE")
     assert est.bytes == 32 * 2 * 8 * 128 * 2 * prompt_len
-    # the bound of the issue: about max(prefill, transfer) + one layer's transfer
+    # the bound layer-wise sends are held to: about max(prefill, transfer) + one layer's transfer
     assert est.ttft_layerwise_s <= est.bound_layerwise_s + 1e-12
     assert est.bound_layerwise_s == pytest.approx(lk.setup_s + max(prefill, est.transfer_layerwise_s - lk.setup_s)
                                                   + est.one_layer_s)
@@ -103,14 +102,14 @@ def test_decision_bad_input_is_named():
 @pytest.mark.parametrize("raw, want", [("auto", "auto"), ("AUTO", "auto"), ("true", True), ("on", True), ("1", True),
                                        ("false", False), ("off", False), ("0", False), (True, True), (False, False)])
 def test_layerwise_setting_words(raw, want):
-    assert read_settings(BridgeSettings, {"layerwise": raw}).layerwise == want
-    assert read_settings(BridgeSettings, environ={"KVBRIDGE_LAYERWISE": str(raw)}).layerwise == want
+    assert BridgeSettings.load({"layerwise": raw}, environ={}).layerwise == want
+    assert BridgeSettings.load(environ={"KVBRIDGE_LAYERWISE": str(raw)}).layerwise == want
     assert BridgeSettings(layerwise=raw).layerwise == want
 
 
 def test_layerwise_setting_refuses_other_words():
     with pytest.raises(ConfigError, match="layerwise='sometimes'.*auto, true, false"):
-        read_settings(BridgeSettings, {"layerwise": "sometimes"})
+        BridgeSettings.load({"layerwise": "sometimes"}, environ={})
     with pytest.raises(ConfigError, match="layerwise"):
         BridgeSettings(layerwise="2")
 
@@ -174,7 +173,7 @@ def test_both_plugins_ask_one_decision():
         env = {"KVBRIDGE_LAYERWISE": mode, "KVBRIDGE_LINK": "tcp", "KVBRIDGE_COST_MODEL": "llama3-8b"}
         sgl = SglangBridgeConfig.load(environ=env)
         trt = BridgeConfig.load(environ=env)
-        chooser = trt.layerwise_chooser_for(None)
+        chooser = trt.layerwise_chooser(None)
         assert (chooser is None) is (mode != "auto")
         for n in lens:
             want = chooser.choose(n).layerwise if mode == "auto" else mode == "true"

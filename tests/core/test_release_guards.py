@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 
 from kvbridge.common import protocol as P
-from kvbridge.common.handoff import HandoffConfig, KVReceiver, KVSender, RoomState
+from kvbridge.common.handoff import KVReceiver, KVSender, RoomState
 from kvbridge.common.metrics import KVBridgeMetrics
 from kvbridge.common.sender import _SendRoom
+from kvbridge.common.settings import BridgeSettings
 from kvbridge.common.metrics import HandoffRecord
 from kvbridge.common.transport import MooncakeTransport
 from kvbridge.layout.pools import allocate_pool
 from prometheus_client import CollectorRegistry
 
-CFG = HandoffConfig(peer_timeout_s=0.5, heartbeat_s=0.1, quiesce_s=0.2, deadline_s=30.0)
+CFG = BridgeSettings(peer_timeout_s=0.5, heartbeat_s=0.1, quiesce_s=0.2, deadline_s=30.0).handoff()
 
 
 @pytest.fixture(scope="module")

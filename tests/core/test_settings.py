@@ -11,9 +11,9 @@ import pytest
 from kvbridge.adapters.sglang.config import SglangBridgeConfig
 from kvbridge.adapters.trtllm.config import BridgeConfig
 from kvbridge.adapters.vllm.config import VllmBridgeConfig
-from kvbridge.common.costmodel import (LINK_PRESETS, ModelGeometry, decide, link_for_protocol, model_layout,
-                                       request_plan, resolve_link)
-from kvbridge.common.settings import BridgeSettings, ConfigError, read_settings
+from kvbridge.common import costmodel
+from kvbridge.common.costmodel import LINK_PRESETS, ModelGeometry, decide, load_link, model_layout, request_estimate
+from kvbridge.common.settings import BridgeSettings, ConfigError, handoff_config
 from kvbridge.layout import PlanCosts, PlanKind, allocate_pool, plan_transfer
 
 SMALL = ModelGeometry("small", layers=2, kv_heads=4, head_dim=32, kv_factor=2, dtype_bytes=2, params=1e8, hidden=128,
@@ -22,11 +22,11 @@ SMALL = ModelGeometry("small", layers=2, kv_heads=4, head_dim=32, kv_factor=2, d
 
 def test_tcp_preset_is_the_plan_default_and_each_protocol_has_a_preset():
     assert LINK_PRESETS["tcp"].plan_costs() == PlanCosts()
-    assert link_for_protocol("rdma") is LINK_PRESETS["rdma"] and link_for_protocol("nvlink") is LINK_PRESETS["nvlink"]
+    assert load_link("", "rdma") is LINK_PRESETS["rdma"] and load_link("", "nvlink") is LINK_PRESETS["nvlink"]
     assert "nominal" in LINK_PRESETS["rdma"].source and "measured" in LINK_PRESETS["tcp"].source
-    assert resolve_link("", "rdma") is LINK_PRESETS["rdma"] and resolve_link("nvlink", "tcp") is LINK_PRESETS["nvlink"]
+    assert load_link("nvlink", "tcp") is LINK_PRESETS["nvlink"] and load_link() is LINK_PRESETS["tcp"]
     with pytest.raises(ValueError, match="carrier"):
-        link_for_protocol("carrier")
+        load_link("", "carrier")
 
 
 @pytest.mark.parametrize("link", ["tcp", "nvlink"])
@@ -44,23 +44,23 @@ def test_cost_model_counts_the_segments_of_the_plan_it_would_run(link, held, pro
     assert d.details["staged"] is (plan.kind is not PlanKind.DIRECT)
     assert d.handoff.bytes == plan.nbytes
     lay = model_layout(SMALL, prompt)
-    assert request_plan(lay, lay, (held, prompt), LINK_PRESETS[link]).num_segments == plan.num_segments
+    assert request_estimate(lay, lay, (held, prompt), LINK_PRESETS[link]) == plan.estimates[plan.kind]
 
 
 def test_settings_reader_types_names_and_link():
-    s = read_settings(BridgeSettings, {"peer_timeout_s": "4"}, environ={"KVBRIDGE_LINK": "nvlink",
-                                                                        "KVBRIDGE_COST_GATE_ENABLED": "true"})
+    s = BridgeSettings.load({"peer_timeout_s": "4"}, environ={"KVBRIDGE_LINK": "nvlink",
+                                                              "KVBRIDGE_COST_GATE_ENABLED": "true"})
     assert s.peer_timeout_s == 4.0 and s.gate_on and s.handoff().costs == LINK_PRESETS["nvlink"].plan_costs()
     # no link: the preset of the protocol in use
-    assert read_settings(BridgeSettings, environ={"KVBRIDGE_PROTOCOL": "rdma"}).handoff().costs == \
+    assert BridgeSettings.load(environ={"KVBRIDGE_PROTOCOL": "rdma"}).handoff().costs == \
         LINK_PRESETS["rdma"].plan_costs()
     # a link alone costs the plans; the gate stays off
-    s = read_settings(BridgeSettings, environ={"KVBRIDGE_LINK": "nvlink"})
-    assert not s.gate_on and s.link_profile() is LINK_PRESETS["nvlink"] and s.make_cost_gate() is None
+    s = BridgeSettings.load(environ={"KVBRIDGE_LINK": "nvlink"})
+    assert not s.gate_on and s.link_profile() is LINK_PRESETS["nvlink"] and s.cost_gate() is None
     with pytest.raises(ConfigError, match="unknown"):
-        read_settings(BridgeSettings, {"peer_timout_s": 1}, environ={})
+        BridgeSettings.load({"peer_timout_s": 1}, environ={})
     with pytest.raises(ConfigError, match="boolean"):
-        read_settings(BridgeSettings, environ={"KVBRIDGE_COST_GATE_ENABLED": "maybe"})
+        BridgeSettings.load(environ={"KVBRIDGE_COST_GATE_ENABLED": "maybe"})
     with pytest.raises(ConfigError, match="link"):
         BridgeSettings(link="carrier-pigeon")
 
@@ -69,7 +69,7 @@ def test_link_file_from_bench_link(tmp_path):
     f = tmp_path / "link.json"
     f.write_text(json.dumps({"name": "here", "bandwidth_bytes_per_s": 3e9, "per_segment_s": 1e-5, "setup_s": 1e-3,
                              "repack_bytes_per_s": 6e9}))
-    s = read_settings(BridgeSettings, environ={"KVBRIDGE_LINK": str(f)})
+    s = BridgeSettings.load(environ={"KVBRIDGE_LINK": str(f)})
     assert s.handoff().costs == PlanCosts(segment_s=1e-5, wire_bytes_per_s=3e9, repack_bytes_per_s=6e9)
     # read once: the plan costs, the cost gate and the layer-wise chooser of these settings
     # keep the figures they started with, whatever happens to the file afterwards
@@ -81,7 +81,7 @@ def test_link_file_from_bench_link(tmp_path):
 
 
 def test_every_plugin_takes_the_link_from_the_same_setting():
-    env = {"KVBRIDGE_LINK": "nvlink", "KVBRIDGE_VLLM_LINK": "nvlink"}
+    env = {"KVBRIDGE_LINK": "nvlink"}
     want = LINK_PRESETS["nvlink"].plan_costs()
     assert BridgeConfig.load(environ=env).handoff().costs == want
     assert VllmBridgeConfig.load({}, environ=env).handoff(receiver=True).costs == want
@@ -114,3 +114,109 @@ def test_sglang_settings_keep_their_environment_names_and_defaults(tmp_path):
     assert c.heartbeat_s == 0.25 and c.link_profile() is LINK_PRESETS["nvlink"]
     with pytest.raises(ConfigError, match="cost_prefill_tps"):
         SglangBridgeConfig.load(environ={"KVBRIDGE_COST_PREFILL_TPS": "fast"})
+
+
+# -- networking and SGLang interop: shared settings, one reader --------------------------------
+# (setting, a good value, a bad value, what the refusal says)
+NEW_SETTINGS = [
+    ("host", "10.1.2.3", "bad host", "not a host name or address"),
+    ("metadata_server", "http://10.0.0.1:8080/metadata", "localhost", "metadata_server 'localhost' is not"),
+    ("device_name", "mlx5_0,mlx5_1", "mlx5 0", "device_name 'mlx5 0' is not"),
+    ("discovery_timeout_s", "12.5", "0", "discovery_timeout_s must be positive"),
+    ("sglang_page_size", "64", "-1", "sglang_page_size must be positive"),
+]
+PLUGINS = {
+    "shared": lambda env: BridgeSettings.load(environ=env),
+    "sglang": lambda env: SglangBridgeConfig.load(environ=env),
+    "trtllm": lambda env: BridgeConfig.load(environ=env),
+    "vllm": lambda env: VllmBridgeConfig.load({}, environ=env),
+}
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGINS))
+@pytest.mark.parametrize("name, good, bad, why", NEW_SETTINGS, ids=[s[0] for s in NEW_SETTINGS])
+def test_networking_and_interop_settings_are_shared(tmp_path, plugin, name, good, bad, why):
+    """Each is a ``BridgeSettings`` field every plugin reads the same way: from
+    ``KVBRIDGE_<NAME>`` and from the ``KVBRIDGE_CONFIG`` file; a bad value is refused
+    naming the setting."""
+    load = PLUGINS[plugin]
+    field_type = type(getattr(BridgeSettings(), name))
+    assert getattr(load({f"KVBRIDGE_{name.upper()}": good}), name) == field_type(good)
+    f = tmp_path / "kvbridge.json"
+    f.write_text(json.dumps({name: field_type(good)}))
+    assert getattr(load({"KVBRIDGE_CONFIG": str(f)}), name) == field_type(good)
+    with pytest.raises(ConfigError, match=why):
+        load({f"KVBRIDGE_{name.upper()}": bad})
+    with pytest.raises(ConfigError, match=name):
+        BridgeSettings(**{name: field_type(bad)})
+
+
+def test_one_prefix_and_one_settings_file_for_every_plugin(tmp_path):
+    """vLLM reads ``KVBRIDGE_<NAME>`` like the others; the retired names are refused by
+    name, not silently ignored; ``KVBRIDGE_CONFIG`` names the file for all three, under an
+    engine's own mapping (vLLM's ``kv_connector_extra_config``) and the environment."""
+    assert VllmBridgeConfig.load({}, environ={"KVBRIDGE_BOOTSTRAP_PORT": "8998"}).bootstrap_port == 8998
+    with pytest.raises(ConfigError, match="KVBRIDGE_VLLM_BOOTSTRAP_PORT.*KVBRIDGE_BOOTSTRAP_PORT"):
+        VllmBridgeConfig.load({}, environ={"KVBRIDGE_VLLM_BOOTSTRAP_PORT": "8998"})
+    f = tmp_path / "kvbridge.yaml"
+    f.write_text("deadline_s: 7\nheartbeat_s: 0.25\n")
+    with pytest.raises(ConfigError, match="KVBRIDGE_TRTLLM_CONFIG.*KVBRIDGE_CONFIG"):
+        BridgeConfig.load(environ={"KVBRIDGE_TRTLLM_CONFIG": str(f)})
+    env = {"KVBRIDGE_CONFIG": str(f), "KVBRIDGE_HEARTBEAT_S": "0.5"}
+    for cfg in (BridgeConfig.load(environ=env), SglangBridgeConfig.load(environ=env),
+                VllmBridgeConfig.load({"deadline_s": 8}, environ=env)):
+        assert cfg.heartbeat_s == 0.5 and cfg.deadline_s == (8.0 if isinstance(cfg, VllmBridgeConfig) else 7.0)
+    f.write_text("bus_port: 1\n")  # another plugin's setting in a file this one reads: refused by name
+    with pytest.raises(ConfigError, match="unknown kvbridge vLLM settings \\['bus_port'\\]"):
+        VllmBridgeConfig.load({}, environ={"KVBRIDGE_CONFIG": str(f)})
+
+
+def test_handoff_config_is_made_from_the_settings_only():
+    """``HandoffConfig`` has no defaults of its own for the settings: it comes from
+    ``BridgeSettings.handoff`` (or ``handoff_config`` over one mapping), which takes only
+    the transfer core's own fields besides and refuses any other name."""
+    from kvbridge.common.rooms import HandoffConfig
+
+    with pytest.raises(TypeError):
+        HandoffConfig()
+    s = BridgeSettings(deadline_s=5.0, recv_staging_bytes=4096)
+    h = s.handoff(receiver=True, write_timeout_s=9.0)
+    assert (h.deadline_s, h.recv_staging_bytes, h.write_timeout_s, h.costs) == (5.0, 4096, 9.0, PlanCosts())
+    assert s.handoff().recv_staging_bytes == 0
+    with pytest.raises(ConfigError, match=r"unknown handoff fields \['deadline_s'\]"):
+        s.handoff(deadline_s=1.0)  # a setting goes through the settings
+    with pytest.raises(ConfigError, match=r"unknown handoff fields \['write_timeout'\]"):
+        s.handoff(write_timeout=1.0)
+    assert handoff_config({"deadline_s": "5", "part_bytes": 1 << 20}).part_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="nope"):
+        handoff_config({"nope": 1})
+
+
+def test_a_link_file_is_read_once_per_process(tmp_path, monkeypatch):
+    """Every settings object, plugin config, cost gate and layer-wise chooser naming the
+    same file gets the figures of one read; a file rewritten (another modification time or size) is
+    read again by whoever resolves it next, while settings made before keep theirs."""
+    from kvbridge.common.gate import CostGate, LayerwiseChooser
+
+    reads = []
+    real = costmodel._read_link_file
+    monkeypatch.setattr(costmodel, "_read_link_file", lambda p: reads.append(p) or real(p))
+    f = tmp_path / "link.json"
+    f.write_text(json.dumps({"name": "here", "bandwidth_bytes_per_s": 3e9, "per_segment_s": 1e-5, "setup_s": 1e-3,
+                             "repack_bytes_per_s": 6e9}))
+    env = {"KVBRIDGE_LINK": str(f), "KVBRIDGE_COST_MODEL": "llama3-8b"}
+    first = BridgeSettings.load(environ=env)
+    for _ in range(3):
+        BridgeSettings.load(environ=env).handoff()
+        BridgeConfig.load(environ=env).handoff()
+        SglangBridgeConfig.load(environ=env).handoff()
+        VllmBridgeConfig.load({}, environ=env).handoff(receiver=True)
+        CostGate.from_settings(str(f), "llama3-8b")
+        LayerwiseChooser.from_settings(str(f), "llama3-8b")
+        assert load_link(str(f)) is first.link_profile()
+    assert len(reads) == 1
+    f.write_text(json.dumps({"name": "rewritten", "bandwidth_bytes_per_s": 1e9, "per_segment_s": 1e-4,
+                             "setup_s": 1e-3, "repack_bytes_per_s": 2e9}))
+    later = BridgeSettings.load(environ=env)
+    assert later.link_profile().name == "rewritten" and first.link_profile().name == "here" and len(reads) == 2
+    assert BridgeSettings.load(environ=env).link_profile() is later.link_profile() and len(reads) == 2

@@ -55,24 +55,16 @@ def engine_read(spec: dict, tensors: list, blocks, positions) -> np.ndarray:
 
 
 def _config(cfg: dict, receiver: bool = False):
-    """The peer's HandoffConfig. With ``link`` (a link preset or file), built the way the
-    engine plugins build it: the shared settings from ``KVBRIDGE_*`` through their reader
-    (``kvbridge.common.settings``), then ``handoff()``, whose plan costs follow the link."""
-    from dataclasses import fields
-
-    from kvbridge.common.handoff import HandoffConfig
-    from kvbridge.common.settings import BridgeSettings, read_settings
+    """The peer's HandoffConfig, built the way the engine plugins build it: the shared
+    settings through their reader (``kvbridge.common.settings``; none from this process's
+    environment), then ``handoff()``, whose plan costs follow the link."""
+    from kvbridge.common.settings import handoff_config
     from kvbridge.layout import PlanKind
 
     cfg = dict(cfg)
     if "kinds" in cfg:
         cfg["kinds"] = tuple(PlanKind(k) for k in cfg["kinds"])
-    if "link" not in cfg:
-        return HandoffConfig(**cfg)
-    shared = {f.name for f in fields(BridgeSettings)}
-    env = {"KVBRIDGE_" + k.upper(): str(v) for k, v in cfg.items() if k in shared}
-    settings = read_settings(BridgeSettings, environ=env)
-    return settings.handoff(receiver=receiver, **{k: v for k, v in cfg.items() if k not in shared})
+    return handoff_config(cfg, receiver=receiver)
 
 
 def until(cond, deadline: float, what: str) -> None:

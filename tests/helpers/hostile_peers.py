@@ -125,7 +125,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
     lay, _ = build_pool(spec)
     alloc = BlockFreeList(lay.first_block, lay.num_blocks, spec["seed"] + 11)
     transport = MooncakeTransport("127.0.0.1")
-    recv = KVReceiver(lay, transport, config=_config(cfg))
+    recv = KVReceiver(lay, transport, config=_config(cfg, receiver=True))
     snaps: dict[str, list[np.ndarray]] = {}
     conn.send(("ready", transport.session_id, alloc.free_count, lay.describe()))
 

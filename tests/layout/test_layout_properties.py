@@ -19,6 +19,7 @@ from kvbridge.layout import (
     HeadMap,
     KVLayout,
     PlanKind,
+    estimate_plan,
     plan_transfer,
     sglang_mha_layout,
     sglang_mla_layout,
@@ -162,6 +163,10 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
     by_runs = sum(sel.size * spec.src.num_layers * spec.src.kv_factor * int(np.prod([d[0] for d in dims] or [1]))
                   for sel, _, dims in _classes(spec))
     assert count_segments(spec, exact_limit=0) == by_runs
+    # the estimate the chooser picks a plan by, counted without building the plan (the cost gate's figure)
+    args = (src, sblocks, dst, dblocks, (sc["start"], sc["stop"]))
+    chosen = plan_transfer(*args, src_first_token=src_first, kinds=tuple(PlanKind))
+    assert estimate_plan(chosen.spec, kinds=tuple(PlanKind)) == chosen.estimates[chosen.kind]
 
 
 def engine_kv_of(kind: str, pool, blocks, tpb: int, tokens, heads, head_dim: int) -> torch.Tensor:

@@ -87,7 +87,7 @@ def test_trtllm_prefill_to_sglang_decode(tiny_llama_dir, version):
 
 
 def test_trtllm_layerwise_prefill_to_sglang_decode(tiny_llama_dir):
-    """The TensorRT-LLM prefill with layer-wise sends on (issue 20): each layer of the prompt
+    """The TensorRT-LLM prefill with layer-wise sends on: each layer of the prompt
     goes from ``save_kv_layer`` while the next computes, the sampled first token follows with
     the sender's ``finish``; SGLang's real decode continues from it."""
     r = _run(tiny_llama_dir, reverse=True, trtllm_version="main", trtllm_settings={"layerwise": True})
@@ -98,7 +98,7 @@ def test_trtllm_layerwise_prefill_to_sglang_decode(tiny_llama_dir):
 
 
 def test_sglang_layerwise_prefill_to_trtllm_decode(tiny_llama_dir):
-    """SGLang's real prefill with layer-wise sends on (issue 20): each layer of the prompt goes
+    """SGLang's real prefill with layer-wise sends on: each layer of the prompt goes
     from the hooked ``set_kv_buffer`` while the next computes, the first token follows with
     the sender's ``finish``; the TensorRT-LLM stand-in's decode continues from it."""
     r = _run(tiny_llama_dir, trtllm_version="main", sglang_settings={"layerwise": True})

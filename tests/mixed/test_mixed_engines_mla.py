@@ -51,7 +51,7 @@ def test_mla_between_sglang_and_trtllm(tiny_mla_dir, reverse, version):
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["sglang->trtllm", "trtllm->sglang"])
 def test_mla_layerwise_between_sglang_and_trtllm(tiny_mla_dir, reverse):
-    """Layer-wise sends of MLA latent rows across engines (issue 20): the prefill (SGLang's
+    """Layer-wise sends of MLA latent rows across engines: the prefill (SGLang's
     real server, or the TensorRT-LLM stand-in) hands each layer over as its forward writes
     it, the first token follows with ``finish``; the other engine decodes. Greedy tokens
     against transformers' ``generate()``, exactly the prompt's latent rows moved, one piece

@@ -1,4 +1,4 @@
-"""Layer-wise sends from SGLang's REAL prefill server (issue 20), on CPU.
+"""Layer-wise sends from SGLang's REAL prefill server, on CPU.
 
 The prefill runs with ``KVBRIDGE_LAYERWISE=true``: kvbridge's plugin hooks
 ``Scheduler.run_batch`` and ``MHATokenToKVPool.set_kv_buffer`` through SGLang's
@@ -157,11 +157,11 @@ def test_auto_decides_per_prompt_length_from_the_cost_model(tiny_llama_dir):
 
     args = SimpleNamespace(model_path=str(tiny_llama_dir))
     env = {"KVBRIDGE_LAYERWISE": "auto", "KVBRIDGE_LINK": "tcp"}
-    served = SglangBridgeConfig.load(environ=env).layerwise_chooser_for(args)
+    served = SglangBridgeConfig.load(environ=env).layerwise_chooser(args)
     assert isinstance(served, LayerwiseChooser)
     assert (served.model.layers, served.model.kv_heads) == (2, 2) and str(tiny_llama_dir) in served.model.source, served.model
     auto = SglangBridgeConfig.load(environ={**env, "KVBRIDGE_COST_MODEL": "llama3-8b"})
-    chooser = auto.layerwise_chooser_for(args)
+    chooser = auto.layerwise_chooser(args)
     assert chooser.model.name == "llama3-8b"
     assert layerwise_wanted(auto, None, chooser) is True  # the hooks are installed
     lens = (16, 128, 1024, 4096)
@@ -171,5 +171,5 @@ def test_auto_decides_per_prompt_length_from_the_cost_model(tiny_llama_dir):
     assert layerwise_wanted(auto, 4096, None) is False  # no chooser: whole
     for word, forced in (("true", True), ("off", False)):
         s = SglangBridgeConfig.load(environ={**env, "KVBRIDGE_LAYERWISE": word})
-        assert s.layerwise_chooser_for(args) is None
+        assert s.layerwise_chooser(args) is None
         assert all(layerwise_wanted(s, n, None) is forced for n in lens)

@@ -225,9 +225,10 @@ def test_strangers_cannot_repoint_a_rank_or_abort_a_room(kvbridge_pair, tiny_lla
     from kvbridge.adapters.sglang.manager import ABORT_DOMAIN, abort_seal_payload
     from kvbridge.common.auth import Keyring
     from kvbridge.common.bootstrap import open_route_info
+    from kvbridge.common.settings import BridgeSettings
     from tests.helpers.sglang_servers import new_room
 
-    ring = Keyring.from_env()
+    ring = BridgeSettings.load().keyring()
     assert ring is not None, "the test servers run with KVBRIDGE_SECRET (tests/conftest.py)"
     boot = f"http://127.0.0.1:{kvbridge_pair.bootstrap_port}"
     q = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"

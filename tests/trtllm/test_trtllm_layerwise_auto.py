@@ -55,5 +55,5 @@ def test_auto_refuses_without_a_geometry():
     cfg = BridgeConfig.load(overrides={"layerwise": "auto"}, environ={})
     assert cfg.layerwise == "auto"
     with pytest.raises(ConfigError, match="layerwise=auto needs the model geometry"):
-        cfg.layerwise_chooser_for("/nonexistent")
+        cfg.layerwise_chooser("/nonexistent")
     assert BridgeConfig.load(environ={"KVBRIDGE_LAYERWISE": "true"}).layerwise is True  # the bool forms still work

@@ -2,8 +2,8 @@
 fact's source is in adapters/trtllm/README.md), and the plugin works under it.
 
 A plugin is only as true as the stand-in it is tested against: these tests pin down the
-facts the old test driver got wrong, each of which hid a defect of the plugin in a real
-TensorRT-LLM (issue 16): the C++ request copy ``get_num_new_matched_tokens`` receives,
+facts a test driver can get wrong, each of which would hide a defect of the plugin in a real
+TensorRT-LLM: the C++ request copy ``get_num_new_matched_tokens`` receives,
 1.2's Python request without ``py_disaggregated_params``, main's connector module path and
 its ``wait_for_initialization``, the executor's refusals, block reuse as the only path to
 the connector, and the geometry the executor forces.
@@ -105,9 +105,9 @@ def test_plugin_inherits_the_bases_at_the_versions_path(version, base_module):
 
 
 def test_no_transceiver_variant():
-    """The cache-transceiver variant is gone (issue 16): TensorRT-LLM has no registry for an
+    """There is no cache-transceiver variant: TensorRT-LLM has no registry for an
     out-of-tree transceiver, its executor looks ``create_kv_cache_transceiver`` up by the
-    name it imported into ``_util``, and ``context_phase_params`` is read-only; the README
+    name it imported into ``_util``, and ``context_phase_params`` is read-only; adapters/trtllm/README.md
     says so."""
     import importlib.util
     from pathlib import Path

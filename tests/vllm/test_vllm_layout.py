@@ -34,7 +34,7 @@ def test_layout_matches_vllms_own_kernel():
     this host (bfloat16 on AMX hosts picks 'amx'), kvbridge refuses that one by name."""
     r = run_script("kernel_layout.py")
     amx = r.pop("amx")
-    for case, res in amx.items():  # vLLM's 'amx' reshape, where vLLM can call it: the README's formulas
+    for case, res in amx.items():  # vLLM's 'amx' reshape, where vLLM can call it: docs/vllm.md's formulas
         assert not res["ran"] or (res["k_formula"] and res["v_formula"]), (case, res)
     want = {f"{dt} {isa} bs{bs} hd{hd}" for dt in ("torch.float32", "torch.bfloat16")
             for isa, bs, hd in (("vec", 32, 32), ("vec16", 32, 80), ("vec16", 16, 64), ("vec16", 16, 48))}

@@ -63,7 +63,7 @@ for dtype, (isa, bs, hd) in [(d, c) for d in (torch.float32, torch.bfloat16) for
                        "row_strides": [list(p) for p in lay.row_strides], "nonzero_elems": int((one != 0).sum())}
 
 # 'amx' (bfloat16 on AMX hosts): kvbridge refuses it; what vLLM's own reshape kernel does,
-# where it runs (also on hosts without AMX), is recorded against the formulas the README
+# where it runs (also on hosts without AMX), is recorded against the formulas docs/vllm.md
 # states, element offsets inside one (block, head) K or V tile of block size bs, head size hd:
 #   K (t, j): (t // 16) * 16 * hd + (j // 2) * 32 + (t % 16) * 2 + j % 2
 #   V (t, j): (j // 16) * 16 * bs + (t // 2) * 32 + (j % 16) * 2 + t % 2
