@@ -149,6 +149,7 @@ class KVSender(ControlSide, SendPipeline):
             ring = staging_buffer(max(2, cfg.ring_parts) * cfg.part_bytes, layout.device or "cpu")  # faulted in now
             transport.register_tensor(ring)
             self._rings.append(ring)
+        self._own_staging = list(self._rings)  # registered by this sender, unregistered at close
         # first parts gathered ahead of their requests (see _prestage): one slot per room
         self._slot_bytes = max(0, cfg.prestage_bytes)
         self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
@@ -157,6 +158,7 @@ class KVSender(ControlSide, SendPipeline):
             self._prestage_buf = staging_buffer(len(self._prestage_free) * self._slot_bytes,
                                                 layout.device or "cpu")  # touched now: no page faults on a room's time
             transport.register_tensor(self._prestage_buf)
+            self._own_staging.append(self._prestage_buf)
 
     @property
     def endpoint(self) -> str:
@@ -295,13 +297,18 @@ class KVSender(ControlSide, SendPipeline):
                     del self._rooms[room]
 
     def close(self) -> None:
-        """Fail open rooms, stop workers and the control channel."""
+        """Fail open rooms, stop workers and the control channel, and unregister the
+        staging this sender registered (the pool stays registered: the engine owns it)."""
         for room in list(self._rooms):
             if self._rooms[room].state not in TERMINAL:
                 self._fail(room, "sender shutting down", code="shutdown", notify=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._digester.shutdown(wait=True, cancel_futures=True)
         super().close()
+        if not self.transport.closed:  # nothing writes from the staging any more: give its registration back
+            for buf in self._own_staging:
+                self.transport.unregister(buf.data_ptr())
+        self._own_staging = []
 
     # -- control plane (I/O thread) -----------------------------------------------------
     def _on_message(self, peer: str, msg) -> None:

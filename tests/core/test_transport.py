@@ -459,3 +459,29 @@ def test_failed_initialize_and_closed_transport_raise():
             t.register(4096, 4096)
         with pytest.raises(TransportError, match="closed"):
             t.write("127.0.0.1:1", [4096], [4096], [1])
+
+
+def test_a_closed_sender_gives_back_its_staging_registration():
+    """A sender registers its staging rings and prestage buffer with the transport and
+    unregisters them at close (the pool stays: the engine owns it), so senders made one
+    after another on one transport never meet their predecessors' freed memory as
+    'overlaps registered'."""
+    from prometheus_client import CollectorRegistry
+
+    from kvbridge.common.handoff import KVSender
+    from kvbridge.common.metrics import KVBridgeMetrics
+    from kvbridge.common.settings import BridgeSettings
+    from kvbridge.layout.pools import allocate_pool
+
+    lay = allocate_pool("sglang", layers=1, total_heads=1, head_dim=16, dtype="bf16", tokens_per_block=16,
+                        num_blocks=4, tp_size=1, tp_rank=0, seed=3)
+    pool = {int(x.data_ptr()) for x in lay.tensors}
+    t = MooncakeTransport("127.0.0.1")
+    try:
+        for _ in range(4):
+            s = KVSender(lay, t, config=BridgeSettings().handoff(), metrics=KVBridgeMetrics(CollectorRegistry()))
+            assert len(registered_ranges(t)) > len(pool)  # rings (and the prestage) registered beside the pool
+            s.close()
+            assert set(registered_ranges(t)) == pool, "a closed sender left staging registered"
+    finally:
+        t.close()
