@@ -215,6 +215,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return np.zeros(s.shape, dtype=np.uint64)\n",
         "an fp8 unit's content digest covers its scale: equal bytes under another scale differ",
         ("tests/layout/test_digest.py::test_fp8_scales_seed_the_units_they_scale",)),
+    Mutation(
+        "sender-unregisters-staging", "common/sender.py",
+        "                self.transport.unregister(buf.data_ptr())\n",
+        "                pass\n",
+        "nothing leaked: a closed sender gives back the staging it registered with the transport",
+        ("tests/core/test_transport.py::test_a_closed_sender_gives_back_its_staging_registration",)),
     # -- the prestage (README: The transfer core)
     Mutation(
         "prestage-used", "common/send_pipeline.py",
