@@ -67,6 +67,9 @@ def _bench_layout(args: argparse.Namespace) -> int:
          "repack_rows_ratio_spread", "repack_cold_ratio_spread", "warmup_reps", "threads"],
     )
     print(res["plan_reason"])
+    v = res["vllm_cpu"]
+    print_table(f"vLLM CPU caches per ISA: {v['geometry']}", v, [k for k in v if k.endswith(("_gbps", "_spread"))]
+                + ["amx_to_vec_plan", "amx_to_vec_bytes_verified"])
     if res.get("cuda"):
         print("cuda:", res["cuda"])
     return 0

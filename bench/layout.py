@@ -36,7 +36,7 @@ from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
 from kvbridge.layout.tiles import native_tile_copy
 from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
 
-__all__ = ["bench_layout"]
+__all__ = ["bench_layout", "bench_vllm_cpu"]
 
 
 def _sglang_buffers(layers: int, heads: int, head_dim: int, page: int, pages: int, dtype: str):
@@ -192,6 +192,9 @@ def bench_layout(
     if keep is not None:
         keep.update(src_tensors=ts, src_pages=rsb, dst_blocks=rdb, plan=rplan, staging=whole_stage)
 
+    say("vLLM CPU caches per ISA")
+    vllm_cpu = bench_vllm_cpu(tokens=max(64, repack_tokens // 64 * 64), reps=reps, seed=seed)
+
     # the same repack on CUDA, when there is one
     cuda = None
     if torch.cuda.is_available():
@@ -254,6 +257,61 @@ def bench_layout(
         "repack_bytes_verified": check,
         "threads": torch.get_num_threads(),
         "cuda": cuda,
+        "vllm_cpu": vllm_cpu,
+    }
+
+
+def bench_vllm_cpu(*, layers: int = 8, heads: int = 8, head_dim: int = 128, block_size: int = 32,
+                   tokens: int = 4096, reps: int = 5, seed: int = 0) -> dict:
+    """vLLM's CPU caches (bfloat16) staged to and from SGLang page 64, per ISA ('vec':
+    K transposed; 'amx': tokens and dimensions interleaved), and vLLM 'amx' -> 'vec' of
+    the same block size (``staged_both``: a gather and a scatter): each repack's time
+    against torch's copy of the same bytes (all threads, as the strided repacks use),
+    interleaved in the same run, order rotated each repetition. Every ratio is the median
+    of per-repetition ratios (memcpy time / repack time) with its p10-p90; bytes checked
+    equal through both sides' digests."""
+    from kvbridge.layout import allocate_pool, grid_for, kv_digest
+
+    rng = np.random.default_rng(seed)
+    nblk = tokens // block_size
+    mk = dict(layers=layers, total_heads=heads, head_dim=head_dim, dtype="bf16")
+    vec = allocate_pool("vllm", tokens_per_block=block_size, num_blocks=nblk + 2, seed=seed, isa="vec", **mk)
+    amx = allocate_pool("vllm", tokens_per_block=block_size, num_blocks=nblk + 2, seed=seed + 1, isa="amx", **mk)
+    sgl = allocate_pool("sglang", tokens_per_block=64, num_blocks=tokens // 64 + 2, seed=seed + 2, **mk)
+    vb = {k: rng.permutation(np.arange(1, nblk + 2))[:nblk] for k in ("vec", "amx", "dst")}
+    sb = rng.permutation(np.arange(1, tokens // 64 + 2))[: tokens // 64]
+    plans = {f"{isa}_gather": plan_transfer(lay, vb[isa], sgl, sb, tokens, force=PlanKind.STAGED_SEND, kinds=tuple(PlanKind))
+             for isa, lay in (("vec", vec), ("amx", amx))}
+    plans.update({f"{isa}_scatter": plan_transfer(sgl, sb, lay, vb["dst"], tokens, force=PlanKind.STAGED_RECV,
+                                                  kinds=tuple(PlanKind)) for isa, lay in (("vec", vec), ("amx", amx))})
+    both = plan_transfer(amx, vb["amx"], vec, vb["dst"], tokens, kinds=tuple(PlanKind))
+    nbytes = both.nbytes
+    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    a.random_()
+    ops = {k: (p.gather() if k.endswith("gather") else p.scatter()) for k, p in plans.items()}
+    g_both, s_both = both.gather(), both.scatter()
+    work = {k: (lambda op=op: op.run(a)) for k, op in ops.items()}
+    work["amx_to_vec_both"] = lambda: (g_both.run(a), b.copy_(a), s_both.run(b))  # the wire as a copy
+    work["memcpy"] = lambda: b.copy_(a)
+    t: dict[str, list[float]] = {k: [] for k in work}
+    names = list(work)
+    for i in range(reps + 1):  # the first, untimed: warm-up
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            dt = _timed(work[k])
+            if i:
+                t[k].append(dt)
+    grid = grid_for(amx, heads=(0, heads), tokens=(0, tokens))
+    same = bool(np.array_equal(kv_digest(amx, vb["amx"], 0, grid), kv_digest(vec, vb["dst"], 0, grid)))
+    return {
+        "geometry": f"{layers} layers x {heads} heads x {head_dim}, bf16, vLLM block {block_size}, SGLang page 64, "
+                    f"{tokens} tokens ({nbytes >> 20} MiB)",
+        "memcpy_gbps": round(nbytes / statistics.median(t["memcpy"]) / 1e9, 3),
+        **{f"{k}_gbps": round(nbytes / statistics.median(v) / 1e9, 3) for k, v in t.items() if k != "memcpy"},
+        **{f"{k}_ratio_spread": spread([c / r for c, r in zip(t["memcpy"], v)], 1.0) for k, v in t.items()
+           if k != "memcpy"},
+        "amx_to_vec_plan": both.kind.value,
+        "amx_to_vec_bytes_verified": same,
+        "reps": reps,
     }
 
 

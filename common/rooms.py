@@ -81,7 +81,7 @@ class HandoffConfig:
     prestage_slots: int = 4  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
     prestage_bytes: int = 16 << 20  # that first part (one slot of the sender's prestage buffer)
     write_timeout_s: float = 30.0  # bound on one chunk's write
-    kinds: tuple[PlanKind, ...] = (PlanKind.DIRECT, PlanKind.STAGED_SEND, PlanKind.STAGED_RECV)
+    kinds: tuple[PlanKind, ...] = tuple(PlanKind)
 
     def verifies(self, room: int) -> bool:
         """Whether the receiver verifies ``room``'s content (``integrity``)."""

@@ -1,8 +1,9 @@
 """A sender's data plane: a send worker writes a room's chunks to each decode peer.
 
 Per chunk and target: plan (``plan_transfer``: direct, staged_send or staged_recv by
-estimated time), check every segment against the blocks that receiver allocated for the
-room (the write guard), then write through the Mooncake transport. A ``staged_send``
+estimated time; staged_both where neither side alone can stage), check every segment
+against the blocks (or staging) that receiver set aside for the room (the write guard),
+then write through the Mooncake transport. A ``staged_send`` (and a ``staged_both``)
 gathers into the worker's staging ring part by part, each part on the wire while the next
 is gathered. A room prefilled in one chunk before any decode asked may have its first
 part gathered ahead (the *prestage*: TensorRT-LLM's order, the generation side asks once
@@ -126,7 +127,7 @@ class SendPipeline:
                 raise LayoutError(f"{c.stop} tokens need more blocks than the decode pool has")
             plan = plan_transfer(self.layout, c.blocks, remote, np.arange(remote.first_block, remote.first_block + nblk),
                                  (0, c.stop), src_first_token=c.first_token, dst_first_token=0,
-                                 kinds=tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV), costs=cfg.costs)
+                                 kinds=tuple(k for k in cfg.kinds if not k.scatters), costs=cfg.costs)
             if plan.kind is not PlanKind.STAGED_SEND:
                 raise LayoutError(f"a {plan.kind.value} plan has nothing to gather")
             gather = plan.chunks(cfg.chunk_bytes)[0].gather()
@@ -236,7 +237,7 @@ class SendPipeline:
         # receiver staging is an option only while this chunk's payload still fits in it
         payload = lay.num_layers * lay.kv_factor * (stop - start) * HeadMap.between(lay, remote).count * lay.head_bytes
         fits = payload <= req.staging_bytes - t.staged_bytes
-        kinds = tuple(k for k in cfg.kinds if k is not PlanKind.STAGED_RECV or fits)
+        kinds = tuple(k for k in cfg.kinds if not k.scatters or fits)
         if PlanKind.STAGED_SEND in kinds and _shape_of_prestage(r.prestaged, t, c):
             # the prestage planned this request's shape for this layout: a staged send, which
             # costs no estimate of the other kinds (a third of planning a 128-token request)
@@ -251,9 +252,8 @@ class SendPipeline:
         # what the next room may be prestaged for: this layout, if this request had the usual shape
         self._last_pull = (t.remote, plan.kind is PlanKind.STAGED_SEND and req.token_start == 0 and req.first_token == 0)
         deadline = min(r.deadline - time.monotonic(), cfg.write_timeout_s)
-        if plan.kind is PlanKind.STAGED_RECV:
-            # into the staging this receiver set aside for this sender, after what is there
-            base = req.staging_addr + t.staged_bytes
+        base = req.staging_addr + t.staged_bytes  # scattering kinds: into the staging this receiver set aside
+        if plan.kind.scatters:  # for this sender, after what is there
             wire = plan.wire.shifted(dst_by=base)
             allowed = np.array([[req.staging_addr, req.staging_addr + req.staging_bytes]], dtype=np.int64)
         else:
@@ -267,10 +267,14 @@ class SendPipeline:
             if plan.kind is PlanKind.STAGED_SEND:
                 pre = self._usable_prestage(r, t, c, plan)
                 try:
-                    self._pipeline(r, t.peer, req.session, plan, ring, deadline, pre)
+                    self._pipeline(r, t.peer, req.session, plan.chunks(cfg.chunk_bytes), ring, deadline, pre)
                 finally:
                     if pre is not None:  # every write that read it has settled
                         self._drop_prestage(r, used=True)
+            elif plan.kind is PlanKind.STAGED_BOTH:
+                self._drop_prestage(r, used=False)
+                chunks = plan.chunks(cfg.chunk_bytes)
+                self._pipeline(r, t.peer, req.session, chunks, ring, deadline, dst_base=base)
             else:
                 self._drop_prestage(r, used=False)
                 t0 = time.perf_counter()
@@ -288,11 +292,13 @@ class SendPipeline:
             raise
         if digest is not None:
             t.digest.append(digest.result())  # one that raised fails the room, as a failed write does
-        if plan.kind is PlanKind.STAGED_RECV:
-            t.staged.append(P.StagedChunk(first_token=c.first_token, start=start, stop=stop, offset=t.staged_bytes,
-                                          blocks=c.blocks.tolist(), layer_start=lo if c.layers else 0,
-                                          layer_stop=hi if c.layers else 0))
-            t.staged_bytes += plan.nbytes
+        if plan.kind.scatters:  # what the receiver scatters: each chunk in its own staging order
+            parts = chunks if plan.kind is PlanKind.STAGED_BOTH else [plan]
+            for part in parts:
+                t.staged.append(P.StagedChunk(first_token=c.first_token, start=part.spec.start, stop=part.spec.stop,
+                                              offset=t.staged_bytes, blocks=c.blocks.tolist(),
+                                              layer_start=lo if c.layers else 0, layer_stop=hi if c.layers else 0))
+                t.staged_bytes += part.nbytes
         t.layer_bytes[lo:hi] += plan.nbytes // (hi - lo)  # every layer of a range moves the same bytes
         rec.bytes += plan.nbytes
         rec.segments += plan.num_segments
@@ -325,8 +331,8 @@ class SendPipeline:
             theirs = t.views[(lo, hi)] = t.remote.layer_range(lo, hi)
         return own, theirs
 
-    def _pipeline(self, r: "_SendRoom", peer: str, session: str, plan, ring: torch.Tensor, deadline_s: float,
-                  pre: _Prestaged | None = None) -> None:
+    def _pipeline(self, r: "_SendRoom", peer: str, session: str, chunks: list, ring: torch.Tensor, deadline_s: float,
+                  pre: _Prestaged | None = None, dst_base: int | None = None) -> None:
         """Staged send: gather the plan into the staging ring part by part, each part written
         as soon as it is gathered. Parts start at ``first_part_bytes`` and double up to
         ``part_bytes`` or a quarter of the plan (bytes are on the wire after a tiny gather); a region of the ring is
@@ -334,7 +340,9 @@ class SendPipeline:
         ``ring_parts`` writes are in flight while the next part is gathered. No part is
         submitted once the decode peer has been silent for ``peer_timeout_s`` (it gives the
         room up then; e.g. this process was stopped and has just resumed). With ``pre``, the
-        first part was gathered before the request came and goes out first."""
+        first part was gathered before the request came and goes out first. ``chunks``: the
+        plan's (``plan.chunks``); with ``dst_base`` (``staged_both``) each chunk's wire lands
+        in the receiver's staging from there, chunk after chunk."""
         cfg, rec = self.config, r.record
         regions = ring.numel() // cfg.part_bytes
         inflight: deque = deque()
@@ -343,12 +351,15 @@ class SendPipeline:
         # no part over a quarter of the plan: the last part's gather then overlaps the wire of
         # the ones before it (a 16 MiB request as parts up to 16 MiB: 1, 2, 4, 8 MiB, and the
         # last 8 MiB gathered after the wire ran dry: 0.5-0.9 ms more than parts up to 4 MiB)
-        cap = min(cfg.part_bytes, max(cfg.first_part_bytes, plan.nbytes // 4))
+        cap = min(cfg.part_bytes, max(cfg.first_part_bytes, sum(ch.nbytes for ch in chunks) // 4))
         k = 0
         guard = functools.partial(self._stop_reason, r, peer)
         try:
-            for i, chunk in enumerate(plan.chunks(cfg.chunk_bytes)):
+            landed = 0  # staged_both: where this chunk starts in the receiver's staging
+            for i, chunk in enumerate(chunks):
                 a = 0
+                wire = chunk.wire if dst_base is None else chunk.wire.shifted(dst_by=dst_base + landed)
+                landed += chunk.nbytes
                 if i == 0 and pre is not None and pre.gather.nbytes != chunk.nbytes:
                     log.error("sender: room %s: prestaged part does not fit its first chunk; not used", r.room)
                     pre = None
@@ -356,7 +367,7 @@ class SendPipeline:
                     t0 = time.perf_counter()
                     rec.wrote_at = rec.wrote_at or time.monotonic()
                     pre_bytes = pre.rows * pre.gather.row_bytes
-                    w = chunk.wire.window(0, pre_bytes).shifted(src_by=pre.addr)
+                    w = wire.window(0, pre_bytes).shifted(src_by=pre.addr)
                     inflight.append(self._write(session, w, end - time.monotonic(), guard))
                     rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1
@@ -383,7 +394,7 @@ class SendPipeline:
                     rec.repack_s += time.perf_counter() - t0
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     rec.wrote_at = rec.wrote_at or time.monotonic()
-                    w = chunk.wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
+                    w = wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())
                     inflight.append(self._write(session, w, end - time.monotonic(), guard))
                     rec.transfer_s += time.perf_counter() - t0
                     rec.chunks += 1

@@ -164,8 +164,7 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> n
         # a head's tokens lie back to back in a block (head-major pages): hash each unit's
         # runs in place, no gather (the same bytes in the same order as a gathered unit)
         return _span_digest(layout, space, blk, slot, head, grid)
-    view = space.rows if layout.rows_contiguous else space.strided[0]
-    buf = torch.empty((n,) + tuple(view.shape[1:]), dtype=view.dtype, device=dev)  # one (layer, K/V), reused
+    buf = torch.empty((n, row_bytes // space.unit), dtype=space.rows.dtype, device=dev)  # one (layer, K/V), reused
     host = buf if dev.type == "cpu" else torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
     mv = memoryview(host.view(torch.uint8).numpy().reshape(-1))
     seeds = _seeds(layout, grid).tolist()
@@ -174,10 +173,13 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid) -> n
     k = 0
     for layer in range(l0 - layout.layer_offset, l1 - layout.layer_offset):
         for kv in range(layout.kv_factor):
-            tok = blk * layout.block_stride + slot * int(layout.token_strides[kv])
+            tok = blk * layout.block_stride + layout.token_offsets[kv][slot]
             addr = int(layout.base[layer, kv]) + head[:, None] + tok[None, :]  # [heads, tokens]: canonical order
             idx = torch.from_numpy(((addr - space.base) // space.unit).reshape(-1)).to(dev)
-            torch.index_select(space.rows if layout.rows_contiguous else space.strided[kv], 0, idx, out=buf)
+            if layout.rows_contiguous:
+                torch.index_select(space.rows, 0, idx, out=buf)
+            else:
+                buf.copy_(space.read(kv, idx))
             if host is not buf:
                 host.copy_(buf)
             for h in range(hn):

@@ -56,6 +56,7 @@ _ALIASES = {
 
 # Dtypes whose stored values an engine multiplies by a per-(layer, K/V, head) scale to read them.
 SCALED_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+MAX_ROW_DIM = 1 << 16  # the most tokens per block, or elements per head row, a layout may have
 
 
 class LayoutError(ValueError):
@@ -112,12 +113,17 @@ class KVLayout:
     are the local torch tensors behind the regions; a peer's layout has none.
 
     Element-strided rows: ``row_strides`` (empty for every layout whose head rows are
-    ``head_dim`` contiguous elements) gives, per K/V, ``(token stride, element stride)``
-    in bytes, replacing ``token_stride`` and the contiguous row: element ``j`` of token
-    ``t`` is at ``base + block * block_stride + head * head_stride + t * token_stride_kv
-    + j * element_stride_kv`` (vLLM's CPU pool stores K transposed inside a (block,
-    head): token stride = itemsize, element stride = block_size * itemsize). Such a
-    layout moves directly only to a layout with the same element strides; otherwise
+    ``head_dim`` contiguous elements) gives, per K/V, ``(token dims, element dims)``,
+    replacing ``token_stride`` and the contiguous row. Each is a stride in bytes, or a
+    mixed-radix list ``((count, stride), ...)``, outermost first, whose counts multiply
+    to ``tokens_per_block`` (``head_dim``): token ``t`` sits at ``sum(((t // inner) %
+    count) * stride)`` over the list (``inner`` = the product of the counts inside that
+    entry), element ``j`` likewise. Element ``j`` of token ``t`` is at ``base + block *
+    block_stride + head * head_stride + token_offsets[kv, t] + elem_offset(kv, j)``.
+    vLLM's CPU pool stores K transposed inside a (block, head): token stride = itemsize,
+    element stride = block_size * itemsize. Its 'amx' ISA interleaves: K token dims
+    ``((bs/16, 16*hd), (16, 2))``, element dims ``((hd/2, 32), (2, 1))`` (in elements).
+    Such a layout moves directly only to a layout with the same element dims; otherwise
     only through staging on its own side (``plan_transfer`` enforces this).
 
     Scales (fp8 only, ``SCALED_DTYPES``): ``kv_scales`` is float64 ``[num_layers,
@@ -148,7 +154,7 @@ class KVLayout:
     regions: tuple[Region, ...] = field(repr=False)
     layer_offset: int = 0
     tensors: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    row_strides: tuple[tuple[int, int], ...] = ()
+    row_strides: tuple[tuple[Dims, Dims], ...] = ()
     kv_scales: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,9 +164,10 @@ class KVLayout:
         object.__setattr__(self, "region_of", region_of)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         try:
-            rows = tuple((int(t), int(e)) for t, e in self.row_strides)
+            rows = tuple((_dims(t, self.tokens_per_block), _dims(e, self.head_dim)) for t, e in self.row_strides)
         except (TypeError, ValueError) as e:
-            raise LayoutError(f"{self.engine} layout: row_strides must be (token, element) stride pairs: {e}") from None
+            raise LayoutError(f"{self.engine} layout: row_strides must be (token, element) pairs of strides or "
+                              f"((count, stride), ...) lists: {e}") from None
         object.__setattr__(self, "row_strides", rows)
         object.__setattr__(self, "kv_scales", self._scales_array(self.kv_scales))
         self._check()
@@ -216,24 +223,29 @@ class KVLayout:
         """True when every head row is ``head_dim`` contiguous elements (no ``row_strides``)."""
         return not self.row_strides
 
-    @cached_property
-    def token_strides(self) -> np.ndarray:
-        """Token stride in bytes per K/V, int64 ``[kv_factor]``."""
-        if self.row_strides:
-            return np.array([t for t, _ in self.row_strides], dtype=np.int64)
-        return np.full(self.kv_factor, self.token_stride, dtype=np.int64)
+    def token_dims(self, kv: int) -> tuple[tuple[int, int], ...]:
+        """K/V ``kv``'s tokens inside a block as ``((count, stride in bytes), ...)``, outermost first."""
+        return _as_list(self.row_strides[kv][0] if self.row_strides else self.token_stride, self.tokens_per_block)
+
+    def elem_dims(self, kv: int) -> tuple[tuple[int, int], ...]:
+        """K/V ``kv``'s elements of a head row as ``((count, stride in bytes), ...)``, outermost first."""
+        return _as_list(self.row_strides[kv][1] if self.row_strides else self.itemsize, self.head_dim)
 
     @cached_property
-    def elem_strides(self) -> np.ndarray:
-        """Stride between the elements of a head row in bytes per K/V, int64 ``[kv_factor]``."""
-        if self.row_strides:
-            return np.array([e for _, e in self.row_strides], dtype=np.int64)
-        return np.full(self.kv_factor, self.itemsize, dtype=np.int64)
+    def token_offsets(self) -> np.ndarray:
+        """Byte offset of every slot inside its (block, head), per K/V: int64 ``[kv_factor, tokens_per_block]``."""
+        return np.stack([mixed_radix_offsets(self.token_dims(kv)) for kv in range(self.kv_factor)])
+
+    @property
+    def affine_tokens(self) -> bool:
+        """True when every K/V's slots are one stride apart (no mixed-radix token dims)."""
+        return all(len(self.token_dims(kv)) == 1 for kv in range(self.kv_factor))
 
     def _tile_extents(self) -> np.ndarray:
         """Per K/V, bytes from a (layer, kv, block)'s first byte to its last one, over every head."""
-        return ((self.num_heads - 1) * self.head_stride + (self.tokens_per_block - 1) * self.token_strides
-                + (self.head_dim - 1) * self.elem_strides + self.itemsize)
+        elems = np.array([sum((c - 1) * st for c, st in self.elem_dims(kv)) for kv in range(self.kv_factor)],
+                         dtype=np.int64)
+        return (self.num_heads - 1) * self.head_stride + self.token_offsets.max(axis=1) + elems + self.itemsize
 
     @property
     def itemsize(self) -> int:
@@ -272,6 +284,9 @@ class KVLayout:
         for name in ("num_layers", "num_heads", "total_heads", "head_dim", "tokens_per_block", "num_blocks"):
             if getattr(self, name) <= 0:
                 bad.append(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("tokens_per_block", "head_dim"):  # per-slot and per-element tables are built from these
+            if getattr(self, name) > MAX_ROW_DIM:
+                bad.append(f"{name} {getattr(self, name)} is over {MAX_ROW_DIM}")
         if not 0 <= self.head_offset or self.head_offset + self.num_heads > self.total_heads:
             bad.append(
                 f"heads {self.head_offset}..{self.head_offset + self.num_heads} outside 0..{self.total_heads}"
@@ -291,7 +306,8 @@ class KVLayout:
         if self.row_strides:
             if len(self.row_strides) != self.kv_factor:
                 bad.append(f"row_strides has {len(self.row_strides)} entries for kv_factor {self.kv_factor}")
-            elif any(v <= 0 or v % self.itemsize for pair in self.row_strides for v in pair):
+            elif any(st <= 0 or st % self.itemsize for kv in range(self.kv_factor)
+                     for _, st in self.token_dims(kv) + self.elem_dims(kv)):
                 bad.append(f"row_strides {self.row_strides} are not positive multiples of itemsize {self.itemsize}")
         if bad:
             raise LayoutError(f"{self.engine} layout: " + "; ".join(bad))
@@ -381,7 +397,7 @@ class KVLayout:
             "region_of": self.region_of.tolist(),
             "regions": [[r.addr, r.nbytes] for r in self.regions],
             "layer_offset": self.layer_offset,
-            **({"row_strides": [list(p) for p in self.row_strides]} if self.row_strides else {}),
+            **({"row_strides": [[_dims_plain(d) for d in p] for p in self.row_strides]} if self.row_strides else {}),
             **({"kv_scales": self.kv_scales.tolist()} if self.kv_scales is not None else {}),
         }
 
@@ -423,10 +439,11 @@ class KVLayout:
             if "row_strides" in fields:
                 rows = fields["row_strides"]
                 if (not isinstance(rows, (list, tuple)) or len(rows) > 2
-                        or not all(isinstance(p, (list, tuple)) and len(p) == 2
-                                   and all(type(v) is int and 0 < v < 2**62 for v in p) for p in rows)):
+                        or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_wire_dims, p))
+                                   for p in rows)):
                     raise LayoutError("malformed layout description: row_strides must be up to two [token, element] "
-                                      f"pairs of positive integers, got {rows!r:.80}")
+                                      "pairs, each a positive integer or a list of [count, stride] pairs of them, "
+                                      f"got {rows!r:.80}")
                 fields["row_strides"] = tuple(tuple(p) for p in rows)
             if "kv_scales" in fields:
                 arr = np.asarray(fields["kv_scales"])
@@ -441,6 +458,45 @@ class KVLayout:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise LayoutError(f"malformed layout description: {e}") from e
+
+
+Dims = "int | tuple[tuple[int, int], ...]"  # a stride, or mixed-radix (count, stride) pairs, outermost first
+
+
+def _dims(d: Any, size: int) -> Any:
+    """``d`` as a stride (int) or a tuple of (count, stride) pairs whose counts multiply to ``size``."""
+    if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+        return int(d)
+    pairs = tuple((int(c), int(st)) for c, st in d)
+    if not pairs or any(c <= 0 for c, _ in pairs) or int(np.prod([c for c, _ in pairs])) != size:
+        raise ValueError(f"counts of {pairs} do not multiply to {size}")
+    return pairs[0][1] if len(pairs) == 1 else pairs
+
+
+def _as_list(d: Any, size: int) -> tuple[tuple[int, int], ...]:
+    return ((size, d),) if isinstance(d, int) else d
+
+
+def _dims_plain(d: Any) -> Any:
+    return d if isinstance(d, int) else [list(p) for p in d]
+
+
+def _wire_dims(d: Any) -> bool:
+    """Whether ``d`` (off the network) is a positive integer or a short list of [count, stride] pairs of them."""
+    if type(d) is int:
+        return 0 < d < 2**62
+    return (isinstance(d, (list, tuple)) and 0 < len(d) <= 8
+            and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int and 0 < v < 2**62 for v in p)
+                    for p in d))
+
+
+def mixed_radix_offsets(dims: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Offsets of ``prod(counts)`` consecutive indices under ``((count, stride), ...)``
+    (outermost first): int64, index ``i`` at ``sum(((i // inner) % count) * stride)``."""
+    out = np.zeros(1, dtype=np.int64)
+    for c, st in dims:
+        out = (out[:, None] + np.arange(c, dtype=np.int64)[None, :] * st).reshape(-1)
+    return out
 
 
 _DESC_INTS = ("num_layers", "kv_factor", "num_heads", "head_offset", "total_heads", "head_dim", "tokens_per_block",

@@ -9,15 +9,20 @@
   into a dense staging buffer on the receiver, which scatters it (``repack.Scatter``).
   The way to cut segments when the receiver's rows are split between senders (NHD with
   fewer heads per rank on the sender, e.g. prefill TP 2 -> decode TP 1).
+- ``staged_both``: the sender gathers the rows into a dense staging buffer in its own
+  address order, sends it as one run into the receiver's staging, which scatters it:
+  two repacks, for two layouts that each stage only on their own side (vLLM caches of
+  different block sizes or ISAs, whose rows are element-strided on both sides).
 
 The choice is by estimated time from per-segment cost, wire bandwidth and repack
 bandwidth (``PlanCosts``), and the plan says which it chose and why.
 
 A layout with element-strided rows (vLLM's CPU pool, whose K is transposed inside a
 block) limits the kinds (``refused_kinds``): ``direct`` only to a layout with the same
-element strides (else it would be one segment per element), and staging only on its own
-side (``staged_send`` when it sends, ``staged_recv`` when it receives), where the
-gather or scatter reads or writes its strided rows in one indexed copy per K/V.
+element dims (else it would be one segment per element), and staging only on its own
+side (``staged_send`` when it sends, ``staged_recv`` when it receives, ``staged_both``
+either way), where the gather or scatter reads or writes its strided rows in one indexed
+copy per K/V.
 """
 
 from __future__ import annotations
@@ -45,6 +50,23 @@ class PlanKind(str, Enum):
     DIRECT = "direct"
     STAGED_SEND = "staged_send"
     STAGED_RECV = "staged_recv"
+    STAGED_BOTH = "staged_both"
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the sender repacks into staging before the wire."""
+        return self in (PlanKind.STAGED_SEND, PlanKind.STAGED_BOTH)
+
+    @property
+    def scatters(self) -> bool:
+        """Whether the receiver repacks out of its staging after the wire."""
+        return self in (PlanKind.STAGED_RECV, PlanKind.STAGED_BOTH)
+
+    @property
+    def gather_order(self) -> str:
+        """The side whose address order the sender's staging follows: the destination's
+        (``staged_send``: the wire writes its runs), else its own (what a scatter reads)."""
+        return "dst" if self is PlanKind.STAGED_SEND else "src"
 
 
 @dataclass(frozen=True)
@@ -68,10 +90,12 @@ class PlanCosts:
         segments: the wire, plus for a staged kind the repack (overlapped with the wire
         when configured). The one formula behind the plan chooser and the cost gate."""
         wire = segments * self.segment_s + nbytes / self.wire_bytes_per_s
-        if PlanKind(kind) is PlanKind.DIRECT:
+        kind = PlanKind(kind)
+        if kind is PlanKind.DIRECT:
             return wire
         rep = nbytes / self.repack_bytes_per_s
-        return max(rep, wire) + min(rep, wire) / 8 if self.overlap_repack else rep + wire
+        one = max(rep, wire) + min(rep, wire) / 8 if self.overlap_repack else rep + wire
+        return one + rep if kind is PlanKind.STAGED_BOTH else one  # its scatter runs once the bytes are in
 
 
 @dataclass(frozen=True)
@@ -90,9 +114,10 @@ class TransferPlan:
 
     ``wire`` are the segments the transport writes. For ``staged_send`` their source
     addresses are offsets into the sender's staging buffer; for ``staged_recv`` their
-    destination addresses are offsets into the receiver's staging buffer. Staging is
-    dense: ``staging_bytes == nbytes``, rows of ``head_dim`` elements back to back in
-    the address order of the side that is not staged (see ``repack``).
+    destination addresses are offsets into the receiver's staging buffer; for
+    ``staged_both`` both (one run). Staging is dense: ``staging_bytes == nbytes``, rows
+    of ``head_dim`` elements back to back in the address order of the side that is not
+    staged (see ``repack``), the source's for ``staged_both``.
     """
 
     kind: PlanKind
@@ -123,14 +148,14 @@ class TransferPlan:
         return 0 if self.kind is PlanKind.DIRECT else self.nbytes
 
     def gather(self) -> Gather:
-        """The sender's repack into staging (``staged_send``); needs the source's tensors."""
-        if self.kind is not PlanKind.STAGED_SEND:
+        """The sender's repack into staging (``staged_send``, ``staged_both``); needs the source's tensors."""
+        if not self.kind.gathers:
             raise LayoutError(f"a {self.kind.value} plan has no sender-side gather")
-        return Gather(self.spec)
+        return Gather(self.spec, order=self.kind.gather_order)
 
     def scatter(self) -> Scatter:
-        """The receiver's repack out of staging (``staged_recv``); needs the destination's tensors."""
-        if self.kind is not PlanKind.STAGED_RECV:
+        """The receiver's repack out of staging (``staged_recv``, ``staged_both``); needs the destination's tensors."""
+        if not self.kind.scatters:
             raise LayoutError(f"a {self.kind.value} plan has no receiver-side scatter")
         return Scatter(self.spec)
 
@@ -185,7 +210,7 @@ class PlanChunk:
 
     def gather(self) -> Gather:
         """Sender-side repack of this chunk into its staging."""
-        return Gather(self.spec)
+        return Gather(self.spec, order=self.kind.gather_order)
 
     def scatter(self) -> Scatter:
         """Receiver-side repack of this chunk out of its staging."""
@@ -196,6 +221,9 @@ def _wire(kind: PlanKind, spec: CopySpec) -> Segments:
     """The wire segments of ``kind`` for ``spec`` (staging side as offsets from 0)."""
     if kind is PlanKind.DIRECT:
         return compile_segments(spec)
+    if kind is PlanKind.STAGED_BOTH:
+        zero = np.zeros(1, dtype=np.int64)
+        return Segments(zero, zero, np.array([spec.nbytes], dtype=np.int64))
     side = "dst" if kind is PlanKind.STAGED_SEND else "src"
     addr, length = side_runs(spec, side)
     offs = np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64)
@@ -220,6 +248,8 @@ def _estimates(spec: CopySpec, costs: PlanCosts, kinds,
     for kind in kinds:
         if kind is PlanKind.DIRECT:
             segs, wire = count_or_compile(spec)
+        elif kind is PlanKind.STAGED_BOTH:
+            segs, wire = 1, _wire(kind, spec)
         elif wires is None:
             segs, wire = side_runs(spec, "dst" if kind is PlanKind.STAGED_SEND else "src")[0].size, None
         else:
@@ -245,6 +275,9 @@ def _usable_kinds(src: KVLayout, dst: KVLayout, kinds, force: PlanKind | None) -
             raise LayoutError(f"no plan kind among {[k.value for k in allowed]} can move {src.engine} -> "
                               f"{dst.engine}: " + "; ".join(refused[k] for k in allowed))
         allowed = usable
+    if force is not PlanKind.STAGED_BOTH and len(allowed) > 1 and PlanKind.STAGED_BOTH in allowed:
+        # the last resort: its scatter holds the decode back, which the estimate does not weigh
+        allowed = tuple(k for k in allowed if k is not PlanKind.STAGED_BOTH)
     return allowed
 
 
@@ -259,9 +292,11 @@ def refused_kinds(src: KVLayout, dst: KVLayout) -> dict[PlanKind, str]:
     out: dict[PlanKind, str] = {}
     if src.rows_contiguous and dst.rows_contiguous:
         return out
-    if not np.array_equal(src.elem_strides, dst.elem_strides):
-        out[PlanKind.DIRECT] = (f"{src.engine} -> {dst.engine}: element strides {src.elem_strides.tolist()} -> "
-                                f"{dst.elem_strides.tolist()} differ (a direct plan would be one segment per element)")
+    se = [src.elem_dims(kv) for kv in range(src.kv_factor)]
+    de = [dst.elem_dims(kv) for kv in range(dst.kv_factor)]
+    if se != de:
+        out[PlanKind.DIRECT] = (f"{src.engine} -> {dst.engine}: element dims {se} -> {de} differ "
+                                "(a direct plan would be one segment per element)")
     if not dst.rows_contiguous:
         out[PlanKind.STAGED_SEND] = (f"the destination's ({dst.engine}) head rows are element-strided: "
                                      "staged bytes must be scattered on its side (staged_recv)")
@@ -325,6 +360,7 @@ def _reason(spec: CopySpec, chosen: KindEstimate, est: dict, costs: PlanCosts, f
             PlanKind.DIRECT: "direct",
             PlanKind.STAGED_SEND: "repack on the sender, then",
             PlanKind.STAGED_RECV: "send, then scatter on the receiver:",
+            PlanKind.STAGED_BOTH: "repack on the sender, send, scatter on the receiver:",
         }[e.kind]
         parts.append(f"{e.kind.value} ({what} {e.segments:,} segments of ~{_fmt_bytes(avg)}): est. {e.seconds * 1e3:.2f} ms")
     head = f"{'forced' if forced else 'chose'} {chosen.kind.value} for {_fmt_bytes(n)} "

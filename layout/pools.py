@@ -67,8 +67,10 @@ def allocate_pool(
     mla: bool = False,
     device: str | torch.device = "cpu",
     seed: int | None = None,
+    isa: str = "vec",
 ) -> KVLayout:
-    """A fresh pool of one engine's format and its KVLayout (tensors attached)."""
+    """A fresh pool of one engine's format and its KVLayout (tensors attached); ``isa``
+    picks the block layout of vLLM's CPU kernels ('vec', 'vec16', 'amx')."""
     heads = 1 if mla else tp_head_slice(total_heads, tp_size, tp_rank)[1]
     store = torch.uint8 if dtype_itemsize(dtype) == 1 else _STORE[dtype_itemsize(dtype)]
     if "float16" == dtype or dtype in ("fp16", "half"):
@@ -108,5 +110,5 @@ def allocate_pool(
         if gen is not None:
             _fill(one, gen)
         return vllm_cpu_layout(list(one.unbind(0)), dtype=dtype, total_heads=total_heads, tp_rank=tp_rank,
-                               tp_size=tp_size)
+                               tp_size=tp_size, isa=isa)
     raise LayoutError(f"unknown engine format {engine!r}; known: 'sglang', 'trtllm', 'vllm'")

@@ -11,11 +11,12 @@ holds a spec's rows back to back, in the address order of one side:
 
 Each is ONE indexed copy (``index_select`` into the staging, ``index_copy_`` out of it)
 over a row view of the pool's memory, on CPU or CUDA alike; a pool whose rows are
-element-strided (``KVLayout.row_strides``, vLLM's transposed K) is read or written
-through one strided row view per K/V, so one indexed copy per K/V. Row indices are computed
-once per spec with numpy (``prepare``) and reused; a pool made of several tensors (one
-per layer, as SGLang's) is read through one zero-copy alias of the address span that
-holds them, so any row of any layer is one index away.
+element-strided (``KVLayout.row_strides``: vLLM's transposed K, its 'amx' interleaved
+tiles) is read or written through one strided view per K/V (its element dims), so one
+indexed copy per K/V. Row indices are computed once per spec with numpy (``prepare``)
+and reused; a pool made of several tensors (one per layer, as SGLang's) is read through
+one zero-copy alias of the address span that holds them, so any row of any layer is one
+index away.
 
 Box path: where every box of the staging's order side (one (layer, kv, block) of the
 side whose address order the staging follows) holds the same number of tokens and lies
@@ -91,10 +92,10 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
     rel = np.arange(lo, hi, dtype=np.int64) - y_first
     y_blk = y_blocks[rel // Y.tokens_per_block] * Y.block_stride
     # [kv_factor, tokens]: a token's offset in its block, by K/V (rows of a strided layout differ)
-    y_tok = y_blk[None, :] + (rel % Y.tokens_per_block)[None, :] * Y.token_strides[:, None]
+    y_tok = y_blk[None, :] + Y.token_offsets[:, rel % Y.tokens_per_block]
     y_head = (hy + np.arange(nh, dtype=np.int64)) * Y.head_stride
     y_base = Y.base.reshape(-1)
-    x_addr, x_tok, x_head = bx.addr, X.token_strides, X.head_stride
+    x_addr, x_tok, x_head = bx.addr, X.token_offsets, X.head_stride
     if unit != 1 or origin:
         if need_x:
             x_addr, x_tok, x_head = (x_addr - origin) // unit, x_tok // unit, x_head // unit
@@ -114,9 +115,12 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
                 return (box_tok[:, None, :] + per_head[None, :, None]).reshape(-1)
             return (box_tok[:, :, None] + per_head[None, None, :]).reshape(-1)
 
-        if need_x:
-            per_tok = (np.broadcast_to(t * x_tok[0], (count, n)) if x_plain
-                       else t[None, :] * x_tok[bx.lk[sel] % kvf][:, None])
+        if need_x:  # a token's offset from its box's first token
+            if x_plain:
+                per_tok = np.broadcast_to(x_tok[0, :n], (count, n))
+            else:
+                kv, slot = bx.lk[sel] % kvf, bx.slot[sel]
+                per_tok = x_tok[kv[:, None], slot[:, None] + t[None, :]] - x_tok[kv, slot][:, None]
             xs.append(grid(x_addr[sel], per_tok, np.arange(nh, dtype=np.int64) * x_head))
         if need_y:
             cols = first_tok[sel][:, None] + t[None, :]
@@ -145,13 +149,22 @@ def _box_rows(spec: CopySpec, order: str, want: str, bx: SideBoxes, origin: int 
 class _RowSpace:
     """Every row-start of one layout's memory as rows of ``row_units`` elements; for a
     layout with element-strided rows, ``strided[kv]`` is the same memory as rows of
-    ``head_dim`` elements ``elem_stride`` apart (one view per K/V)."""
+    ``head_dim`` elements laid out by that K/V's element dims (one view per K/V)."""
 
     rows: torch.Tensor  # [n_units - row_units + 1, row_units], overlapping rows, stride (1, 1)
     base: int  # address of element 0
     unit: int
     keep: object  # whatever keeps the alias valid
-    strided: tuple[torch.Tensor, ...] = ()  # per K/V: [n, head_dim], stride (1, elem_stride / unit)
+    strided: tuple[torch.Tensor, ...] = ()  # per K/V: [n, *counts], strides (1, *element strides / unit)
+
+    def read(self, kv: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of K/V ``kv``'s element-strided view, as ``[len(index), head_dim]``."""
+        return self.strided[kv].index_select(0, index).reshape(index.numel(), -1)
+
+    def write(self, kv: int, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Put ``rows`` (``[len(index), head_dim]``) at rows ``index`` of K/V ``kv``'s element-strided view."""
+        view = self.strided[kv]
+        view.index_copy_(0, index, rows.reshape(rows.shape[0], *view.shape[1:]))
 
 
 def _row_space(lay: KVLayout, row_bytes: int, unit: int) -> _RowSpace:
@@ -171,9 +184,13 @@ def _row_space(lay: KVLayout, row_bytes: int, unit: int) -> _RowSpace:
     ru = row_bytes // unit
     strided = ()
     if not lay.rows_contiguous:  # unit == itemsize here (_layout_unit)
-        n = lay.head_dim
-        strided = tuple(flat.as_strided((flat.numel() - (n - 1) * (e // unit), n), (1, e // unit))
-                        for e in lay.elem_strides.tolist())
+        strided = []
+        for kv in range(lay.kv_factor):
+            dims = lay.elem_dims(kv)
+            reach = sum((c - 1) * (e // unit) for c, e in dims)
+            strided.append(flat.as_strided((flat.numel() - reach, *(c for c, _ in dims)),
+                                           (1, *(e // unit for _, e in dims))))
+        strided = tuple(strided)
     return _RowSpace(flat.as_strided((flat.numel() - ru + 1, ru), (1, 1)), lo, unit, keep, strided)
 
 
@@ -185,7 +202,8 @@ def _layout_unit(lay: KVLayout, row_bytes: int) -> int:
     mask |= lay.block_stride | lay.token_stride | lay.head_stride | row_bytes | 8
     if lay.rows_contiguous:
         return mask & -mask
-    mask |= int(np.bitwise_or.reduce(np.concatenate([lay.token_strides, lay.elem_strides])))
+    mask |= int(np.bitwise_or.reduce([st for kv in range(lay.kv_factor)
+                                      for _, st in lay.token_dims(kv) + lay.elem_dims(kv)]))
     unit = mask & -mask
     if unit < lay.itemsize or lay.itemsize not in _UNITS:
         raise LayoutError(f"{lay.engine} layout: element-strided rows of {lay.itemsize}-byte elements "
@@ -285,7 +303,7 @@ class _PoolRows:
             pieces = self._tiles_pieces(out, a, b, inline)
         elif self._strided:
             index = self._index_of(a, b)
-            pieces = [lambda kv=kv, pos=pos: out.index_copy_(0, pos, self._space.strided[kv].index_select(0, index[pos]))
+            pieces = [lambda kv=kv, pos=pos: out.index_copy_(0, pos, self._space.read(kv, index[pos]))
                       for kv, pos in self._by_kv(a, b)]
         else:
             pieces = self._rows_pieces(out, a, b, inline)
@@ -308,7 +326,7 @@ class _PoolRows:
         index = self.index
         if self._strided:
             for kv, pos in self._by_kv(0, self.rows):
-                self._space.strided[kv].index_copy_(0, index[pos], src.index_select(0, pos))
+                self._space.write(kv, index[pos], src.index_select(0, pos))
         else:
             for i, j in self._copies(self.rows):
                 self._space.rows.index_copy_(0, index[i:j], src[i:j])
@@ -395,12 +413,15 @@ class Gather(_PoolRows):
     ``tiles=False``: every row through the row index, never the box path (for comparison).
 
     Staging: ``nbytes`` bytes, ``[rows, head_dim]`` of the KV dtype, row ``i`` = the
-    ``i``-th row of the destination in increasing address order.
+    ``i``-th row of the destination in increasing address order (``order='src'``: of the
+    source, what a ``Scatter`` on the other side reads: a ``staged_both`` plan).
     """
 
     def __init__(self, spec: CopySpec, src_addr: np.ndarray | None = None, *, tiles: bool = True,
-                 native: bool | None = None):
-        super().__init__(spec, "src", "dst", src_addr, tiles, native)
+                 native: bool | None = None, order: str = "dst"):
+        if order not in ("src", "dst"):
+            raise ValueError(f"order must be 'src' or 'dst', got {order!r}")
+        super().__init__(spec, "src", order, src_addr, tiles, native)
 
     def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns

@@ -10,7 +10,9 @@ token, block or segment.
 
 Layouts with element-strided rows (``KVLayout.row_strides``) fold per K/V, starting
 from one element (e.g. vLLM's transposed K -> transposed K folds tokens, then the
-head's elements for whole blocks); they have no contiguous runs of their own to stage
+head's elements for whole blocks); where tokens are mixed-radix (vLLM's 'amx' tiles),
+runs are first cut into pieces that are one aligned sub-grid on both sides (a whole
+block, 16 or 2 tokens, one token). They have no contiguous runs of their own to stage
 in (``side_runs`` refuses them).
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .copyspec import CopySpec
+from .copyspec import CopySpec, TokenRuns
 from .geometry import KVLayout, LayoutError
 
 __all__ = [
@@ -122,18 +124,18 @@ def _fold(dims: list[tuple[int, int, int]], elem: int) -> tuple[int, list[tuple[
     return run, dims
 
 
-def _box_starts(spec: CopySpec, sel: np.ndarray, kv: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Start address of every (layer, kv, run in ``sel``) box on each side, shape [L*kv*R]
-    (only K/V ``kv`` when given: [L*R])."""
-    r = spec.runs
+def _box_starts(spec: CopySpec, runs: TokenRuns, sel: np.ndarray, kv: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Start address of every (layer, kv, run in ``sel`` of ``runs``) box on each side,
+    shape [L*kv*R] (only K/V ``kv`` when given: [L*R])."""
+    r = runs
     out = []
     for lay, blk, slot, h0 in (
         (spec.src, r.src_block[sel], r.src_slot[sel], spec.heads.src_start),
         (spec.dst, r.dst_block[sel], r.dst_slot[sel], spec.heads.dst_start),
     ):
-        tok = lay.token_stride if kv is None else int(lay.token_strides[kv])
+        tok = slot * lay.token_stride if kv is None else lay.token_offsets[kv][slot]
         base = lay.base if kv is None else lay.base[:, kv]
-        per_run = blk * lay.block_stride + slot * tok + h0 * lay.head_stride
+        per_run = blk * lay.block_stride + tok + h0 * lay.head_stride
         out.append((base.reshape(-1, 1) + per_run[None, :]).reshape(-1))
     return out[0], out[1]
 
@@ -152,21 +154,90 @@ def _classes(spec: CopySpec):
 
 
 def _kv_classes(spec: CopySpec):
-    """``_classes`` for any layouts: yields (sel, kv, run, dims), ``kv`` None for every
-    K/V at once (both sides' rows contiguous), else one K/V folded from one element."""
+    """``_classes`` for any layouts: yields (runs, sel, kv, run, dims), ``kv`` None for every
+    K/V at once (both sides' rows contiguous), else one K/V folded from one element. Where
+    a side's tokens are mixed-radix, ``runs`` are the runs cut into ``_token_pieces``."""
     s, d, h = spec.src, spec.dst, spec.heads
     if s.rows_contiguous and d.rows_contiguous:
         for sel, run, dims in _classes(spec):
-            yield sel, None, run, dims
+            yield spec.runs, sel, None, run, dims
         return
-    lengths = spec.runs.length
-    for n in np.unique(lengths):
-        sel = np.flatnonzero(lengths == n)
-        for kv in range(s.kv_factor):
-            run, dims = _fold([(s.head_dim, int(s.elem_strides[kv]), int(d.elem_strides[kv])),
-                               (int(n), int(s.token_strides[kv]), int(d.token_strides[kv])),
-                               (h.count, s.head_stride, d.head_stride)], s.itemsize)
-            yield sel, kv, run, dims
+    for kv in range(s.kv_factor):
+        elems = _paired(s.elem_dims(kv), d.elem_dims(kv))
+        if s.affine_tokens and d.affine_tokens:
+            runs, groups = spec.runs, [(int(n),) for n in np.unique(spec.runs.length)]
+            key = spec.runs.length[:, None]
+        else:
+            runs, key, groups = _token_pieces(spec, kv)
+        for g in groups:
+            sel = np.flatnonzero((key == np.asarray(g)).all(axis=1))
+            n = int(np.prod(g))
+            toks = _paired(_inner_dims(s.token_dims(kv), n), _inner_dims(d.token_dims(kv), n))
+            run, dims = _fold(elems + toks + [(h.count, s.head_stride, d.head_stride)], s.itemsize)
+            yield runs, sel, kv, run, dims
+
+
+def _inner_dims(dims: tuple[tuple[int, int], ...], n: int) -> tuple[tuple[int, int], ...]:
+    """The innermost token dims of ``dims`` that cover ``n`` aligned tokens (an affine
+    dim is cut to ``n``)."""
+    if len(dims) == 1:
+        return ((n, dims[0][1]),) if n > 1 else ()
+    out, left = [], n
+    for c, st in reversed(dims):
+        if left == 1:
+            break
+        out.append((c, st))
+        left //= c
+    return tuple(reversed(out))
+
+
+def _paired(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """(count, src stride, dst stride) dims of two dim lists over the same indices: an
+    affine side's one dim is split to match the other's counts."""
+    if len(a) == 1 and len(b) > 1:
+        return [(c, a[0][1] * int(np.prod([x for x, _ in b[i + 1:]])), st) for i, (c, st) in enumerate(b)]
+    if len(b) == 1 and len(a) > 1:
+        return [(c, st, b[0][1] * int(np.prod([x for x, _ in a[i + 1:]]))) for i, (c, st) in enumerate(a)]
+    if [c for c, _ in a] != [c for c, _ in b]:
+        raise LayoutError(f"element dims {a} and {b} differ: no direct copy between them")
+    return [(c, sa, sb) for (c, sa), (_, sb) in zip(a, b)]
+
+
+def _groups(dims: tuple[tuple[int, int], ...]) -> list[int]:
+    """Token counts that form one aligned mixed-radix sub-grid of ``dims``: 1, the innermost
+    count, the two innermost ones' product, ..."""
+    out = [1]
+    for c, _ in reversed(dims):
+        out.append(out[-1] * c)
+    return out
+
+
+def _token_pieces(spec: CopySpec, kv: int) -> tuple[TokenRuns, np.ndarray, list[tuple[int]]]:
+    """The runs of ``spec`` cut into pieces whose tokens are one aligned sub-grid of K/V
+    ``kv``'s token dims on both sides (greedy, largest first): (pieces, each piece's
+    token count as a key [P, 1], the distinct keys). Whole blocks of equal size on both
+    sides stay whole, vectorized; only runs that cut a block are walked."""
+    s, d = spec.src, spec.dst
+    ds, dd = s.token_dims(kv), d.token_dims(kv)
+    sizes = sorted(set(_groups(ds) if len(ds) > 1 else range(1, s.tokens_per_block + 1))
+                   & set(_groups(dd) if len(dd) > 1 else range(1, d.tokens_per_block + 1)), reverse=True)
+    r = spec.runs
+    whole = (r.src_slot == 0) & (r.dst_slot == 0) & (r.length == sizes[0])
+    parts = [(r.start[whole], r.length[whole], r.src_block[whole], r.src_slot[whole], r.dst_block[whole],
+              r.dst_slot[whole])]
+    rest = []
+    for i in np.flatnonzero(~whole).tolist():
+        pos, left, ss, dsl = int(r.start[i]), int(r.length[i]), int(r.src_slot[i]), int(r.dst_slot[i])
+        while left:
+            g = next(g for g in sizes if g <= left and ss % g == 0 and dsl % g == 0)
+            rest.append((pos, g, int(r.src_block[i]), ss, int(r.dst_block[i]), dsl))
+            pos, left, ss, dsl = pos + g, left - g, ss + g, dsl + g
+    if rest:
+        parts.append(tuple(np.asarray(col, dtype=np.int64) for col in zip(*rest)))
+    cols = [np.concatenate(c) for c in zip(*parts)]
+    pieces = TokenRuns(start=cols[0], length=cols[1], src_block=cols[2], src_slot=cols[3], dst_block=cols[4],
+                       dst_slot=cols[5])
+    return pieces, pieces.length[:, None], [(int(n),) for n in np.unique(pieces.length)]
 
 
 def count_segments(spec: CopySpec, exact_limit: int = 1 << 15) -> int:
@@ -183,7 +254,7 @@ def count_or_compile(spec: CopySpec, exact_limit: int = 1 << 15) -> tuple[int, S
     if total is not None and total > exact_limit:  # large and one piece per token or finer: no runs needed
         return total, None
     total = 0
-    for sel, kv, _, dims in _kv_classes(spec):
+    for _, sel, kv, _, dims in _kv_classes(spec):
         kvs = spec.src.kv_factor if kv is None else 1
         total += sel.size * spec.src.num_layers * kvs * int(np.prod([d[0] for d in dims] or [1]))
     if total <= exact_limit:
@@ -209,8 +280,8 @@ def _unmerged_if_token_bound(spec: CopySpec) -> int | None:
 def compile_segments(spec: CopySpec) -> Segments:
     """The coalesced byte segments that move ``spec`` directly from src to dst memory."""
     srcs, dsts, lens = [], [], []
-    for sel, kv, run, dims in _kv_classes(spec):
-        a, b = _box_starts(spec, sel, kv)
+    for runs, sel, kv, run, dims in _kv_classes(spec):
+        a, b = _box_starts(spec, runs, sel, kv)
         if dims:
             sizes = [d[0] for d in dims]
             grid = np.indices(sizes, dtype=np.int64).reshape(len(dims), -1)
@@ -281,10 +352,10 @@ def _side_boxes(spec: CopySpec, side: str) -> SideBoxes:
     if lay.rows_contiguous:
         per_block = blocks[pos] * lay.block_stride + a * lay.token_stride + h0 * lay.head_stride
         addr = (lay.base.reshape(-1, 1) + per_block[None, :]).reshape(-1)
-    else:  # the token stride is the K/V's own: lk = layer * kv_factor + kv
+    else:  # the token offsets are the K/V's own: lk = layer * kv_factor + kv
         per_block = blocks[pos] * lay.block_stride + h0 * lay.head_stride
-        tok = np.tile(lay.token_strides, lay.num_layers)
-        addr = (lay.base.reshape(-1, 1) + per_block[None, :] + tok[:, None] * a[None, :]).reshape(-1)
+        tok = lay.token_offsets[np.tile(np.arange(lay.kv_factor), lay.num_layers)][:, a]  # [L*kv, blocks]
+        addr = (lay.base.reshape(-1, 1) + per_block[None, :] + tok).reshape(-1)
     order = np.argsort(addr, kind="stable")
     lk, j = np.divmod(order, pos.size)  # box k of the flat [lk, block] grid is (k // blocks, k % blocks)
     return SideBoxes(lk=lk, block_pos=pos[j], slot=a[j], ntok=(b - a)[j], addr=addr[order])

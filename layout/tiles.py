@@ -86,15 +86,15 @@ class BoxTiles:
     def of(cls, spec: CopySpec, pool: str, order: str, bx: SideBoxes, space: Any) -> "BoxTiles | None":
         """Tiles for ``spec``'s rows on ``pool`` in ``order``'s address order, or None where
         boxes differ in size, cross a pool block, or rows are element-strided."""
-        P, O = (spec.src, spec.dst) if pool == "src" else (spec.dst, spec.src)
+        P, O = (spec.src if pool == "src" else spec.dst), (spec.src if order == "src" else spec.dst)
         if not (P.rows_contiguous and O.rows_contiguous) or not bx.ntok.size:
             return None
         classes = bx.by_length()
         if len(classes) != 1:
             return None
         n, nh = classes[0][0], spec.heads.count
-        o_first, p_first = ((spec.dst_first_token, spec.src_first_token) if pool == "src"
-                            else (spec.src_first_token, spec.dst_first_token))
+        o_first, p_first = ((spec.src_first_token if order == "src" else spec.dst_first_token),
+                            (spec.src_first_token if pool == "src" else spec.dst_first_token))
         p_blocks = spec.src_blocks if pool == "src" else spec.dst_blocks
         p_head0 = spec.heads.src_start if pool == "src" else spec.heads.dst_start
         rel = o_first + bx.block_pos * O.tokens_per_block + bx.slot - p_first

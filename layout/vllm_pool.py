@@ -1,5 +1,5 @@
 """vLLM's paged KV cache as a KVLayout: its GPU backends' logical views
-(``vllm_paged_layout``) and the CPU attention backend's 'vec' and 'vec16' kernels.
+(``vllm_paged_layout``) and the CPU attention backend's 'vec', 'vec16' and 'amx' kernels.
 
 vLLM hands a KV connector one tensor per attention layer (``register_kv_caches``). The
 CPU backend (``CPU_ATTN``, ``vllm/v1/attention/backends/cpu_attn.py``,
@@ -16,9 +16,11 @@ head_size`` elements are K, the next ``block_size * head_size`` are V. The kerne
 The 'vec16' ISA (picked for a head size that is a multiple of 16 but not of 32, e.g. 80,
 or a block size that is not a multiple of 32) lays a block out the same way: checked
 element by element against vLLM's own ``cpu_attn_reshape_and_cache`` for float32 and
-bfloat16 (tests/helpers/vllm_scripts/kernel_layout.py). Other ISAs of the CPU backend
-('amx', whose blocks interleave tokens and dimensions, 'neon', ...) are refused by name,
-as are fp8 KV caches (another writer).
+bfloat16 (tests/helpers/vllm_scripts/kernel_layout.py). The 'amx' ISA (bfloat16, block
+size a multiple of 32, on hosts with AMX tiles) interleaves tokens and dimensions inside
+each K and V tile; its offsets are mixed-radix in tokens and in dimensions
+(``_amx_row_strides``), checked the same way. Other ISAs ('neon', ...) are refused by
+name, as are fp8 KV caches (another writer).
 
 MLA: the CPU MLA backend (``CPU_MLA``, ``vllm/v1/attention/backends/mla/cpu_mla.py``;
 head size 576 = kv_lora_rank 512 + rope 64, block size 16 only) hands each layer a
@@ -39,7 +41,18 @@ from .heads import tp_head_slice
 
 __all__ = ["VLLM_CPU_ISAS", "vllm_cpu_layout", "vllm_cpu_layout_from_geometry", "vllm_cpu_mla_layout", "vllm_paged_layout"]
 
-VLLM_CPU_ISAS = ("vec", "vec16")  # the CPU backend's kernels whose block layout kvbridge knows
+VLLM_CPU_ISAS = ("vec", "vec16", "amx")  # the CPU backend's kernels whose block layout kvbridge knows
+
+
+def _amx_row_strides(block_size: int, head_size: int, isz: int) -> tuple:
+    """'amx' tiles of one (block, head), in bytes: K (token t, dim j) at ``(t // 16) * 16 *
+    head_size + (j // 2) * 32 + (t % 16) * 2 + j % 2`` elements, V at ``(j // 16) * 16 *
+    block_size + (t // 2) * 32 + (j % 16) * 2 + t % 2`` (checked against vLLM's own
+    ``cpu_attn_reshape_and_cache``, tests/helpers/vllm_scripts/kernel_layout.py)."""
+    e = isz
+    k = (((block_size // 16, 16 * head_size * e), (16, 2 * e)), ((head_size // 2, 32 * e), (2, e)))
+    v = (((block_size // 2, 32 * e), (2, e)), ((head_size // 16, 16 * block_size * e), (16, 2 * e)))
+    return (k, v)
 
 
 def vllm_cpu_layout_from_geometry(
@@ -69,6 +82,10 @@ def vllm_cpu_layout_from_geometry(
     isz = dtype_itemsize(dtype)
     if isz == 1:
         raise LayoutError("vLLM's CPU fp8 KV cache is written by other kernels; only float32/bfloat16/float16 are supported")
+    if isa == "amx" and (canonical_dtype(dtype) != "bfloat16" or block_size % 32 or head_size % 16):
+        raise LayoutError(f"vLLM's 'amx' ISA lays out bfloat16 caches of block sizes that are multiples of 32 and "
+                          f"head sizes that are multiples of 16; got {canonical_dtype(dtype)}, block size "
+                          f"{block_size}, head size {head_size}")
     ptrs = np.asarray([int(p) for p in layer_ptrs], dtype=np.int64)
     if ptrs.size == 0:
         raise LayoutError("vLLM KV cache: no layer tensors")
@@ -84,7 +101,7 @@ def vllm_cpu_layout_from_geometry(
         raise LayoutError(f"tp_rank {tp_rank} of {tp_size} holds {n} of {total} KV heads, but the cache has {num_kv_heads}")
     base = np.stack([ptrs, ptrs + tile], axis=1)  # K then V inside each (block, head)
     return KVLayout(
-        engine="vllm-cpu",
+        engine="vllm-cpu-amx" if isa == "amx" else "vllm-cpu",
         num_layers=int(ptrs.size),
         kv_factor=2,
         num_heads=num_kv_heads,
@@ -96,14 +113,15 @@ def vllm_cpu_layout_from_geometry(
         num_blocks=num_blocks,
         first_block=1,
         block_stride=block_stride,
-        token_stride=head_size * isz,  # V's; K's is in row_strides
+        token_stride=(2 if isa == "amx" else head_size) * isz,  # V's innermost; every K/V's is in row_strides
         head_stride=head_stride,
         base=base,
         region_of=np.repeat(np.arange(ptrs.size, dtype=np.int64)[:, None], 2, axis=1),
         regions=tuple(Region(int(p), int(layer_nbytes)) for p in ptrs),
         layer_offset=layer_offset,
         tensors=tuple(tensors) if tensors is not None else None,
-        row_strides=((isz, block_size * isz), (head_size * isz, isz)),
+        row_strides=(_amx_row_strides(block_size, head_size, isz) if isa == "amx"
+                     else ((isz, block_size * isz), (head_size * isz, isz))),
     )
 
 

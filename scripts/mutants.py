@@ -221,6 +221,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                pass\n",
         "nothing leaked: a closed sender gives back the staging it registered with the transport",
         ("tests/core/test_transport.py::test_a_closed_sender_gives_back_its_staging_registration",)),
+    # -- vLLM's CPU ISAs and staging on both sides (docs/vllm.md)
+    Mutation(
+        "vllm-amx-v-tokens", "layout/vllm_pool.py",
+        "    v = (((block_size // 2, 32 * e), (2, e)),",
+        "    v = (((block_size // 2, 2 * e), (2, e)),",
+        "vLLM's 'amx' tiles are read where vLLM's own reshape kernel wrote them",
+        ("tests/vllm/test_vllm_layout.py::test_amx_every_byte_both_ways",)),
+    Mutation(
+        "staged-both-chunk-offsets", "common/send_pipeline.py",
+        "                landed += chunk.nbytes\n",
+        "\n",
+        "a staged_both send's chunks land one after another in the receiver's staging",
+        ("tests/core/test_handoff.py::test_vllm_cpu_isas_and_block_sizes_meet",)),
     # -- the prestage (README: The transfer core)
     Mutation(
         "prestage-used", "common/send_pipeline.py",

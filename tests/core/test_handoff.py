@@ -30,9 +30,10 @@ class Peer(PipePeer):
         self.endpoint_or_session, self.free0 = self.ready[1], self.ready[2]
 
 
-def spec(engine, *, layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=16, blocks=64, seed=1, mla=False):
+def spec(engine, *, layers=2, total_heads=4, tp=1, rank=0, head_dim=32, dtype="bf16", tpb=16, blocks=64, seed=1, mla=False,
+         isa="vec"):
     return dict(engine=engine, layers=layers, total_heads=total_heads, tp=tp, rank=rank, head_dim=head_dim,
-                dtype=dtype, tpb=tpb, blocks=blocks, seed=seed, mla=mla)
+                dtype=dtype, tpb=tpb, blocks=blocks, seed=seed, mla=mla, isa=isa)
 
 
 @pytest.fixture
@@ -355,6 +356,29 @@ def test_receiver_staging_cuts_segments_for_split_rows(peers):
     assert res["record"]["plan"] == "staged_recv"
     direct_segments = 2 * 2 * 512  # per token, layer and K/V, from each of the two ranks
     assert res["record"]["segments"] * 10 <= 2 * direct_segments
+
+
+@pytest.mark.parametrize("src, dst, kind", [
+    (("vllm", 32, "vec"), ("vllm", 64, "vec"), "staged_both"),  # element-strided both sides, differently
+    (("vllm", 32, "amx"), ("vllm", 32, "vec"), "staged_both"),
+    (("vllm", 64, "amx"), ("vllm", 64, "amx"), "direct"),
+    (("sglang", 16, "vec"), ("vllm", 32, "amx"), "staged_recv"),
+])
+def test_vllm_cpu_isas_and_block_sizes_meet(peers, src, dst, kind):
+    """vLLM CPU caches of other block sizes or ISAs ('vec', 'amx': both element-strided)
+    meet through staging on both sides, chunked; 'amx' to 'amx' moves directly, another
+    engine's rows are scattered into 'amx' tiles. Every byte checked by vLLM's indexing."""
+    (se, sp, si), (de, dp, di) = src, dst
+    ps = spec(se, tpb=sp, isa=si, blocks=448 // sp + 4, seed=21)
+    ds = spec(de, tpb=dp, isa=di, blocks=2 * (448 // dp) + 8, seed=22)
+    pre = peers("prefill", ps, {"chunk_bytes": 64 << 10})
+    dec = peers("decode", ds, {"recv_staging_bytes": 8 << 20})
+    blocks = pre.call_raw("serve", 9, 400, 160)[1]  # three prefill chunks
+    res = pull(dec, 9, [pre], 0, 400, [(ps, blocks)], scattered=True)
+    w = pre.call_raw("wait", 9, 30)
+    check_ok(res, [w])
+    assert res["record"]["plan"] == kind
+    assert res["written_bytes"] == 2 * 2 * 400 * 4 * 32 * 2
 
 
 @pytest.mark.parametrize("link, kind", [("tcp", "direct"), ("nvlink", "staged_send")])

@@ -79,7 +79,7 @@ def kv_addresses(layout: Any, blocks: Sequence[int], first_token: int, start: in
         lk = (np.arange(nl)[:, None] * kvf + np.arange(kvf)[None, :])  # [layers, kv]
         elem = ((blk[None, None, :, None] * nl * kvf + lk[:, :, None, None]) * nh * page + within[None, None]) * row
         return pool.data_ptr() + elem[..., None] + np.arange(row)
-    if eng in ("vllm-cpu", "vllm-mla"):
+    if eng in ("vllm-cpu", "vllm-cpu-amx", "vllm-mla"):
         rel = _vllm_offsets(layout, blocks, first_token, start, stop, heads_local)
         return rel + np.array([x.data_ptr() for x in tensors], dtype=np.int64)[:, None, None, None, None]
     raise AssertionError(f"no engine indexing rule for a {eng!r} pool")
@@ -90,7 +90,8 @@ def _vllm_offsets(layout: Any, blocks, first_token: int, start: int, stop: int, 
     cache, from vLLM's own description and not the layout's strides: each layer tensor is ``[num_blocks, heads, block_size, 2 * head_size]``
     (its shape read here); inside a (block, head), K element (token t, dim j) is element
     ``j * block_size + t`` and V element (t, j) is ``block_size * head_size + t * head_size
-    + j`` (cpu_attn_vec.hpp, reshape_and_cache). The last axis is each element's bytes.
+    + j`` (cpu_attn_vec.hpp, reshape_and_cache); for the 'amx' ISA the offsets its
+    reshape kernel writes (vllm_scripts/kernel_layout.py checks them on every element). The last axis is each element's bytes.
     MLA (CPU_MLA): each layer ``[num_blocks, 1, block_size, latent]``, one row per token."""
     if layout.engine == "vllm-mla":
         nb, _, bs, d = layout.tensors[0].shape
@@ -107,8 +108,13 @@ def _vllm_offsets(layout: Any, blocks, first_token: int, start: int, stop: int, 
     h = np.asarray(heads_local, dtype=np.int64)
     j = np.arange(hd)
     tile = (blk[:, None] * nh + h[None, :]) * (bs * hd2)  # [T, H] first element of the (block, head)
-    k = tile[:, :, None] + j[None, None, :] * bs + slot[:, None, None]  # [T, H, hd]
-    v = tile[:, :, None] + bs * hd + slot[:, None, None] * hd + j[None, None, :]
+    t3, j3 = slot[:, None, None], j[None, None, :]
+    if layout.engine == "vllm-cpu-amx":  # the 'amx' ISA, as vLLM's own reshape kernel writes it
+        k = tile[:, :, None] + (t3 // 16) * 16 * hd + (j3 // 2) * 32 + (t3 % 16) * 2 + j3 % 2
+        v = tile[:, :, None] + bs * hd + (j3 // 16) * 16 * bs + (t3 // 2) * 32 + (j3 % 16) * 2 + t3 % 2
+    else:
+        k = tile[:, :, None] + j3 * bs + t3  # [T, H, hd]
+        v = tile[:, :, None] + bs * hd + t3 * hd + j3
     elems = np.stack([k, v])  # [kv, T, H, hd]
     byte = (elems[..., None] * isz + np.arange(isz)).reshape(2, t.size, h.size, hd * isz)
     return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
@@ -142,19 +148,25 @@ def sglang_kv(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tenso
 
 
 def vllm_kv(layer_caches: Sequence[torch.Tensor], blocks: Sequence[int], block_size: int,
-            positions: Sequence[int]) -> torch.Tensor:
+            positions: Sequence[int], isa: str = "vec") -> torch.Tensor:
     """``[layers, 2, T, heads, head_dim]`` of ``positions`` from vLLM's CPU cache, one
-    ``[num_blocks, heads, block_size, 2 * head_dim]`` tensor per layer."""
+    ``[num_blocks, heads, block_size, 2 * head_dim]`` tensor per layer, as its ``isa``
+    kernel lays a (block, head) out."""
     nb, heads, bs, hd2 = layer_caches[0].shape
     hd = hd2 // 2
+    j = torch.arange(hd)
     out = torch.empty(len(layer_caches), 2, len(positions), heads, hd, dtype=layer_caches[0].dtype)
     for layer, cache in enumerate(layer_caches):
         for i, t in enumerate(positions):
             b, slot = int(blocks[t // block_size]), t % block_size
             for h in range(heads):
                 tile = cache[b, h].reshape(-1)
-                out[layer, 0, i, h] = tile[: bs * hd].view(hd, bs)[:, slot]  # K stored transposed
-                out[layer, 1, i, h] = tile[bs * hd + slot * hd: bs * hd + (slot + 1) * hd]
+                if isa == "amx":  # K: 16-token runs of dimension pairs; V: token pairs (its reshape kernel)
+                    out[layer, 0, i, h] = tile[(slot // 16) * 16 * hd + (j // 2) * 32 + (slot % 16) * 2 + j % 2]
+                    out[layer, 1, i, h] = tile[bs * hd + (j // 16) * 16 * bs + (slot // 2) * 32 + (j % 16) * 2 + slot % 2]
+                else:
+                    out[layer, 0, i, h] = tile[: bs * hd].view(hd, bs)[:, slot]  # K stored transposed
+                    out[layer, 1, i, h] = tile[bs * hd + slot * hd: bs * hd + (slot + 1) * hd]
     return out
 
 

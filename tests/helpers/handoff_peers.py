@@ -25,7 +25,7 @@ def build_pool(spec: dict):
 
     lay = allocate_pool(spec["engine"], layers=spec["layers"], total_heads=spec["total_heads"], head_dim=spec["head_dim"],
                         dtype=spec["dtype"], tokens_per_block=spec["tpb"], num_blocks=spec["blocks"], tp_size=spec["tp"],
-                        tp_rank=spec["rank"], mla=spec.get("mla", False), seed=spec["seed"])
+                        tp_rank=spec["rank"], mla=spec.get("mla", False), seed=spec["seed"], isa=spec.get("isa", "vec"))
     if spec.get("kv_scales") is not None:  # the engine's fp8 scales, as its plugin reports them
         lay = lay.with_scales(spec["kv_scales"])
     return lay, list(lay.tensors)
@@ -48,7 +48,7 @@ def engine_read(spec: dict, tensors: list, blocks, positions) -> np.ndarray:
         rows = [(int(blocks[t // tpb]), t % tpb) for t in positions]
         kv = torch.stack([torch.stack([c[b, 0, s] for b, s in rows]) for c in tensors])[:, None, :, None, :]
     elif eng == "vllm":
-        kv = vllm_kv(tensors, blocks, tpb, positions)
+        kv = vllm_kv(tensors, blocks, tpb, positions, isa=spec.get("isa", "vec"))
     else:
         raise ValueError(f"no indexing rule for engine {eng!r}")
     return kv.contiguous().view(torch.uint8).numpy().copy()

@@ -5,7 +5,8 @@
 {bf16, fp8}, each moved whole and layer by layer (a plan per layer between
 ``KVLayout.layer_range`` views, as a layer-wise send makes them), and vLLM (CPU backends) to and from each of them and itself in bf16: GQA
 with blocks of 32/64 (CPU_ATTN: multiples of 32), MLA with blocks of 16 (CPU_MLA's only
-size); vLLM's CPU fp8 cache is not modelled, and vLLM -> vLLM needs equal block sizes. SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
+size); vLLM's CPU fp8 cache is not modelled; vLLM -> vLLM of other block sizes stages on
+both sides (``staged_both``). SGLang sides are SGLang's REAL pools (MHATokenToKVPool /
 MLATokenToKVPool); TensorRT-LLM and vLLM sides are pools of their exact geometry (the
 vLLM one read back through vLLM's own indexing rule, ``engine_kv.kv_addresses``,
 and checked against vLLM's kernel in tests/vllm/test_vllm_layout.py). Each cell moves a
@@ -45,9 +46,7 @@ LAYERS, HEADS, HEAD_DIM, MLA_DIM, TOKENS, PREFIX = 2, 4, 16, 24, 150, 20
 
 
 def page_pairs(src, dst):
-    if src == dst and src in ("sglang", "vllm"):
-        # SGLang's scheduler requires equal page sizes on both sides; two vLLM caches with
-        # different block sizes have different K element strides (refused by plan_transfer)
+    if src == dst == "sglang":  # SGLang's scheduler requires equal page sizes on both sides
         return [(p, p) for p in PAGES[src]]
     return list(itertools.product(PAGES[src], PAGES[dst]))
 
@@ -63,7 +62,7 @@ def applies(s, d, attn, dt, sp, dp) -> bool:
 
 CELLS = [(s, d, attn, sp, dp, tp, dt) for s, d in PAIRS for attn in ("GQA", "MLA") for sp, dp in page_pairs(s, d)
          for tp in TPS for dt in ("bf16", "fp8") if applies(s, d, attn, dt, sp, dp)]
-NOT_APPLICABLE = {(s, d, sp, dp) for s, d in PAIRS if s == d and s in ("sglang", "vllm")
+NOT_APPLICABLE = {(s, d, sp, dp) for s, d in PAIRS if s == d == "sglang"
                   for sp, dp in itertools.product(PAGES[s], PAGES[s]) if sp != dp}
 
 
@@ -170,10 +169,11 @@ def format_matrix() -> list[str]:
                     v += " lw" if lw.startswith("ok") else " LW-FAIL"
                 row += f"{v:>20}"
             lines.append(row)
-    lines += ["", "ok <kinds> =: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv), "
+    lines += ["", "ok <kinds> =: byte-exact, moved by those plan kinds (s_send = staged_send, s_recv = staged_recv, "
+              "s_both = staged_both), "
               "and the content digests of both sides equal (the integrity check, kvbridge.layout.digest); "
               "lw: also byte-exact moved layer by layer (a plan per layer). "
-              "n/a (pages): SGLang requires equal page sizes on both sides (vLLM -> vLLM: equal block sizes). "
+              "n/a (pages): SGLang requires equal page sizes on both sides. "
               "n/a (vLLM): vLLM's CPU caches: no fp8; GQA blocks are multiples of 32, MLA blocks are 16."]
     return lines
 

@@ -110,12 +110,18 @@ def run_plan(plan, chunk_bytes=None):
     for part in parts:
         if plan.kind is PlanKind.DIRECT:
             execute_segments(part.wire, dst_within=pool)
-        elif plan.kind is PlanKind.STAGED_SEND:
+        elif plan.kind.gathers:
             g = part.gather()
             step = max(1, g.rows // 3 + 1)  # in row parts (as the sender pipelines), each index built lazily
             for a in range(0, g.rows, step):
                 g.run(stage[a * g.row_bytes:], rows=(a, min(g.rows, a + step)))
-            execute_segments(part.wire.shifted(src_by=stage.data_ptr()), dst_within=pool)
+            if plan.kind is PlanKind.STAGED_SEND:
+                execute_segments(part.wire.shifted(src_by=stage.data_ptr()), dst_within=pool)
+            else:  # staged_both: the sender's staging into the receiver's, then its scatter
+                landed = torch.zeros_like(stage)
+                execute_segments(part.wire.shifted(src_by=stage.data_ptr(), dst_by=landed.data_ptr()),
+                                 dst_within=[(landed.data_ptr(), landed.numel())])
+                part.scatter().run(landed)
         else:
             execute_segments(part.wire.shifted(dst_by=stage.data_ptr()), dst_within=[(stage.data_ptr(), stage.numel())])
             part.scatter().run(stage)
@@ -155,7 +161,7 @@ def test_every_plan_moves_exactly_the_request(sglang_pools, sc):
         for a, b in zip(snapshot(src), src_before):
             assert np.array_equal(a, b), f"{kind.value}: the source pool changed"
         results[kind] = [a[m] for a, m in zip(after, mask)]
-    for kind in (PlanKind.STAGED_SEND, PlanKind.STAGED_RECV):
+    for kind in (PlanKind.STAGED_SEND, PlanKind.STAGED_RECV, PlanKind.STAGED_BOTH):
         assert all(np.array_equal(x, y) for x, y in zip(results[kind], results[PlanKind.DIRECT]))
     # a large plan's direct segment count (an upper bound), taken from the geometry alone
     # where it can be, equals the count over the runs

@@ -218,6 +218,10 @@ def test_bench_layout_cli_reports_what_the_issue_asks():
         res["one_thread_copy_share_spread"]["median"] < 0.8 and res["threads"] > 1)
     assert res["repack_bytes_verified"] is True
     assert res["segments_direct"] == 32 * 2 * 2048 * 8 and res["segments_staged"] < 100
+    v = res["vllm_cpu"]  # vLLM's CPU caches per ISA, staged: their repacks against a memcpy, bytes checked
+    assert v["amx_to_vec_plan"] == "staged_both" and v["amx_to_vec_bytes_verified"] is True
+    for k in ("vec_gather", "amx_gather", "vec_scatter", "amx_scatter", "amx_to_vec_both"):
+        assert v[f"{k}_gbps"] > 0 and v[f"{k}_ratio_spread"]["n"] == 2
 
 
 def test_wheel_contains_every_subpackage(tmp_path):

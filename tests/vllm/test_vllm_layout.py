@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.layout import (KVLayout, LayoutError, PlanKind, allocate_pool, plan_transfer, refused_kinds,
-                             vllm_cpu_layout, vllm_cpu_layout_from_geometry)
+from kvbridge.layout import (VLLM_CPU_ISAS, KVLayout, LayoutError, PlanKind, allocate_pool, plan_transfer,
+                             refused_kinds, vllm_cpu_layout, vllm_cpu_layout_from_geometry)
 from tests.helpers.kvhelpers import read_units, run_plan, snapshot, unit_addresses, written_mask
 from tests.helpers.vllm_env import requires_vllm, run_script
 
@@ -28,21 +28,24 @@ def pool(engine, page, blocks=None, seed=1, dtype="bf16"):
 
 @requires_vllm
 def test_layout_matches_vllms_own_kernel():
-    """vLLM's reshape_and_cache writes K/V with its 'vec' ISA and with 'vec16' (head sizes
-    80, 48 and block size 16, as the backend picks it); kvbridge reads every element back
-    through its vLLM layout, float32 and bfloat16. Where the backend would pick another ISA on
-    this host (bfloat16 on AMX hosts picks 'amx'), kvbridge refuses that one by name."""
+    """vLLM's reshape_and_cache writes K/V with its 'vec' ISA, with 'vec16' (head sizes
+    80, 48 and block size 16, as the backend picks it), float32 and bfloat16, and with
+    'amx' (bfloat16, block sizes 32 and 64); kvbridge reads every element back through
+    its vLLM layout. Where the backend would pick an ISA kvbridge does not know on this
+    host, kvbridge refuses that one by name."""
     r = run_script("kernel_layout.py")
     amx = r.pop("amx")
     for case, res in amx.items():  # vLLM's 'amx' reshape, where vLLM can call it: docs/vllm.md's formulas
         assert not res["ran"] or (res["k_formula"] and res["v_formula"]), (case, res)
     want = {f"{dt} {isa} bs{bs} hd{hd}" for dt in ("torch.float32", "torch.bfloat16")
             for isa, bs, hd in (("vec", 32, 32), ("vec16", 32, 80), ("vec16", 16, 64), ("vec16", 16, 48))}
+    want |= {"torch.bfloat16 amx bs32 hd64", "torch.bfloat16 amx bs64 hd128"}
     assert set(r) == want, sorted(r)
     for case, res in r.items():
         assert res["equal"] is True and res["nonzero_elems"] > 0, (case, res)
-        host = res["host_isa"]
-        assert host == res["isa"] or (res["refused"] and f"ISA {host!r} is not supported" in res["refused"]), (case, res)
+        host = res["host_isa"]  # what the backend picks here: described, or refused by name
+        assert (host in VLLM_CPU_ISAS and res["refused"] is None
+                or res["refused"] and f"ISA {host!r} is not supported" in res["refused"]), (case, res)
 
 
 @pytest.mark.parametrize("other,page", [("sglang", 1), ("sglang", 16), ("trtllm", 32), ("trtllm", 64), ("vllm", 32)])
@@ -67,6 +70,64 @@ def test_every_byte_both_ways(other, page, vllm_sends):
     assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask)), "other bytes changed"
 
 
+AMX_CASES = [("sglang", 1, "vec"), ("sglang", 16, "vec"), ("trtllm", 32, "vec"), ("trtllm", 64, "vec"),
+             ("vllm", 32, "amx"), ("vllm", 64, "amx"), ("vllm", 32, "vec"), ("vllm", 64, "vec")]
+
+
+@pytest.mark.parametrize("other,page,isa", AMX_CASES)
+@pytest.mark.parametrize("amx_sends", [True, False])
+def test_amx_every_byte_both_ways(other, page, isa, amx_sends):
+    """vLLM's bfloat16 'amx' tiles (K: runs of 16 tokens with dimension pairs interleaved,
+    V: token pairs interleaved) to and from every other layout, tokens [20, T) at first
+    tokens that cut blocks differently on each side: every unit equal by both engines' own
+    indexing, no other byte written, and the content digest equal on both sides."""
+    from kvbridge.layout import grid_for, kv_digest
+
+    rng = np.random.default_rng(page + 7 * amx_sends + (isa == "amx"))
+    a = allocate_pool("vllm", layers=L, total_heads=H, head_dim=HD, dtype="bf16", tokens_per_block=32,
+                      num_blocks=-(-T // 32) + 4, seed=3, isa="amx")
+    o = allocate_pool(other, layers=L, total_heads=H, head_dim=HD, dtype="bf16", tokens_per_block=page,
+                      num_blocks=-(-T // page) + 4, seed=4, isa=isa)
+    assert a.engine == "vllm-cpu-amx" and not a.affine_tokens
+    af = of = 0
+    ab = rng.permutation(np.arange(1, a.num_blocks))[: -(-(T - af) // 32) + 1]
+    ob = rng.permutation(np.arange(o.first_block, o.num_blocks))[: -(-(T - of) // page) + 1]
+    src, sb, sf, dst, db, df = (a, ab, af, o, ob, of) if amx_sends else (o, ob, of, a, ab, af)
+    before = snapshot(dst)
+    plan = plan_transfer(src, sb, dst, db, (20, T), src_first_token=sf, dst_first_token=df, kinds=tuple(PlanKind))
+    want = (PlanKind.STAGED_BOTH if other == "vllm" and (isa, page) != ("amx", 32)  # element-strided both sides
+            else PlanKind.DIRECT if other == "vllm" else PlanKind.STAGED_SEND if amx_sends else PlanKind.STAGED_RECV)
+    assert plan.kind is want, plan.explain()
+    run_plan(plan, dst_within=[(r.addr, r.nbytes) for r in dst.regions])
+    so, do = unit_addresses(src, sb, sf, 20, T, range(H)), unit_addresses(dst, db, df, 20, T, range(H))
+    assert np.array_equal(read_units(src, so), read_units(dst, do))
+    mask = written_mask(dst, do)
+    assert all(np.array_equal(x[~m], y[~m]) for x, y, m in zip(snapshot(dst), before, mask)), "other bytes changed"
+    grid = grid_for(src, heads=(0, H), tokens=(20, T))
+    assert np.array_equal(kv_digest(src, sb, sf, grid), kv_digest(dst, db, df, grid))
+
+
+def test_amx_to_amx_is_few_segments_and_other_layouts_are_refused_directly():
+    """Whole 'amx' blocks move as one segment per (layer, block) of K and V of every head;
+    a partial block in pieces of 16 and 2 tokens, never one per element; an 'amx' cache
+    moves to any other layout only through staging on its own side."""
+    a1, a2 = (allocate_pool("vllm", layers=L, total_heads=H, head_dim=HD, dtype="bf16", tokens_per_block=32,
+                            num_blocks=8, seed=s, isa="amx") for s in (1, 2))
+    plan = plan_transfer(a1, [1, 2, 3, 4], a2, [4, 5, 6, 7], 128)
+    assert plan.kind is PlanKind.DIRECT and plan.num_segments <= L * 4, plan.num_segments
+    plan = plan_transfer(a1, [1, 2, 3, 4], a2, [4, 5, 6, 7], 127)  # the last block cut at 31 tokens
+    assert plan.num_segments <= L * 4 + L * 2 * H * (1 + 15 + 8), plan.num_segments
+    assert set(refused_kinds(a1, pool("vllm", 32))) == set(PlanKind) - {PlanKind.STAGED_BOTH}  # strided, differently
+    assert set(refused_kinds(a1, pool("sglang", 16))) == {PlanKind.DIRECT, PlanKind.STAGED_RECV}
+    with pytest.raises(LayoutError, match="element dims"):
+        plan_transfer(a1, [1, 2, 3, 4, 5], pool("vllm", 32), [1, 2, 3, 4, 5], T)
+    for bad, why in ((dict(dtype="float32"), "float32"), (dict(tokens_per_block=16), "block size 16"),
+                     (dict(head_dim=40), "head size 40")):
+        kw = {**dict(layers=1, total_heads=2, head_dim=32, dtype="bf16", tokens_per_block=32, num_blocks=2), **bad}
+        with pytest.raises(LayoutError, match=why):
+            allocate_pool("vllm", isa="amx", **kw)
+
+
 def test_vllm_to_vllm_whole_blocks_are_few_segments():
     v1, v2 = pool("vllm", 32, seed=1), pool("vllm", 32, seed=2)
     plan = plan_transfer(v1, [1, 2, 3, 4], v2, [4, 5, 6, 7], 128)
@@ -76,7 +137,7 @@ def test_vllm_to_vllm_whole_blocks_are_few_segments():
 
 def test_refusals_name_what_is_wrong():
     v32, v64, s = pool("vllm", 32), pool("vllm", 64), pool("sglang", 16)
-    with pytest.raises(LayoutError, match="element strides"):
+    with pytest.raises(LayoutError, match="element dims"):
         plan_transfer(v32, [1, 2, 3, 4, 5], v64, [1, 2, 3], T)
     with pytest.raises(LayoutError, match="element-strided"):
         plan_transfer(s, np.arange(1, 11), v32, [1, 2, 3, 4, 5], T, kinds=(PlanKind.DIRECT, PlanKind.STAGED_SEND))
@@ -86,8 +147,8 @@ def test_refusals_name_what_is_wrong():
     assert set(refused_kinds(s, v32)) == {PlanKind.DIRECT, PlanKind.STAGED_SEND}
     assert set(refused_kinds(v32, pool("vllm", 32))) == {PlanKind.STAGED_SEND, PlanKind.STAGED_RECV}
     t = torch.zeros(2, 4, 2, 32, 64)
-    with pytest.raises(LayoutError, match="'amx' is not supported"):
-        vllm_cpu_layout(list(t.unbind(0)), isa="amx")
+    with pytest.raises(LayoutError, match="'neon' is not supported"):
+        vllm_cpu_layout(list(t.unbind(0)), isa="neon")
     with pytest.raises(LayoutError, match="fp8"):
         vllm_cpu_layout_from_geometry([t.data_ptr()], t[0].numel() * 4, 4, 2, 32, 32, "fp8")
     with pytest.raises(LayoutError, match="not 4 blocks"):
@@ -101,9 +162,17 @@ def test_description_round_trip_keeps_row_strides():
     back = KVLayout.from_description(d)
     assert back.row_strides == v.row_strides and back.relative_key == v.relative_key
     assert "row_strides" not in pool("sglang", 16).describe()  # other layouts describe as before
-    for bad in ([[2, 64]], [[2, 64], [64, 2], [2, 2]], [[0, 64], [64, 2]], [[2.0, 64], [64, 2]], "x"):
+    for bad in ([[2, 64]], [[2, 64], [64, 2], [2, 2]], [[0, 64], [64, 2]], [[2.0, 64], [64, 2]], "x",
+                [[[[3, 64], [16, 2]], 64], [64, 2]],  # mixed-radix counts that are not the block's 32 tokens
+                [[[[2, 64], [16, 2.0]], 64], [64, 2]], [[[[2, 64, 1]], 64], [64, 2]], [[[], 64], [64, 2]]):
         with pytest.raises(LayoutError):
             KVLayout.from_description({**d, "row_strides": bad})
+    a = allocate_pool("vllm", layers=L, total_heads=H, head_dim=HD, dtype="bf16", tokens_per_block=32, num_blocks=4,
+                      isa="amx")
+    back = KVLayout.from_description(a.describe())  # 'amx': mixed-radix token and element dims
+    assert back.row_strides == a.row_strides and np.array_equal(back.token_offsets, a.token_offsets)
+    with pytest.raises(LayoutError, match="tokens_per_block 1099511627776 is over"):
+        KVLayout.from_description({**d, "tokens_per_block": 2**40})
 
 
 def test_demo_engines():

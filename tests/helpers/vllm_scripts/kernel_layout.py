@@ -2,8 +2,9 @@
 backend's shape; kvbridge's layout of that tensor must find every element where the
 kernel put it. The 'vec' and 'vec16' kernels (vec16: a head size that is a multiple of
 16 but not 32, or a block size that is not a multiple of 32) run on every x86 host; where
-the host's backend would pick another ISA (bfloat16 on AMX hosts: 'amx', whose blocks
-interleave tokens and dimensions), kvbridge must refuse that ISA by name. Prints one
+the host's backend would pick an ISA kvbridge does not know, it must refuse that ISA by
+name. The 'amx' kernel (bfloat16 on AMX hosts, whose blocks interleave tokens and
+dimensions) runs on AVX-512 hosts without AMX tiles too, and is checked the same way. Prints one
 JSON line: {"<dtype> <isa> bs<block size> hd<head size>": result}."""
 
 import json
@@ -23,7 +24,9 @@ from kvbridge.layout.repack import Gather
 current_platform.import_kernels()
 out = {}
 CASES = (("vec", 32, 32), ("vec16", 32, 80), ("vec16", 16, 64), ("vec16", 16, 48))  # (isa, block size, head size)
-for dtype, (isa, bs, hd) in [(d, c) for d in (torch.float32, torch.bfloat16) for c in CASES]:
+AMX_CASES = (("amx", 32, 64), ("amx", 64, 128))  # bfloat16 only; the kernel also runs on hosts without AMX tiles
+for dtype, (isa, bs, hd) in ([(d, c) for d in (torch.float32, torch.bfloat16) for c in CASES]
+                             + [(torch.bfloat16, c) for c in AMX_CASES]):
     nb, nh, layers = 6, 2, 2
     host_isa = _get_attn_isa(dtype, bs, hd)  # what the backend picks on this host
     shape = (nb, nh, bs, 2 * hd)  # what register_kv_caches gets per layer (LBHNC, [B, H, N, 2 * head_size])
@@ -62,9 +65,9 @@ for dtype, (isa, bs, hd) in [(d, c) for d in (torch.float32, torch.bfloat16) for
     out[f"{dtype} {isa} bs{bs} hd{hd}"] = {"isa": isa, "host_isa": host_isa, "refused": refused, "shape": list(shape), "equal": bool(torch.equal(rows, want[order])),
                        "row_strides": [list(p) for p in lay.row_strides], "nonzero_elems": int((one != 0).sum())}
 
-# 'amx' (bfloat16 on AMX hosts): kvbridge refuses it; what vLLM's own reshape kernel does,
-# where it runs (also on hosts without AMX), is recorded against the formulas docs/vllm.md
-# states, element offsets inside one (block, head) K or V tile of block size bs, head size hd:
+# 'amx' (bfloat16 on AMX hosts): what vLLM's own reshape kernel does, where it runs (also on
+# hosts without AMX), is recorded against the formulas docs/vllm.md states (and the engine
+# oracle of the tests, tests/helpers/engine_kv.py, uses), element offsets inside one (block, head) K or V tile of block size bs, head size hd:
 #   K (t, j): (t // 16) * 16 * hd + (j // 2) * 32 + (t % 16) * 2 + j % 2
 #   V (t, j): (j // 16) * 16 * bs + (t // 2) * 32 + (j % 16) * 2 + t % 2
 amx = {}
