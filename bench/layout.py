@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 from kvbridge.bench.machine import copy_parts_one_thread, machine_notes, spread
-from kvbridge.common.rooms import HandoffConfig
-from kvbridge.common.settings import BridgeSettings
+from kvbridge.common.settings import BridgeSettings, HandoffConfig
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses

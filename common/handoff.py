@@ -15,7 +15,8 @@ for a room are released exactly once (``BlockLease``). Settings: ``HandoffConfig
 """
 
 from .receiver import KVReceiver
-from .rooms import TERMINAL, HandoffConfig, HandoffFailed, PeerState, RoomState, default_metrics
+from .rooms import TERMINAL, HandoffFailed, PeerState, RoomState, default_metrics
+from .settings import HandoffConfig
 from .sender import KVSender
 
 __all__ = ["RoomState", "PeerState", "TERMINAL", "KVSender", "KVReceiver", "HandoffConfig", "HandoffFailed",

@@ -37,7 +37,8 @@ from kvbridge.layout.repack import Scatter
 from . import protocol as P
 from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
-from .rooms import TERMINAL, ControlSide, HandoffConfig, PeerState, RoomState
+from .rooms import TERMINAL, ControlSide, PeerState, RoomState
+from .settings import HandoffConfig
 from .staging import Arena, staging_buffer
 from .transport import MooncakeTransport
 

@@ -1,4 +1,4 @@
-"""What a room's two sides share: its states, the handoff settings, the metrics, and the
+"""What a room's two sides share: its states, the metrics, and the
 control-side base class (layout, transport, control channel, peer liveness).
 
 A *room* is one request's handoff: the prefill rank's ``KVSender`` serves it, each decode
@@ -11,17 +11,17 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 
-from kvbridge.layout import KVLayout, PlanCosts, PlanKind
+from kvbridge.layout import KVLayout
 
 from . import protocol as P
 from .auth import AuthError, check_bind
 from .control import ControlChannel
 from .limits import BoundedMap, LogLimiter
 from .metrics import KVBridgeMetrics
+from .settings import BridgeSettings, HandoffConfig
 from .transport import MooncakeTransport
 
 __all__ = ["RoomState", "PeerState", "TERMINAL", "HandoffConfig", "HandoffFailed", "ControlSide", "default_metrics"]
@@ -50,63 +50,6 @@ class PeerState(str, enum.Enum):
     DONE = "done"  # its part has landed (every write of it completed)
     STOPPING = "stopping"  # failed, told to stop, or silent: it may still be writing (not proven quiet)
     FAILED = "failed"  # proven quiet: it acknowledged with nothing in flight, or its process is gone
-
-
-@dataclass(frozen=True)
-class HandoffConfig:
-    """Knobs shared by both sides (seconds unless named otherwise), made by
-    ``kvbridge.common.settings.BridgeSettings.handoff``: the deployment's settings (their
-    defaults are written there) and the transfer core's own fields (with defaults here)."""
-
-    # the deployment's settings (BridgeSettings documents each)
-    deadline_s: float
-    heartbeat_s: float
-    peer_timeout_s: float
-    quiesce_s: float
-    chunk_bytes: int
-    secret: str = field(repr=False)
-    accepted_secrets: tuple[str, ...] = field(repr=False)
-    replay_window_s: float
-    allow_insecure: bool
-    model: str
-    recv_staging_bytes: int  # 0 on a sender
-    integrity: str
-    integrity_sample: float
-    costs: PlanCosts  # the plan chooser's figures, from the link (LinkProfile.plan_costs)
-    # the transfer core's own
-    gone_drain_s: float = 1.0  # a sender whose control connection closed and that answers no probe within this is gone
-    part_bytes: int = 16 << 20  # one gather + one write of a staged send (the ring's region size)
-    ring_parts: int = 4  # regions of a sender worker's staging ring: parts gathered ahead of the wire
-    first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
-    prestage_slots: int = 4  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
-    prestage_bytes: int = 16 << 20  # that first part (one slot of the sender's prestage buffer)
-    write_timeout_s: float = 30.0  # bound on one chunk's write
-    kinds: tuple[PlanKind, ...] = tuple(PlanKind)
-
-    def verifies(self, room: int) -> bool:
-        """Whether the receiver verifies ``room``'s content (``integrity``)."""
-        if self.integrity == "on":
-            return True
-        if self.integrity == "sample":
-            return sampled(room, self.integrity_sample)
-        return False
-
-    def keyring(self):
-        """A ``Keyring`` for these secrets (None: auth off); raises ValueError on a short key."""
-        from .auth import Keyring
-
-        return Keyring.from_settings(self.secret, self.accepted_secrets, self.replay_window_s)
-
-
-INTEGRITY_MODES = ("on", "off", "sample")
-
-
-def sampled(room: int, fraction: float) -> bool:
-    """Whether ``room`` falls in a ``fraction`` of all rooms: the same answer in every
-    process (a hash of the id), spread evenly whatever the ids look like."""
-    import xxhash
-
-    return xxhash.xxh3_64_intdigest(int(room).to_bytes(8, "little", signed=False)) < fraction * 2.0**64
 
 
 MAX_PEERS = 1 << 16  # peers one side keeps liveness (and refusal notes) for; the least recently heard goes first
@@ -143,8 +86,6 @@ class ControlSide:
         self.layout = layout
         self.transport = transport
         if config is None:  # the default settings'
-            from .settings import BridgeSettings
-
             config = BridgeSettings().handoff()
         self.config = config
         self.metrics = metrics or default_metrics()

@@ -16,36 +16,33 @@ import functools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvbridge.layout import (DIGEST_ALGORITHM, MAX_UNITS, HeadMap, KVLayout, LayoutError, PlanKind, TransferPlan,
                              check_segments_inside, grid_for, kv_digest, plan_transfer)
-from kvbridge.layout.repack import Gather
 
 from . import protocol as P
 from .rooms import TERMINAL, HandoffFailed, RoomState
+from .send_rooms import Prestaged, SendChunk, SendRoom, SendTarget
 from .transport import TransportError, WriteHandle
 
-if TYPE_CHECKING:  # the sender's room records (kvbridge.common.sender imports this module)
-    from .sender import _Chunk, _SendRoom, _Target
 
 __all__ = ["SendPipeline"]
 
 log = logging.getLogger(__name__)
 
 
-def _continues(a: "_Chunk", b: "_Chunk") -> bool:
+def _continues(a: "SendChunk", b: "SendChunk") -> bool:
     """Whether piece ``b`` is the next layers of piece ``a``'s tokens, in the same blocks."""
     return (a.layers is not None and b.layers is not None and a.layers[1] == b.layers[0] and not a.last
             and (a.start, a.stop, a.first_token) == (b.start, b.stop, b.first_token)
             and (a.blocks is b.blocks or np.array_equal(a.blocks, b.blocks)))
 
 
-def _shape_of_prestage(pre: "_Prestaged | None", t: "_Target", c: "_Chunk") -> bool:
+def _shape_of_prestage(pre: "Prestaged | None", t: "SendTarget", c: "SendChunk") -> bool:
     """Whether target ``t``'s request for chunk ``c`` has the shape ``pre`` was gathered for:
     every token of ``c`` from the first, into a layout like the one prestaged for (its block
     order is checked apart, once the plan is made)."""
@@ -55,34 +52,12 @@ def _shape_of_prestage(pre: "_Prestaged | None", t: "_Target", c: "_Chunk") -> b
             and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key))
 
 
-@dataclass(frozen=True)
-class _Prestaged:
-    """A room's first staged part, gathered after its last chunk and before any request
-    came, for ``remote`` (the layout of the decode peer served last) and the request an
-    engine usually sends: every token ``[0, chunk.stop)``, into ascending block ids.
-
-    Valid for a request that matches: a staged send's staging rows are in the
-    destination's address order, which block ids change only through their order (and
-    a shift of all addresses not at all), so any ascending block list of any peer whose
-    layout has ``remote``'s ``relative_key`` gives the same rows as ``remote``'s first
-    ``nblk`` blocks (and ``gather`` goes on with the rest of the first chunk's rows)."""
-
-    chunk: "_Chunk"  # kvbridge.common.sender._Chunk
-    remote: KVLayout
-    gather: Gather  # of the plan's first chunk, its index built for rows [0, rows)
-    nblk: int  # destination blocks the request needs
-    nbytes: int  # the whole plan's payload
-    rows: int  # staging rows gathered: rows [0, rows) of the plan's first chunk
-    slot: int  # which slot of the sender's prestage buffer holds them
-    addr: int  # where it starts
-
-
 class SendPipeline:
     """``KVSender``'s send workers (a mixin: it uses the sender's rooms, lock, config,
     transport, rings and prestage slots). Runs on the sender's worker threads, one room per
     worker at a time; the state it changes is taken under the sender's ``_lock``."""
 
-    def _next_work(self, r: "_SendRoom") -> tuple["_Target", "_Chunk", int] | None:
+    def _next_work(self, r: "SendRoom") -> tuple["SendTarget", "SendChunk", int] | None:
         """The next chunk some target of ``r`` has not been served, and how many of the
         room's chunks it stands for: layer pieces of one token range that queued up (the
         decode asked late, or the wire is slower than the forward) go as one layer range,
@@ -100,7 +75,7 @@ class SendPipeline:
                 return t, c, n
         return None
 
-    def _prestage_due(self, r: "_SendRoom") -> bool:
+    def _prestage_due(self, r: "SendRoom") -> bool:
         """Whether ``r``'s first part should be gathered now: its prompt is prefilled in one
         chunk, no decode rank has asked for it yet, the last one served got a staged send,
         and a slot is free. Call under the lock."""
@@ -108,7 +83,7 @@ class SendPipeline:
                 and r.chunks[0].start == 0 and self._last_pull is not None and self._last_pull[1]
                 and bool(self._prestage_free))
 
-    def _prestage(self, r: "_SendRoom") -> None:
+    def _prestage(self, r: "SendRoom") -> None:
         """Send worker, after a room's last chunk when no request has come yet (TensorRT-LLM's
         order: the context finishes, then the generation side asks): gather its first part
         for the decode layout served last, so that a matching request has bytes on the
@@ -151,10 +126,10 @@ class SendPipeline:
                 self._prestage_free.append(slot)
             return
         with self._lock:
-            r.prestaged = _Prestaged(c, remote, gather, nblk, plan.nbytes, rows, slot, buf.data_ptr())
+            r.prestaged = Prestaged(c, remote, gather, nblk, plan.nbytes, rows, slot, buf.data_ptr())
             r.record.repack_s += time.perf_counter() - t0
 
-    def _usable_prestage(self, r: "_SendRoom", t: "_Target", c: "_Chunk", plan: TransferPlan) -> _Prestaged | None:
+    def _usable_prestage(self, r: "SendRoom", t: "SendTarget", c: "SendChunk", plan: TransferPlan) -> Prestaged | None:
         """``r``'s prestaged first part if it is exactly the start of what ``plan`` would
         gather for target ``t`` (else it is given up)."""
         pre = r.prestaged
@@ -166,7 +141,7 @@ class SendPipeline:
         self._drop_prestage(r, used=False)
         return None
 
-    def _drop_prestage(self, r: "_SendRoom", *, used: bool) -> None:
+    def _drop_prestage(self, r: "SendRoom", *, used: bool) -> None:
         """Give the room's prestage slot back (once, whoever calls first), when no write
         can still read it."""
         with self._lock:
@@ -176,7 +151,7 @@ class SendPipeline:
             self._prestage_free.append(pre.slot)
         self.metrics.child(self.metrics.prestaged, "used" if used else "unused").inc()
 
-    def _drain(self, r: "_SendRoom") -> None:
+    def _drain(self, r: "SendRoom") -> None:
         ring = self._rings.popleft()
         try:
             self._prestage(r)
@@ -224,7 +199,7 @@ class SendPipeline:
                     del self._rooms[r.room]  # forget() came while this worker held it
         self._kick(r)
 
-    def _send_one(self, r: "_SendRoom", t: "_Target", c: "_Chunk", ring: torch.Tensor) -> None:
+    def _send_one(self, r: "SendRoom", t: "SendTarget", c: "SendChunk", ring: torch.Tensor) -> None:
         req = t.request
         start, stop = max(c.start, req.token_start), min(c.stop, req.token_stop)
         if c.last and c.stop != req.token_stop:
@@ -305,7 +280,7 @@ class SendPipeline:
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
 
-    def _digest(self, lay: KVLayout, remote: KVLayout, c: "_Chunk", start: int, stop: int, rec) -> P.DigestPart:
+    def _digest(self, lay: KVLayout, remote: KVLayout, c: "SendChunk", start: int, stop: int, rec) -> P.DigestPart:
         """The content digest of tokens ``[start, stop)`` of chunk ``c`` in ``lay``'s layers,
         the heads ``remote`` holds (``kvbridge.layout.digest``); a layer range's part gets its
         share of ``MAX_UNITS``, so a layer-wise room's Done stays as small as a whole one's."""
@@ -318,7 +293,7 @@ class SendPipeline:
         return P.DigestPart(layers=list(grid.layers), heads=list(grid.heads), tokens=[start, stop],
                             unit_tokens=grid.unit_tokens, values=values.view(np.int64).tolist())
 
-    def _layer_views(self, t: "_Target", lo: int, hi: int) -> tuple[KVLayout, KVLayout]:
+    def _layer_views(self, t: "SendTarget", lo: int, hi: int) -> tuple[KVLayout, KVLayout]:
         """This rank's and target ``t``'s layouts seen as layers ``[lo, hi)`` only, built once
         per sender (ours) and per target (its) and reused for every piece of that range."""
         if (lo, hi) == (0, self.layout.num_layers):
@@ -331,8 +306,8 @@ class SendPipeline:
             theirs = t.views[(lo, hi)] = t.remote.layer_range(lo, hi)
         return own, theirs
 
-    def _pipeline(self, r: "_SendRoom", peer: str, session: str, chunks: list, ring: torch.Tensor, deadline_s: float,
-                  pre: _Prestaged | None = None, dst_base: int | None = None) -> None:
+    def _pipeline(self, r: "SendRoom", peer: str, session: str, chunks: list, ring: torch.Tensor, deadline_s: float,
+                  pre: Prestaged | None = None, dst_base: int | None = None) -> None:
         """Staged send: gather the plan into the staging ring part by part, each part written
         as soon as it is gathered. Parts start at ``first_part_bytes`` and double up to
         ``part_bytes`` or a quarter of the plan (bytes are on the wire after a tiny gather); a region of the ring is
@@ -408,7 +383,7 @@ class SendPipeline:
             for h in inflight:  # on failure: no piece of ours may still be in the engine
                 self._settle_write(h)
 
-    def _await(self, r: "_SendRoom", h, timeout_s: float | None = None, peer: str | None = None,
+    def _await(self, r: "SendRoom", h, timeout_s: float | None = None, peer: str | None = None,
                last: bool = False) -> None:
         """Wait for write ``h``, giving it up as soon as the room ends (an abort from either
         side, a peer gone) or ``peer`` has been silent for ``peer_timeout_s`` (checked
@@ -430,7 +405,7 @@ class SendPipeline:
             time.sleep(sleep)
             sleep = min(2 * sleep, h.sleep_cap() if last else 1e-3)
 
-    def _stop_reason(self, r: "_SendRoom", peer: str | None) -> str | None:
+    def _stop_reason(self, r: "SendRoom", peer: str | None) -> str | None:
         """Why no further piece of room ``r`` may go to ``peer`` (None: it may): the room
         ended, or the peer has been silent longer than ``peer_timeout_s``, so it has given
         the room up and may reuse its blocks (e.g. this process was stopped and has just

@@ -23,19 +23,20 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import msgspec
 import numpy as np
 
-from kvbridge.layout import KVLayout, LayoutError, TransferPlan, block_ranges, check_compatible
+from kvbridge.layout import KVLayout, LayoutError, block_ranges, check_compatible
 
 from . import protocol as P
 from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
-from .rooms import TERMINAL, ControlSide, HandoffConfig, RoomState
-from .send_pipeline import SendPipeline, _Prestaged
+from .rooms import TERMINAL, ControlSide, RoomState
+from .settings import HandoffConfig
+from .send_pipeline import SendPipeline
+from .send_rooms import SendChunk, SendRoom, SendTarget
 from .limits import BoundedMap
 from .staging import staging_buffer
 from .transport import MooncakeTransport
@@ -48,65 +49,6 @@ MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at
 MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
 MAX_EARLY_PEERS = 1024  # decode ranks whose early request for one room a sender keeps (then refused)
 MAX_DECLINED = 1 << 14  # rooms declined before the prefill added them, remembered until their deadline at most
-
-
-@dataclass
-class _Chunk:
-    """Tokens ``[start, stop)`` in ``blocks`` (entry 0 holds ``first_token``), of layers
-    ``layers`` (None: every layer); ``last`` ends the room."""
-
-    blocks: np.ndarray
-    first_token: int
-    start: int
-    stop: int
-    last: bool
-    aux: dict | None = None
-    layers: tuple[int, int] | None = None
-
-
-@dataclass
-class _Target:
-    """One decode rank pulling a sender room: its request and how far it has been served."""
-
-    peer: str
-    request: P.TransferRequest
-    remote: KVLayout
-    allowed: np.ndarray
-    blocks: np.ndarray  # the receiver's block ids for the room, in token order
-    sent: int = 0  # chunks of the room already written to this target
-    staged_bytes: int = 0  # bytes written into the receiver's staging so far
-    bytes: int = 0  # payload written to this target
-    segments: int = 0
-    staged: list = field(default_factory=list)  # P.StagedChunk per staged_recv chunk
-    layer_bytes: np.ndarray | None = None  # int64 [num_layers]: payload written into each layer
-    views: dict = field(default_factory=dict)  # (first, stop) layer range -> ``remote.layer_range``
-    digest: list = field(default_factory=list)  # P.DigestPart per piece moved (asked: request.digest)
-
-
-@dataclass
-class _SendRoom:
-    room: int
-    deadline: float
-    record: HandoffRecord
-    lease: BlockLease | None = None
-    state: RoomState = RoomState.BOOTSTRAPPING
-    targets: dict[str, _Target] = field(default_factory=dict)
-    expected: int = 1  # decode ranks that will pull this room (TP fan-out)
-    chunks: list[_Chunk] = field(default_factory=list)
-    busy: bool = False
-    reason: str = ""
-    plan: TransferPlan | None = None  # the latest chunk's plan; the record takes its reason when the room ends
-    prestaged: "_Prestaged | None" = None  # its first part, gathered before any request came
-    prestage_tried: bool = False
-    layer_cursor: tuple[int, int, int] | None = None  # layer-wise: (start, stop, next layer) of the open token range
-    forgotten: bool = False  # forget() came while a send worker held the room: dropped when it lets go
-    settled: bool = False  # ended, and nothing of it is in the transport any more (its decode ranks were told)
-    watchers: set = field(default_factory=set)  # decode peers refused while the room may write to their session: told once settled
-
-    def note_plan_reason(self) -> None:
-        """Put the latest plan's explanation into the record (built off the send's critical path)."""
-        if self.plan is not None and not self.record.plan_reason:
-            self.record.plan_reason = self.plan.explain()
 
 
 class KVSender(ControlSide, SendPipeline):
@@ -129,7 +71,7 @@ class KVSender(ControlSide, SendPipeline):
 
     def __init__(self, layout: KVLayout, transport: MooncakeTransport, *, host: str = "127.0.0.1",
                  config: HandoffConfig | None = None, metrics: KVBridgeMetrics | None = None, workers: int = 2):
-        self._rooms: dict[int, _SendRoom] = {}
+        self._rooms: dict[int, SendRoom] = {}
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = BoundedMap(  # room -> (reason, when): declined before add_room
             MAX_DECLINED, name="declined", on_evict=self._evicted)
@@ -174,7 +116,7 @@ class KVSender(ControlSide, SendPipeline):
             if room in self._rooms:
                 raise ValueError(f"room {room} already exists on this sender")
             rec = HandoffRecord(room=room, role=self.role)
-            r = _SendRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec)
+            r = SendRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec)
             r.lease = BlockLease(room, blocks, release, self._count_blocks)
             self._rooms[room] = r
             self.metrics.child(self.metrics.inflight, self.role).inc()
@@ -222,11 +164,11 @@ class KVSender(ControlSide, SendPipeline):
                 raise ValueError(f"room {room}: tokens [{start}, {stop}) start at layer {a}, not 0")
             r.layer_cursor = (start, stop, b) if b < nl else None
             done = last and b == nl
-            r.chunks.append(_Chunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, done,
+            r.chunks.append(SendChunk(np.asarray(blocks, dtype=np.int64), first_token, start, stop, done,
                                    aux if done else None, layers))
         self._kick(r)
 
-    def _live_room(self, room: int) -> "_SendRoom | None":
+    def _live_room(self, room: int) -> "SendRoom | None":
         """The room a piece is given for (caller holds ``_lock``): None once it ended (the
         piece is dropped); KeyError when it is not on this sender."""
         r = self._rooms.get(room)
@@ -249,7 +191,7 @@ class KVSender(ControlSide, SendPipeline):
                 s0, s1, nxt = r.layer_cursor
                 raise ValueError(f"room {room}: finish while tokens [{s0}, {s1}) have layers {nxt}.. to come")
             stop = r.chunks[-1].stop
-            r.chunks.append(_Chunk(np.zeros(0, dtype=np.int64), stop, stop, stop, True, aux))
+            r.chunks.append(SendChunk(np.zeros(0, dtype=np.int64), stop, stop, stop, True, aux))
         self._kick(r)
 
     def poll(self, room: int) -> RoomState:
@@ -364,7 +306,7 @@ class KVSender(ControlSide, SendPipeline):
                 r.watchers.add(peer)
         self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=not loud))
 
-    def _answer_when_settled(self, r: _SendRoom, peer: str) -> None:
+    def _answer_when_settled(self, r: SendRoom, peer: str) -> None:
         """``peer`` asks about ended room ``r``: a quiet answer now if it settled, else once it has."""
         with self._lock:
             if not r.settled:
@@ -414,7 +356,7 @@ class KVSender(ControlSide, SendPipeline):
             self._fail(req.room, reason, code="incompatible", notify=True)
             return
         with self._lock:
-            r.targets[peer] = _Target(peer, req, remote, block_ranges(remote, blocks), blocks,
+            r.targets[peer] = SendTarget(peer, req, remote, block_ranges(remote, blocks), blocks,
                                       layer_bytes=np.zeros(self.layout.num_layers, dtype=np.int64))
             r.expected = max(r.expected, req.receivers)
             r.record.asked_at = r.record.asked_at or time.monotonic()
@@ -463,14 +405,14 @@ class KVSender(ControlSide, SendPipeline):
                 if silent:
                     self._fail(r.room, f"decode peer silent for {cfg.peer_timeout_s:.1f} s", code="peer_gone", notify=True)
 
-    def _kick(self, r: _SendRoom) -> None:
+    def _kick(self, r: SendRoom) -> None:
         with self._lock:
             if r.busy or r.state in TERMINAL or (self._next_work(r) is None and not self._prestage_due(r)):
                 return
             r.busy = True
         self._pool.submit(self._drain, r)
 
-    def _succeed(self, r: _SendRoom) -> None:
+    def _succeed(self, r: SendRoom) -> None:
         with self._lock:
             if r.state in TERMINAL:
                 return
@@ -484,7 +426,7 @@ class KVSender(ControlSide, SendPipeline):
         self.metrics.child(self.metrics.inflight, self.role).dec()
         self.metrics.observe(rec)
 
-    def _settled(self, r: _SendRoom, code: str = "settled") -> None:
+    def _settled(self, r: SendRoom, code: str = "settled") -> None:
         """Room ``r`` ended and nothing of it is in the transport: peers waiting to hear so
         are told (a quiet TransferFailed with ``code``)."""
         with self._lock:
@@ -514,7 +456,7 @@ class KVSender(ControlSide, SendPipeline):
         else:
             self._settle(r, notify, code)
 
-    def _settle(self, r: _SendRoom, notify: bool, code: str) -> None:
+    def _settle(self, r: SendRoom, notify: bool, code: str) -> None:
         """No send worker holds failed room ``r`` (its writes are out of the transport): tell
         its decode ranks it is quiet, release its blocks."""
         if notify:
@@ -524,7 +466,7 @@ class KVSender(ControlSide, SendPipeline):
         r.lease.release(False)
         self._settled(r, code)
 
-    def _settle_when_idle(self, r: _SendRoom, notify: bool, code: str) -> None:
+    def _settle_when_idle(self, r: SendRoom, notify: bool, code: str) -> None:
         """Wait until the send worker let go of ``r`` (it leaves only once every piece it
         handed the transport is final), then settle it. No timeout: a piece still in the
         transport may land in the decode's blocks, and the transport bounds its own."""

@@ -23,11 +23,12 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, TypeVar
 
+from kvbridge.layout import PlanCosts, PlanKind
+
 from .costmodel import LinkProfile, load_link
-from .rooms import INTEGRITY_MODES, HandoffConfig
 from .transport import P2PHANDSHAKE
 
-__all__ = ["BridgeSettings", "ConfigError", "CONFIG_ENV", "ENV_PREFIX", "LAYERWISE_AUTO", "handoff_config",
+__all__ = ["BridgeSettings", "HandoffConfig", "INTEGRITY_MODES", "ConfigError", "CONFIG_ENV", "ENV_PREFIX", "LAYERWISE_AUTO", "handoff_config",
            "parse_layerwise"]
 
 T = TypeVar("T", bound="BridgeSettings")
@@ -70,6 +71,63 @@ def _comma_list(v: Any) -> str:
 _HOST = re.compile(r"[^\s/]+")
 _METADATA = re.compile(r"[a-z][a-z0-9+.-]*://\S+|[^\s/:]+:\d{1,5}")
 _DEVICES = re.compile(r"[A-Za-z0-9_.:,-]*")
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """Knobs shared by both sides (seconds unless named otherwise), made by
+    ``kvbridge.common.settings.BridgeSettings.handoff``: the deployment's settings (their
+    defaults are written there) and the transfer core's own fields (with defaults here)."""
+
+    # the deployment's settings (BridgeSettings documents each)
+    deadline_s: float
+    heartbeat_s: float
+    peer_timeout_s: float
+    quiesce_s: float
+    chunk_bytes: int
+    secret: str = field(repr=False)
+    accepted_secrets: tuple[str, ...] = field(repr=False)
+    replay_window_s: float
+    allow_insecure: bool
+    model: str
+    recv_staging_bytes: int  # 0 on a sender
+    integrity: str
+    integrity_sample: float
+    costs: PlanCosts  # the plan chooser's figures, from the link (LinkProfile.plan_costs)
+    # the transfer core's own
+    gone_drain_s: float = 1.0  # a sender whose control connection closed and that answers no probe within this is gone
+    part_bytes: int = 16 << 20  # one gather + one write of a staged send (the ring's region size)
+    ring_parts: int = 4  # regions of a sender worker's staging ring: parts gathered ahead of the wire
+    first_part_bytes: int = 1 << 20  # the first part of a send; parts double up to part_bytes
+    prestage_slots: int = 4  # sender: rooms whose first part it may hold gathered before their request comes (0: never)
+    prestage_bytes: int = 16 << 20  # that first part (one slot of the sender's prestage buffer)
+    write_timeout_s: float = 30.0  # bound on one chunk's write
+    kinds: tuple[PlanKind, ...] = tuple(PlanKind)
+
+    def verifies(self, room: int) -> bool:
+        """Whether the receiver verifies ``room``'s content (``integrity``)."""
+        if self.integrity == "on":
+            return True
+        if self.integrity == "sample":
+            return sampled(room, self.integrity_sample)
+        return False
+
+    def keyring(self):
+        """A ``Keyring`` for these secrets (None: auth off); raises ValueError on a short key."""
+        from .auth import Keyring
+
+        return Keyring.from_settings(self.secret, self.accepted_secrets, self.replay_window_s)
+
+
+INTEGRITY_MODES = ("on", "off", "sample")
+
+
+def sampled(room: int, fraction: float) -> bool:
+    """Whether ``room`` falls in a ``fraction`` of all rooms: the same answer in every
+    process (a hash of the id), spread evenly whatever the ids look like."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(int(room).to_bytes(8, "little", signed=False)) < fraction * 2.0**64
 
 
 @dataclass(frozen=True)

@@ -65,15 +65,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .writes import (
-    _DONE,
-    _FAILED,
-    _SLEEP_MAX_S,
     DEFAULT_MAX_PIECE_BYTES,
+    MC_DONE,
+    MC_FAILED,
+    SLEEP_MAX_S,
     BatchResult,
     TransportError,
     TransportTimeout,
     WriteHandle,
-    _as_i64,
+    WritePorts,
+    as_i64,
     split_pieces,
 )
 
@@ -243,9 +244,9 @@ class MooncakeTransport:
         TransportError raised here carries the failed write as ``handle`` when pieces of it
         may already be in the engine (settle it before reusing its memory)."""
         self._check_open()
-        src = _as_i64("src_addrs", src_addrs)
-        dst = _as_i64("dst_addrs", dst_addrs)
-        lens = _as_i64("lengths", lengths)
+        src = as_i64("src_addrs", src_addrs)
+        dst = as_i64("dst_addrs", dst_addrs)
+        lens = as_i64("lengths", lengths)
         if not (src.shape == dst.shape == lens.shape):
             raise TransportError(f"src_addrs, dst_addrs and lengths differ in length: {src.size}, {dst.size}, {lens.size}")
         shortest = int(lens.min()) if lens.size else 0
@@ -264,7 +265,9 @@ class MooncakeTransport:
         if self.check_local:
             self._check_local(ls, ll)
         ps, pd, pl = split_pieces(ls, ld, ll, self.max_piece_bytes)
-        handle = WriteHandle(self, str(session), ps, pd, pl, segments, deadline_s, guard)
+        ports = WritePorts(lambda: self._engine, self._check_open, self._reap_zombies, self._acquire, self._release,
+                           self._abandon, self.submit_chunk)
+        handle = WriteHandle(ports, str(session), ps, pd, pl, segments, deadline_s, guard)
         self._handles.add(handle)
         try:
             handle.poll()
@@ -295,7 +298,7 @@ class MooncakeTransport:
         while self._zombies and time.monotonic() < end:
             self._reap_zombies(limit=len(self._zombies))
             if self._zombies:
-                time.sleep(_SLEEP_MAX_S)
+                time.sleep(SLEEP_MAX_S)
         if self._zombies:
             log.warning("closing with %d abandoned piece(s) still in the engine", len(self._zombies))
         with self._lock:
@@ -377,9 +380,9 @@ class MooncakeTransport:
                     return
                 item = self._zombies.popleft()
             st = engine.transfer_check_status(item[1])
-            if st in (_DONE, _FAILED):
+            if st in (MC_DONE, MC_FAILED):
                 self._release(item[0], 1)
-                item[2]._leftover -= 1
+                item[2].piece_settled()
             else:
                 with self._lock:
                     self._zombies.append(item)

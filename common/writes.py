@@ -8,26 +8,39 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .transport import MooncakeTransport
-
-__all__ = ["BatchResult", "TransportError", "TransportTimeout", "WriteHandle", "split_pieces", "DEFAULT_MAX_PIECE_BYTES"]
+__all__ = ["BatchResult", "TransportError", "TransportTimeout", "WriteHandle", "WritePorts", "split_pieces", "as_i64",
+           "DEFAULT_MAX_PIECE_BYTES", "MC_DONE", "MC_FAILED", "SLEEP_MAX_S"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PIECE_BYTES = 4 << 20  # pieces in flight spread over the TCP lanes; RDMA slices further itself
 # Status codes of transfer_check_status.
-_DONE, _PENDING, _FAILED, _MC_TIMEOUT = 1, 0, -1, -2
+MC_DONE, _PENDING, MC_FAILED, _MC_TIMEOUT = 1, 0, -1, -2
 # Stop scanning in-flight pieces after this many pending ones in a row (they finish
 # roughly in submission order; the rest are seen on later polls).
 _SCAN_MISSES = 16
 _SLEEP_MIN_S = 50e-6
-_SLEEP_MAX_S = 1e-3
+SLEEP_MAX_S = 1e-3  # the longest sleep between polls of a write
 _SLEEP_LAST_S = 100e-6  # the longest sleep while only the last piece is left: its completion is waited on
+
+
+@dataclass(frozen=True)
+class WritePorts:
+    """What a ``WriteHandle`` uses of the transport that made it, handed over by it: the
+    engine as it is now (None once closed; a test may wrap it meanwhile), the per-peer
+    in-flight slots, and where pieces a failed write left in the engine are kept and reaped."""
+
+    engine: Callable[[], Any]
+    check_open: Callable[[], None]  # TransportError once the transport is closed
+    reap_zombies: Callable[[int], None]  # poll up to that many abandoned pieces
+    acquire: Callable[[str, int], int]  # reserve up to n in-flight slots for a peer: how many
+    release: Callable[[str, int], None]
+    abandon: Callable[[str, Sequence[tuple[int, int]], "WriteHandle"], None]
+    submit_chunk: int  # pieces one poll submits at most
 
 
 class TransportError(RuntimeError):
@@ -50,7 +63,8 @@ class BatchResult:
     pieces: int = 0
 
 
-def _as_i64(name: str, a: Any) -> np.ndarray:
+def as_i64(name: str, a: Any) -> np.ndarray:
+    """``a`` as a 1-d int64 array (TransportError naming ``name`` when it is not one)."""
     if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1:  # what plans hand over: as is
         return a
     arr = np.asarray(a)
@@ -90,9 +104,9 @@ class WriteHandle:
     from local memory: keep the source buffers alive until the transport is closed.
     """
 
-    def __init__(self, transport: "MooncakeTransport", peer: str, src, dst, lengths, segments: int, deadline_s: float,
+    def __init__(self, ports: "WritePorts", peer: str, src, dst, lengths, segments: int, deadline_s: float,
                  guard: Callable[[], str | None] | None = None):
-        self._t = transport
+        self._t = ports
         self._guard = guard
         self.peer = peer
         self.segments = segments
@@ -130,8 +144,8 @@ class WriteHandle:
         if self._error is not None:
             raise self._error
         try:
-            self._t._check_open()
-            self._t._reap_zombies()
+            self._t.check_open()
+            self._t.reap_zombies(64)
             self._reap()
             if self._next == self.pieces and not self._inflight:
                 self._finish()
@@ -164,7 +178,7 @@ class WriteHandle:
     def sleep_cap(self) -> float:
         """The longest a waiter should sleep between polls now: short once only the last
         piece is in flight (its completion is what the caller waits for), else 1 ms."""
-        return _SLEEP_LAST_S if self._next == self.pieces and len(self._inflight) <= 1 else _SLEEP_MAX_S
+        return _SLEEP_LAST_S if self._next == self.pieces and len(self._inflight) <= 1 else SLEEP_MAX_S
 
     def settle(self, timeout_s: float) -> bool:
         """After the write completed, failed or was aborted: wait up to ``timeout_s``
@@ -173,12 +187,12 @@ class WriteHandle:
         if not self.done:
             raise TransportError(self._describe("is still in progress; wait() or abort() it before settle()"))
         end = time.monotonic() + timeout_s
-        while self._leftover and not self._t.closed:
-            self._t._reap_zombies(limit=1 << 30)
+        while self._leftover and self._t.engine() is not None:
+            self._t.reap_zombies(1 << 30)
             if not self._leftover or time.monotonic() >= end:
                 break
-            time.sleep(_SLEEP_MAX_S)
-        return self._leftover == 0 or self._t.closed
+            time.sleep(SLEEP_MAX_S)
+        return self._leftover == 0 or self._t.engine() is None
 
     def abort(self, reason: str = "aborted") -> None:
         """Stop submitting; later polls raise TransportError. Pieces already in
@@ -188,6 +202,10 @@ class WriteHandle:
 
     # -- internals -------------------------------------------------------------------
 
+    def piece_settled(self) -> None:
+        """One piece this write abandoned in the engine has reached a final status."""
+        self._leftover -= 1
+
     def _describe(self, what: str) -> str:
         return (
             f"write to peer {self.peer} {what} [{self._done_pieces}/{self.pieces} pieces and "
@@ -196,7 +214,7 @@ class WriteHandle:
         )
 
     def _reap(self) -> None:
-        engine = self._t._engine
+        engine = self._t.engine()
         kept: list[tuple[int, int]] = []
         misses = 0
         freed = 0
@@ -207,12 +225,12 @@ class WriteHandle:
                 if st == _PENDING:
                     kept.append((bid, i))
                     misses += 1
-                elif st == _DONE:
+                elif st == MC_DONE:
                     freed += 1
                     self._done_pieces += 1
                     self._done_bytes += self._len[i]
                 else:
-                    if st == _FAILED:
+                    if st == MC_FAILED:
                         freed += 1  # freed by the engine
                     else:
                         kept.append((bid, i))  # -2 (or unknown): not freed, keep polling it as a zombie
@@ -227,13 +245,13 @@ class WriteHandle:
                     )
         finally:
             self._inflight.extendleft(reversed(kept))
-            self._t._release(self.peer, freed)
+            self._t.release(self.peer, freed)
 
     def _submit(self) -> None:
-        granted = self._t._acquire(self.peer, min(self.pieces - self._next, self._t.submit_chunk))
+        granted = self._t.acquire(self.peer, min(self.pieces - self._next, self._t.submit_chunk))
         if not granted:
             return
-        engine, peer = self._t._engine, self.peer
+        engine, peer = self._t.engine(), self.peer
         used = 0
         try:
             for i in range(self._next, self._next + granted):
@@ -252,7 +270,7 @@ class WriteHandle:
                 used += 1
         finally:
             self._next += used
-            self._t._release(self.peer, granted - used)
+            self._t.release(self.peer, granted - used)
 
     def _finish(self) -> None:
         seconds = max(time.monotonic() - self._start, 1e-9)
@@ -262,6 +280,6 @@ class WriteHandle:
     def _fail(self, err: TransportError, level: int = logging.WARNING) -> None:
         self._error = err
         self._leftover += len(self._inflight)
-        self._t._abandon(self.peer, self._inflight, self)
+        self._t.abandon(self.peer, self._inflight, self)
         self._inflight = deque()
         log.log(level, "%s", err)

@@ -22,6 +22,7 @@ request instead of recomputing it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -196,7 +197,7 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
              model: str | None = None, log_dir: str | os.PathLike | None = None, progress: Any = None,
              start_timeout: float | None = None, trtllm_version: str = "1.2", prefill: str | None = None,
              decode: str | None = None, trtllm_settings: dict | None = None,
-             sglang_settings: dict | None = None) -> dict:
+             sglang_settings: dict | None = None, sglang_decode: tuple | None = None) -> dict:
     """Run the demo and return its report (a JSON-ready dict; ``match`` says whether every
     generated token equals transformers' reference; ``real_servers`` names the engines
     that ran as their REAL servers, the TensorRT-LLM stand-in not being one).
@@ -207,6 +208,9 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
     ``trtllm_version``: which TensorRT-LLM the stand-in models ("1.2" or "main");
     ``trtllm_settings``: more kvbridge settings for its plugin (e.g. ``{"layerwise": True}``);
     ``sglang_settings``: the same for the SGLang server's plugin (as ``KVBRIDGE_<NAME>``).
+    ``sglang_decode``: TensorRT-LLM -> SGLang only, the (server, bootstrap port) of an SGLang
+    decode already running as this flow starts its own (``sglang_decode_server``), used
+    instead and left running (several runs may share one decode).
     ``prompt_len`` / ``max_new``: the request (prompt ids drawn from ``seed``);
     ``extra_prompt_lens``: more requests through the same servers, checked likewise
     (``report["checks"]``). ``link``: the cost model's link (a preset or a ``kvbridge
@@ -265,12 +269,16 @@ def run_demo(*, reverse: bool = False, prompt_len: int = 70, max_new: int = 32, 
               trtllm_settings=dict(trtllm_settings or {}))
     sgl_env = {f"KVBRIDGE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
                for k, v in (sglang_settings or {}).items()}
+    if sglang_decode is not None and (p_eng, d_eng) != ("trtllm", "sglang"):
+        raise DemoError("sglang_decode: only the TensorRT-LLM -> SGLang flow takes a running SGLang server")
+    if sglang_decode is not None and sgl_env:
+        raise DemoError("sglang_decode: a running SGLang server keeps the settings it was started with")
     if with_vllm:
         if sgl_env:
             raise DemoError("sglang_settings: not passed to the SGLang server of a pair with vLLM")
         results, extra = _with_vllm(p_eng, d_eng, **kw)
     else:
-        results, extra = (_trt_to_sglang(**kw, sglang_env=sgl_env) if p_eng == "trtllm"
+        results, extra = (_trt_to_sglang(**kw, sglang_env=sgl_env, running=sglang_decode) if p_eng == "trtllm"
                           else _sglang_to_trt(**kw, sglang_env=sgl_env))
     main = results[0]
     rec = main["record"]
@@ -416,18 +424,28 @@ def _sglang_to_trt(*, model_dir, prompts, refs, max_new, prog, log_dir, start_ti
                      "decode_detail": detail, "server": server, "real_servers": ["sglang"]}
 
 
+def sglang_decode_server(model_dir, *, log_dir=None, timeout: float | None = None, extra_env: dict | None = None):
+    """The SGLang decode server of the TensorRT-LLM -> SGLang flow (kvbridge backend, page 1:
+    the page size the connector's SGLang-compatible bootstrap server reports), as
+    ``sglang_server``'s context manager: yields (server, bootstrap port)."""
+    from .sglang_server import DEFAULT_START_TIMEOUT, sglang_server
+
+    return sglang_server(model_dir, "decode", log_dir=log_dir, timeout=timeout or DEFAULT_START_TIMEOUT, page_size=1,
+                         extra_env=extra_env)
+
+
 def _trt_to_sglang(*, model_dir, prompts, refs, max_new, prog, log_dir, start_timeout, trtllm_version,
-                   trtllm_settings, sglang_env):
+                   trtllm_settings, sglang_env, running=None):
     from kvbridge.adapters.trtllm import Handle, announce
     from kvbridge.common.bootstrap import parse_address
 
-    from .sglang_server import generate_body, generate_output, new_room, post_json, sglang_server
+    from .sglang_server import generate_body, generate_output, new_room, post_json
     from .trtllm import StandInServer, run_until
 
     prog.start("start server", "SGLang decode server (kvbridge backend), TensorRT-LLM prefill stand-in")
-    # the connector's SGLang-compatible bootstrap server reports the decode's page size (1)
-    with sglang_server(model_dir, "decode", log_dir=log_dir, timeout=start_timeout, page_size=1,
-                       extra_env=sglang_env) as (srv, _), \
+    decode = (contextlib.nullcontext(running) if running is not None else
+              sglang_decode_server(model_dir, log_dir=log_dir, timeout=start_timeout, extra_env=sglang_env))
+    with decode as (srv, _), \
             StandInServer(trtllm_version, model_dir, tokens_per_block=TOKENS_PER_BLOCK, num_blocks=NUM_BLOCKS,
                           plugin={"host": "127.0.0.1", "sglang_bootstrap_port": 0, "sglang_page_size": 1,
                                   **trtllm_settings}) as trt:

@@ -294,9 +294,14 @@ def refused_kinds(src: KVLayout, dst: KVLayout) -> dict[PlanKind, str]:
         return out
     se = [src.elem_dims(kv) for kv in range(src.kv_factor)]
     de = [dst.elem_dims(kv) for kv in range(dst.kv_factor)]
+    st = [src.token_dims(kv) for kv in range(src.kv_factor)]
+    dt = [dst.token_dims(kv) for kv in range(dst.kv_factor)]
     if se != de:
         out[PlanKind.DIRECT] = (f"{src.engine} -> {dst.engine}: element dims {se} -> {de} differ "
                                 "(a direct plan would be one segment per element)")
+    elif not (src.affine_tokens and dst.affine_tokens) and st != dt:
+        out[PlanKind.DIRECT] = (f"{src.engine} -> {dst.engine}: mixed-radix token dims {st} -> {dt} differ "
+                                "(a direct plan would cut every block into pieces)")
     if not dst.rows_contiguous:
         out[PlanKind.STAGED_SEND] = (f"the destination's ({dst.engine}) head rows are element-strided: "
                                      "staged bytes must be scattered on its side (staged_recv)")

@@ -1,8 +1,9 @@
 """Layer-wise sends on an SGLang prefill rank (``layerwise`` on).
 
-Two AROUND hooks, registered and applied by the prefill rank's manager
-(``install_prefill_hooks``, from ``KVBridgeKVManager.__init__``, in the scheduler process
-only) through SGLang's own ``HookRegistry``; SGLang's files are not touched:
+Two AROUND hooks (``hooks.py``), registered and applied by the prefill rank's manager
+(``hooks.install_prefill_hooks``, from ``KVBridgeKVManager.__init__``, in the scheduler
+process only) through SGLang's own ``HookRegistry``, feed this module's ``LayerStreamer``;
+SGLang's files are not touched:
 
 - ``Scheduler.run_batch`` (managers/scheduler.py:4614 in 0.5.23): the prefill scheduler,
   on its event loop, for every batch it launches. Before the forward: every request of an
@@ -51,7 +52,7 @@ from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerStreamer", "install_prefill_hooks", "layerwise_wanted", "active_streamer"]
+__all__ = ["LayerStreamer", "activate", "layerwise_wanted", "active_streamer"]
 
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 SET_KV_BUFFER = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer"
@@ -105,8 +106,10 @@ class LayerStreamer:
     """A prefill rank's layer-wise sends: armed requests of the forward in progress, fed
     by the two hooks. Built by the prefill manager when ``layerwise`` is on."""
 
-    def __init__(self, mgr: Any):
+    def __init__(self, mgr: Any, owns: Callable[[Any], bool] | None = None):
         self.mgr = mgr
+        # whether a request's ``disagg_kv_sender`` is one of this rank's kvbridge senders
+        self.owns = owns or (lambda sender: getattr(sender, "kv_mgr", None) is mgr)
         self.num_layers = int(mgr.layout.num_layers)
         self.pool: Any = None  # the pool armed for the forward in progress
         self.armed: list[_Armed] = []
@@ -122,8 +125,6 @@ class LayerStreamer:
     # -- the forward's bracket (run_batch hook) ---------------------------------------------
     def arm_batch(self, scheduler: Any, batch: Any) -> None:
         """Before the forward of ``batch`` (a ScheduleBatch): arm its requests."""
-        from .sender import KVBridgeKVSender
-
         fm = getattr(batch, "forward_mode", None)
         if fm is None or not fm.is_extend() or not getattr(batch, "reqs", None):
             return
@@ -148,7 +149,7 @@ class LayerStreamer:
         armed = []
         for req in batch.reqs:
             s = getattr(req, "disagg_kv_sender", None)
-            if not isinstance(s, KVBridgeKVSender) or getattr(req, "pending_bootstrap", False):
+            if s is None or not self.owns(s) or getattr(req, "pending_bootstrap", False):
                 continue
             n_in = len(req.origin_input_ids)
             start, stop = int(req.prefix_len), min(int(req.extend_end or 0), n_in)
@@ -296,73 +297,8 @@ def _on_cuda(mgr: Any) -> bool:
     return dev.startswith("cuda")
 
 
-# -- the hooks ------------------------------------------------------------------------------
-def kvbridge_run_batch(original, *args, **kwargs):
-    """AROUND hook on ``Scheduler.run_batch`` (prefill rank with ``layerwise`` on): arm the
-    batch's streaming rooms before the forward, hand over what is left and disarm after.
-    Other modes and batches pass through; a failure to arm never fails the batch."""
-    st = active_streamer()
-    sched = args[0] if args else kwargs.get("self")
-    batch = args[1] if len(args) > 1 else kwargs.get("batch")
-    if st is None or batch is None or getattr(sched, "disaggregation_mode", None) is None \
-            or getattr(sched.disaggregation_mode, "value", "") != "prefill":
-        return original(*args, **kwargs)
-    try:
-        st.arm_batch(sched, batch)
-    except Exception:
-        log.exception("kvbridge: arming a batch for layer-wise sends failed; its requests go whole")
-        st.armed, st.pool = [], None
-    try:
-        return original(*args, **kwargs)
-    finally:
-        if st.armed:
-            st.disarm(getattr(sched, "forward_stream", None))
-
-
-def kvbridge_set_kv_buffer(original, *args, **kwargs):
-    """AROUND hook on ``MHATokenToKVPool.set_kv_buffer(self, layer, loc, k, v, ...,
-    layer_id_override=None)`` (and MLA's ``set_kv_buffer`` / ``set_mla_kv_buffer``, the same
-    ``(self, layer, ...)`` shape): after the write, a streaming forward's layer goes to the
-    sender. Any other pool or call passes through untouched; this hook never raises
-    after the write."""
-    out = original(*args, **kwargs)
-    st = active_streamer()
-    if st is not None and st.armed and args:
-        try:
-            pool = args[0]
-            layer = args[1] if len(args) > 1 else kwargs.get("layer")
-            lid = kwargs.get("layer_id_override")
-            if lid is None:
-                lid = getattr(layer, "layer_id", None)
-            if lid is not None:
-                st.on_layer(pool, int(lid) - int(getattr(pool, "start_layer", 0) or 0))
-        except Exception:
-            log.exception("kvbridge: layer-wise hook failed; the forward's remaining layers go after it")
-    return out
-
-
-def install_prefill_hooks(mgr: Any) -> "LayerStreamer | None":
-    """Prefill rank, from ``KVBridgeKVManager.__init__`` when ``layerwise`` is on: register and
-    apply both hooks once per process and make ``mgr``'s streamer the active one. Returns it,
-    or None (logged once) when a hook point is missing: requests then go whole."""
-    try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    except ImportError as e:
-        log.warning("kvbridge: layerwise is on but SGLang has no plugin hook registry (%s): requests go whole", e)
-        return None
+def activate(st: "LayerStreamer") -> "LayerStreamer":
+    """Make ``st`` this process's active streamer (what the hooks feed); returns it."""
     with _lock:
-        for target, fn in ((RUN_BATCH, kvbridge_run_batch), (SET_KV_BUFFER, kvbridge_set_kv_buffer),
-                           (SET_MLA_KV_BUFFER, kvbridge_set_kv_buffer), (SET_MLA_LATENT, kvbridge_set_kv_buffer)):
-            if not any(h is fn for _, h, _ in HookRegistry._hooks.get(target, ())):
-                HookRegistry.register(target, fn, HookType.AROUND)
-        HookRegistry.apply_hooks()
-        missing = [t for t in (RUN_BATCH, SET_KV_BUFFER) if t not in HookRegistry._patched]
-        if missing:
-            log.warning("kvbridge: layerwise is on but %s cannot be hooked in this SGLang version: requests go whole",
-                        " and ".join(missing))
-            return None
-        st = LayerStreamer(mgr)
         _ACTIVE.append(st)
-    log.info("kvbridge: layer-wise sends on (hooks on Scheduler.run_batch and MHATokenToKVPool.set_kv_buffer%s)",
-             "" if SET_MLA_LATENT in HookRegistry._patched else "; MLA pools not hooked: their requests go whole")
     return st

@@ -10,7 +10,7 @@ import ctypes
 import logging
 import threading
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 import zmq
@@ -30,7 +30,8 @@ from kvbridge.layout import SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice
 from .config import SglangBridgeConfig
 from .geometry import layout_from_kv_args, names_kv_dtype, resolve_kv_dtype, served_model_config
 from .scales import kv_scales
-from .layerwise import install_prefill_hooks, layerwise_wanted
+from .hooks import install_decode_hooks, install_prefill_hooks
+from .layerwise import layerwise_wanted
 
 __all__ = ["KVBridgeKVManager", "REGISTER_TAG", "AUX_ROWS", "AUX_LENS", "ABORT_DOMAIN", "abort_seal_payload"]
 
@@ -63,7 +64,7 @@ class KVBridgeKVManager(CommonKVManager):
     supports_host_destination = False
     # SGLang's deferred decode release: a failed request's pages are held until
     # ``is_abort_release_safe`` says so (kvbridge's release rule; SGLang's own timer is
-    # lifted for kvbridge's rooms, see plugin.kvbridge_resolve_deferred_releases)
+    # lifted for kvbridge's rooms, see hooks.kvbridge_resolve_deferred_releases)
     supports_deferred_decode_kv_release = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args, is_mla_backend: Optional[bool] = False):
@@ -121,12 +122,10 @@ class KVBridgeKVManager(CommonKVManager):
                 self._make_own_receiver(args)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             if disaggregation_mode == DisaggregationMode.DECODE:
-                from .plugin import install_decode_hooks
-
                 install_decode_hooks()
             elif layerwise_wanted(self.kvb_settings):
                 self.kvb_layerwise_chooser = self.kvb_settings.layerwise_chooser(server_args)
-                self.kvb_streamer = install_prefill_hooks(self)
+                self.kvb_streamer = install_prefill_hooks(self, self.kvb_owns)
         except Exception:
             self._close_kvbridge()
             raise
@@ -248,6 +247,11 @@ class KVBridgeKVManager(CommonKVManager):
                 attn_tp_size=1, attn_cp_size=1, dp_size=1, pp_size=1, page_size=None, kv_cache_dtype=None,
                 follow_bootstrap_room=True)
             return True
+
+    def kvb_owns(self, sender: Any) -> bool:
+        """Whether ``sender`` (a request's ``disagg_kv_sender``) is one of this rank's
+        kvbridge senders: what the layer streamer arms."""
+        return getattr(sender, "kv_mgr", None) is self
 
     def kvb_refusal(self, bootstrap_addr: str) -> str:
         """Why this decode cannot pair with the prefill at ``bootstrap_addr`` ('' if it can)."""

@@ -15,12 +15,8 @@ filtered by ``SGLANG_PLUGINS``), then applies the hooks those functions register
 4. registers a BEFORE hook on ``Scheduler.init_disaggregation`` that notes the loaded
    model's fp8 KV scales for the KV manager built next (``scales.record_scales``).
 
-A decode rank's manager adds two more hooks when it is built (``install_decode_hooks``,
-only in decode scheduler processes): around ``DecodePreallocQueue._send_kv_metadata``,
-to tell its receiver how many tokens the pages it is given hold, and around
-``DecodeTransferQueue.resolve_deferred_releases``, so that a failed kvbridge request's
-pages are held until kvbridge proves no sender can write into them, never released by
-SGLang's own timer (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``).
+A rank's manager adds the hooks of its side when it is built (``hooks.py``: layer-wise
+sends on a prefill, the deferred release and token counts on a decode).
 """
 
 from __future__ import annotations
@@ -128,77 +124,6 @@ def register() -> None:
         if not any(h is record_scales for _, h, _ in HookRegistry._hooks.get(INIT_DISAGGREGATION, ())):
             HookRegistry.register(INIT_DISAGGREGATION, record_scales, HookType.BEFORE)
     log.debug("kvbridge transfer backend registered with SGLang")
-
-
-SEND_KV_METADATA = "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata"
-
-
-def kvbridge_send_kv_metadata(original, *args, **kwargs):
-    """AROUND hook on ``DecodePreallocQueue._send_kv_metadata`` (decode.py): the decode
-    scheduler, on its event loop, once a request's pages are allocated, with the token
-    slots ``kv_indices`` of its prompt past ``decode_prefix_len`` (before turning them into
-    page ids for ``send_metadata``). A kvbridge receiver is told that token count first
-    (``note_transfer_tokens``): page ids alone do not say how much of the last page the
-    prompt fills, and the prefill's pages may be another size. Other backends' requests
-    pass through untouched; this hook never raises."""
-    try:  # (self, decode_req, kv_indices, page_size, state_indices=None, **metadata_kwargs)
-        decode_req = args[1] if len(args) > 1 else kwargs.get("decode_req")
-        kv_indices = args[2] if len(args) > 2 else kwargs.get("kv_indices")
-        note = getattr(getattr(decode_req, "kv_receiver", None), "note_transfer_tokens", None)
-        if note is not None and kv_indices is not None:
-            note(len(kv_indices))
-    except Exception:  # the receiver then counts whole pages
-        log.exception("kvbridge: cannot count the tokens a decode request's pages are for")
-    return original(*args, **kwargs)
-
-
-RESOLVE_DEFERRED = "sglang.srt.disaggregation.decode.DecodeTransferQueue.resolve_deferred_releases"
-
-
-def kvbridge_resolve_deferred_releases(original, *args, **kwargs):
-    """AROUND hook on ``DecodeTransferQueue.resolve_deferred_releases`` (decode.py): the
-    decode scheduler, each pass, releases failed requests whose pages it held once their
-    manager's ``is_abort_release_safe`` says so *or their deadline passed*. A timer is no
-    proof that no sender still writes: for kvbridge's requests the deadline is lifted
-    (they go back on kvbridge's proof alone, and ``kvbridge_quarantined_blocks`` counts
-    them meanwhile); other backends' keep SGLang's timer. Never raises."""
-    try:
-        queue = args[0] if args else kwargs.get("self")
-        held = getattr(queue, "_deferred_releases", None) or []
-        for i, entry in enumerate(held):
-            recv = getattr(entry[0], "kv_receiver", None)
-            if entry[2] != float("inf") and getattr(recv, "kvb_release_rule", False):
-                held[i] = (entry[0], entry[1], float("inf"), *entry[3:])
-    except Exception:  # SGLang's timer then applies
-        log.exception("kvbridge: cannot lift SGLang's deferred-release timer")
-    return original(*args, **kwargs)
-
-
-_DECODE_HOOKS = ((SEND_KV_METADATA, kvbridge_send_kv_metadata), (RESOLVE_DEFERRED, kvbridge_resolve_deferred_releases))
-
-
-def install_decode_hooks() -> bool:
-    """Decode rank, from ``KVBridgeKVManager.__init__`` (inside the decode scheduler's
-    process, where decode.py is already imported; no other process needs it): register
-    and apply the hooks on ``_send_kv_metadata`` and ``resolve_deferred_releases`` once.
-    Returns whether both are in place."""
-    from sglang.srt.disaggregation import decode
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    with _lock:
-        for target, hook in _DECODE_HOOKS:
-            if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
-                HookRegistry.register(target, hook, HookType.AROUND)
-        HookRegistry.apply_hooks()  # applies targets not applied yet: these (and any that failed before)
-    ok = True
-    for target, _ in _DECODE_HOOKS:
-        cls, name = target.rsplit(".", 2)[1:]
-        if target not in HookRegistry._patched or not hasattr(getattr(decode, cls), name):
-            log.error("kvbridge: the hook on %s is not in place (%s)", target,
-                      "prompts that do not fill their last page fail" if target == SEND_KV_METADATA else
-                      "SGLang's timer may release a failed request's pages while a sender still writes")
-            ok = False
-    return ok
 
 
 def install() -> None:

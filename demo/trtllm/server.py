@@ -14,6 +14,7 @@ pool as the engine lays it out (``pool``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -101,16 +102,27 @@ class StandInServer:
         self.responses: dict[int, dict] = {}
         self.last: list[dict] | None = None
         try:
-            with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
-                host, port = listener.address
-                for r in range(tp):
-                    spec = {"rank": r, "world": tp, "version": version, "llm_kw": llm_kw, "pool_files": self.pool_files,
-                            "num_blocks": num_blocks, "setup": list(setup) if setup else None,
-                            "kv_scales": list(kv_scales) if kv_scales else None}
-                    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.demo.trtllm.rank", f"{host}:{port}",
-                                             authkey.hex(), json.dumps(spec)], env=_rank_env(env, rank_env, r))
-                    conn = _accept(listener, proc, start_timeout)
-                    self.ranks.append((conn, proc))
+            # every rank started at once, each calling back on a listener of its own (its rank)
+            with contextlib.ExitStack() as stack:
+                procs = []
+                try:
+                    for r in range(tp):
+                        listener = stack.enter_context(Listener(("127.0.0.1", 0), authkey=authkey))
+                        host, port = listener.address
+                        spec = {"rank": r, "world": tp, "version": version, "llm_kw": llm_kw,
+                                "pool_files": self.pool_files, "num_blocks": num_blocks,
+                                "setup": list(setup) if setup else None,
+                                "kv_scales": list(kv_scales) if kv_scales else None}
+                        proc = subprocess.Popen([sys.executable, "-m", "kvbridge.demo.trtllm.rank", f"{host}:{port}",
+                                                 authkey.hex(), json.dumps(spec)], env=_rank_env(env, rank_env, r))
+                        procs.append((listener, proc))
+                    for listener, proc in procs:
+                        self.ranks.append((_accept(listener, proc, start_timeout), proc))
+                except BaseException:
+                    for _, proc in procs[len(self.ranks):]:  # started, never connected
+                        proc.kill()
+                        proc.wait(5)
+                    raise
             infos = self._relay(lambda m: m[0] == "ready", start_timeout)
         except BaseException:
             self.stop()

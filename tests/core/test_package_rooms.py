@@ -139,6 +139,33 @@ def test_room_imports_only_what_it_may(room):
     assert not bad, f"{room} may not import {', '.join(FORBIDDEN[room])}:\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize("room", ["layout", "common", *(f"adapters/{a}" for a in ADAPTERS)])
+def test_no_import_cycle_inside_a_room(room):
+    """Inside the core and each adapter, the modules import one another without a cycle
+    (lazy imports inside functions counted): each can be read, and changed, from the
+    modules it names down, never back up. A package's own ``__init__`` is left out (it
+    re-exports its modules)."""
+    mods = {m: f for f, m in _modules(room) if f.name != "__init__.py"}
+    edges = {m: sorted({n for n, _ in _module_imports(f, m)
+                        for t in mods if t != m and (n == t or n.startswith(t + "."))
+                        for n in [t]}) for m, f in mods.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in edges[m]:
+            if state.get(n) == 1:
+                cycle = path[path.index(n):] + [n]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(mods):
+        if m not in state:
+            visit(m, [m])
+
+
 @pytest.mark.parametrize("room", CORE)
 def test_core_holds_no_bench_report_or_plot_module(room):
     for f, module in _modules(room):

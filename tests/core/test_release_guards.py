@@ -18,7 +18,7 @@ import pytest
 from kvbridge.common import protocol as P
 from kvbridge.common.handoff import KVReceiver, KVSender, RoomState
 from kvbridge.common.metrics import KVBridgeMetrics
-from kvbridge.common.sender import _SendRoom
+from kvbridge.common.send_rooms import SendRoom
 from kvbridge.common.settings import BridgeSettings
 from kvbridge.common.metrics import HandoffRecord
 from kvbridge.common.transport import MooncakeTransport
@@ -48,7 +48,7 @@ def side():
 
 def test_resume_guard_refuses_the_next_piece_to_a_peer_silent_past_the_timeout(side):
     sender = side(KVSender)
-    r = _SendRoom(1, time.monotonic() + 30, HandoffRecord(room=1, role="sender"), state=RoomState.TRANSFERRING)
+    r = SendRoom(1, time.monotonic() + 30, HandoffRecord(room=1, role="sender"), state=RoomState.TRANSFERRING)
     peer = "decode-peer"
     sender._peers_seen[peer] = time.monotonic()
     assert sender._stop_reason(r, peer) is None

@@ -175,7 +175,7 @@ def test_handoff_config_is_made_from_the_settings_only():
     """``HandoffConfig`` has no defaults of its own for the settings: it comes from
     ``BridgeSettings.handoff`` (or ``handoff_config`` over one mapping), which takes only
     the transfer core's own fields besides and refuses any other name."""
-    from kvbridge.common.rooms import HandoffConfig
+    from kvbridge.common.settings import HandoffConfig
 
     with pytest.raises(TypeError):
         HandoffConfig()

@@ -113,11 +113,12 @@ class Pair:
         return not self.stopped and self.prefill.alive() and self.decode.alive()
 
     def stop(self) -> None:
-        """Kill every process group of the pair and of its extra decode servers (SIGTERM,
-        then SIGKILL). Idempotent."""
+        """Kill every process group of the pair and of its extra decode servers (SIGKILL:
+        a SIGTERM to the group makes SGLang's main process sit out a 5 s crash-diagnostics
+        sleep, longer than ``Server.kill``'s grace, so it ends killed anyway). Idempotent."""
         self.stopped = True
-        # Kill them concurrently: each may take its SIGTERM grace.
-        threads = [threading.Thread(target=s.kill) for s in (self.prefill, self.decode, *self.extra.values())]
+        threads = [threading.Thread(target=s.kill, kwargs={"hard": True})
+                   for s in (self.prefill, self.decode, *self.extra.values())]
         for t in threads:
             t.start()
         for t in threads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,19 @@ def run_script(name: str, *args: str, timeout: float = 300.0) -> dict:
     if out.returncode != 0 or not lines:
         raise AssertionError(f"{name} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
     return json.loads(lines[-1])
+
+
+@contextmanager
+def vllm_pair(model_dir: Path, log_dir: Path, **kwargs):
+    """Two REAL vLLM servers of ``model_dir``, each prefill and decode (``kv_both``),
+    started together (``start_vllm_server``'s ``kwargs``); killed on exit."""
+    from kvbridge.demo.sglang_server import wait_healthy
+    from kvbridge.demo.vllm_server import start_vllm_server
+
+    servers = [start_vllm_server(model_dir, "kv_both", log_dir=log_dir, wait=False, **kwargs) for _ in range(2)]
+    try:
+        wait_healthy(servers, 400, lambda: "\n".join(f"--- {s.log_path} ---\n{s.log_tail(40)}" for s in servers))
+        yield servers
+    finally:
+        for s in servers:
+            s.kill()

@@ -1,8 +1,9 @@
 """Decode continues from KV moved between engines of different kinds, through the plugins:
 the demo's flow (``kvbridge.demo.run.run_demo``) with SGLang's REAL server on one side and
 the TensorRT-LLM executor stand-in (``kvbridge.demo.trtllm``, versions 1.2 and main) on
-the other, each with one more prompt through the same servers; plus the demo as a user
-runs it (``kvbridge demo --json``, a subprocess) once.
+the other, each with one more prompt through the same servers (the TensorRT-LLM -> SGLang
+runs share one SGLang decode, ``sglang_decode`` of tests/mixed/conftest.py); plus the demo
+as a user runs it (``kvbridge demo --json``, a subprocess) once.
 
 SGLang prefill -> TensorRT-LLM decode: SGLang computes the prompt; the router's part
 (``announce``) tells the TensorRT-LLM decode's connector which handoff the prompt
@@ -78,19 +79,20 @@ def test_sglang_prefill_to_trtllm_decode(tiny_llama_dir, version):
 
 
 @pytest.mark.parametrize("version", ["1.2", "main"])
-def test_trtllm_prefill_to_sglang_decode(tiny_llama_dir, version):
-    r = _run(tiny_llama_dir, reverse=True, trtllm_version=version)
+def test_trtllm_prefill_to_sglang_decode(tiny_llama_dir, sglang_decode, version):
+    r = _run(tiny_llama_dir, reverse=True, trtllm_version=version, sglang_decode=sglang_decode(tiny_llama_dir))
     assert (r["prefill_engine"], r["decode_engine"], r["trtllm_version"]) == ("trtllm", "sglang", version)
     _check(r, tiny_llama_dir)
     assert r["context_tokens_computed"] == PROMPT
     assert r["record"]["role"] == "sender" and r["record"]["plan_reason"] == r["plan_reason"]
 
 
-def test_trtllm_layerwise_prefill_to_sglang_decode(tiny_llama_dir):
+def test_trtllm_layerwise_prefill_to_sglang_decode(tiny_llama_dir, sglang_decode):
     """The TensorRT-LLM prefill with layer-wise sends on: each layer of the prompt
     goes from ``save_kv_layer`` while the next computes, the sampled first token follows with
     the sender's ``finish``; SGLang's real decode continues from it."""
-    r = _run(tiny_llama_dir, reverse=True, trtllm_version="main", trtllm_settings={"layerwise": True})
+    r = _run(tiny_llama_dir, reverse=True, trtllm_version="main", trtllm_settings={"layerwise": True},
+             sglang_decode=sglang_decode(tiny_llama_dir))
     assert (r["prefill_engine"], r["decode_engine"]) == ("trtllm", "sglang")
     _check(r, tiny_llama_dir)
     assert r["context_tokens_computed"] == PROMPT

@@ -2,7 +2,8 @@
 DeepSeek-V3-style model (multi-head latent attention: one latent row per token and layer,
 ``kv_lora_rank + qk_rope_head_dim`` = 48 wide, kv_factor 1) through the demo's flow, both
 ways, with SGLang's REAL server on one side and the TensorRT-LLM stand-in on the other
-(version 1.2 one way, main the other).
+(version 1.2 one way, main the other); the TensorRT-LLM -> SGLang runs share one SGLang
+decode (``sglang_decode`` of tests/mixed/conftest.py).
 
 Checked here: greedy tokens (float32) against transformers' ``generate()``, the first
 token on both sides, the first-step logits, and that exactly the prompt's latent rows
@@ -28,12 +29,13 @@ def _row_bytes(model_dir, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("reverse,version", [(False, "1.2"), (True, "main")], ids=["sglang->trtllm", "trtllm->sglang"])
-def test_mla_between_sglang_and_trtllm(tiny_mla_dir, reverse, version):
+def test_mla_between_sglang_and_trtllm(tiny_mla_dir, sglang_decode, reverse, version):
     import sglang  # noqa: F401  (pinned: a missing one fails the run, never skips)
     from kvbridge.demo.run import run_demo
 
     r = run_demo(model_dir=tiny_mla_dir, prompt_len=PROMPT, max_new=MAX_NEW, seed=SEED, extra_prompt_lens=(ALSO,),
-                 reverse=reverse, trtllm_version=version)
+                 reverse=reverse, trtllm_version=version,
+                 sglang_decode=sglang_decode(tiny_mla_dir) if reverse else None)
     assert r["model"]["attention"] == "MLA" and r["trtllm_version"] == version
     prompt = random_prompt(PROMPT, seed=SEED + PROMPT, vocab_size=r["model"]["vocab"])
     ref = reference_generate(tiny_mla_dir, prompt, MAX_NEW)
@@ -50,7 +52,7 @@ def test_mla_between_sglang_and_trtllm(tiny_mla_dir, reverse, version):
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["sglang->trtllm", "trtllm->sglang"])
-def test_mla_layerwise_between_sglang_and_trtllm(tiny_mla_dir, reverse):
+def test_mla_layerwise_between_sglang_and_trtllm(tiny_mla_dir, sglang_decode, reverse):
     """Layer-wise sends of MLA latent rows across engines: the prefill (SGLang's
     real server, or the TensorRT-LLM stand-in) hands each layer over as its forward writes
     it, the first token follows with ``finish``; the other engine decodes. Greedy tokens
@@ -61,7 +63,7 @@ def test_mla_layerwise_between_sglang_and_trtllm(tiny_mla_dir, reverse):
 
     side = {"trtllm_settings" if reverse else "sglang_settings": {"layerwise": True}}
     r = run_demo(model_dir=tiny_mla_dir, prompt_len=PROMPT, max_new=MAX_NEW, seed=SEED, reverse=reverse,
-                 trtllm_version="main", **side)
+                 trtllm_version="main", sglang_decode=sglang_decode(tiny_mla_dir) if reverse else None, **side)
     assert r["model"]["attention"] == "MLA"
     assert (r["prefill_engine"], r["decode_engine"]) == (("trtllm", "sglang") if reverse else ("sglang", "trtllm"))
     prompt = random_prompt(PROMPT, seed=SEED + PROMPT, vocab_size=r["model"]["vocab"])

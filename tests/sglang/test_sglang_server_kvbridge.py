@@ -2,9 +2,10 @@
 
 The backend is picked up from kvbridge's installed ``sglang.srt.plugins`` entry point in
 every server process. Greedy float32 outputs must equal transformers' ``generate()`` on
-the same tiny model, and the outputs of the same pair on SGLang's own ``mooncake``
-backend. Servers start once per test session (``tests.helpers.sglang_pairs``). A second decode
-server with --page-size 16 joins the pair once (prefill page 1 -> decode page 16).
+the same tiny model, and so the outputs of the same pair on SGLang's own ``mooncake``
+backend (test_sglang_server_mooncake.py, same prompts). Servers start once per test
+session (``tests.helpers.sglang_pairs``). A second decode server with --page-size 16 joins
+the pair once (prefill page 1 -> decode page 16). The test that kills the prefill comes last.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import pytest
 from tests.helpers.kvhelpers import wait_until
 from tests.helpers.sglang_pairs import KVBRIDGE
 from tests.helpers.tiny_models import random_prompt, reference_generate
+from tests.sglang.test_sglang_server_mooncake import MAX_NEW as MOONCAKE_MAX_NEW, PROMPTS
 
 # a test that starts servers (a pair in its fixture, or one more decode) waits ~20 s per
 # start on an idle 2-core machine and minutes on a loaded one: more than the default 300 s
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_NEW = 16
-PROMPTS = [4, 37, 300]
 
 
 @pytest.fixture
@@ -41,19 +42,19 @@ def receiving(srv) -> float:
                if line.startswith("kvbridge_handoffs_inflight{") and 'role="receiver"' in line)
 
 
-def test_kvbridge_pair_matches_transformers_and_mooncake(sglang_pair_factory, tiny_llama_dir):
+def test_kvbridge_pair_matches_transformers_and_mooncake(kvbridge_pair, tiny_llama_dir):
+    """The requests of test_sglang_server_mooncake.py's ``test_pair_matches_transformers``
+    (same prompts, same new tokens), which holds the mooncake pair's outputs to the same
+    transformers reference: equal to it here is equal to the mooncake pair's there,
+    without a mooncake pair started (and stopped again) for this module."""
     prompts = [random_prompt(n, seed=n) for n in PROMPTS]
-    refs = [reference_generate(tiny_llama_dir, p, MAX_NEW).token_ids for p in prompts]
-    mooncake = sglang_pair_factory("mooncake", model_dir=tiny_llama_dir)
-    via_mooncake = [mooncake.generate(p, MAX_NEW) for p in prompts]
-    kv = sglang_pair_factory("kvbridge", model_dir=tiny_llama_dir, **KVBRIDGE)
-    for p, ref, mc in zip(prompts, refs, via_mooncake):
+    refs = [reference_generate(tiny_llama_dir, p, MOONCAKE_MAX_NEW).token_ids for p in prompts]
+    for p, ref in zip(prompts, refs):
         t0 = time.monotonic()
-        got = kv.generate(p, MAX_NEW)
+        got = kvbridge_pair.generate(p, MOONCAKE_MAX_NEW)
         dt = time.monotonic() - t0
         assert got == ref, f"{len(p)}-token prompt: kvbridge pair {got} != transformers {ref}"
-        assert got == mc, f"{len(p)}-token prompt: kvbridge pair {got} != mooncake pair {mc}"
-        print(f"[kvbridge pair] {len(p)}-token prompt, {MAX_NEW} new tokens: {dt:.2f}s")
+        print(f"[kvbridge pair] {len(p)}-token prompt, {MOONCAKE_MAX_NEW} new tokens: {dt:.2f}s")
 
 
 def test_kvbridge_pair_concurrent_requests(kvbridge_pair, tiny_llama_dir):
@@ -86,31 +87,6 @@ def test_prefill_page_1_to_decode_page_16(kvbridge_pair, tiny_llama_dir):
             assert got == ref, f"{len(p)}-token prompt (page 1 -> 16): {got} != transformers {ref}"
     finally:
         kvbridge_pair.extra.pop("page16").kill()
-
-
-def test_decode_fails_cleanly_when_prefill_is_gone_and_stays_healthy(kvbridge_pair, tiny_llama_dir):
-    """Kill the prefill server: a request to the decode server fails with a clear error
-    well within the configured timeouts (30 s + 30 s here), and the decode server keeps
-    answering /health. (The fixture restarts the pair for later tests.)"""
-    import requests
-
-    from tests.helpers.sglang_servers import _post
-
-    prompt = random_prompt(20, seed=99)
-    kvbridge_pair.generate(prompt, 2)  # warm: the decode has met this prefill
-    kvbridge_pair.kill_prefill()
-    body = kvbridge_pair.request_body(prompt, 4)
-    t0 = time.monotonic()
-    res = _post(kvbridge_pair.decode.url + "/generate", body, 90)
-    dt = time.monotonic() - t0
-    assert not isinstance(res, BaseException), res
-    text = res.text
-    failed = res.status_code != 200 or '"abort"' in text
-    assert failed, f"decode answered {res.status_code} {text[:500]} with no prefill alive"
-    assert dt < 60 + 1, f"the failure took {dt:.1f}s"
-    assert any(w in text.lower() for w in ("prefill", "bootstrap", "unreachable", "timeout", "failed")), text[:1000]
-    assert requests.get(kvbridge_pair.decode.url + "/health", timeout=10).status_code == 200
-    print(f"[kvbridge pair] dead prefill: decode failed the request in {dt:.1f}s: {text[:300]}")
 
 
 def test_decode_abort_while_waiting_for_kv_ends_the_room_on_both_servers(kvbridge_pair, tiny_llama_dir):
@@ -283,3 +259,29 @@ def test_strangers_cannot_repoint_a_rank_or_abort_a_room(kvbridge_pair, tiny_lla
     log = kvbridge_pair.prefill.log_path.read_text(errors="replace")
     assert "refused sglang aborts" in log and "ABORT notice" in log, kvbridge_pair.log_tails()
     print(f"[kvbridge pair] forged PUT refused (401); {sent[0]} forged ABORT frames for room {room} refused")
+
+
+def test_decode_fails_cleanly_when_prefill_is_gone_and_stays_healthy(kvbridge_pair, tiny_llama_dir):
+    """Kill the prefill server: a request to the decode server fails with a clear error
+    well within the configured timeouts (30 s + 30 s here), and the decode server keeps
+    answering /health. Last in this module: the pair it leaves without a prefill is used by
+    no later test (the fixture would restart it for one)."""
+    import requests
+
+    from tests.helpers.sglang_servers import _post
+
+    prompt = random_prompt(20, seed=99)
+    kvbridge_pair.generate(prompt, 2)  # warm: the decode has met this prefill
+    kvbridge_pair.kill_prefill()
+    body = kvbridge_pair.request_body(prompt, 4)
+    t0 = time.monotonic()
+    res = _post(kvbridge_pair.decode.url + "/generate", body, 90)
+    dt = time.monotonic() - t0
+    assert not isinstance(res, BaseException), res
+    text = res.text
+    failed = res.status_code != 200 or '"abort"' in text
+    assert failed, f"decode answered {res.status_code} {text[:500]} with no prefill alive"
+    assert dt < 60 + 1, f"the failure took {dt:.1f}s"
+    assert any(w in text.lower() for w in ("prefill", "bootstrap", "unreachable", "timeout", "failed")), text[:1000]
+    assert requests.get(kvbridge_pair.decode.url + "/health", timeout=10).status_code == 200
+    print(f"[kvbridge pair] dead prefill: decode failed the request in {dt:.1f}s: {text[:300]}")

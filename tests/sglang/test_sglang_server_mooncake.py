@@ -18,6 +18,7 @@ from tests.helpers.tiny_models import random_prompt, reference_generate
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 MAX_NEW = 16
+PROMPTS = [4, 37, 300]  # test_sglang_server_kvbridge.py checks the kvbridge pair on these too
 
 
 def _check(pair, model_dir, prompt, max_new=MAX_NEW):
@@ -32,7 +33,7 @@ def _check(pair, model_dir, prompt, max_new=MAX_NEW):
     return dt
 
 
-@pytest.mark.parametrize("prompt_len", [4, 37, 300])
+@pytest.mark.parametrize("prompt_len", PROMPTS)
 def test_pair_matches_transformers(mooncake_pair, tiny_llama_dir, prompt_len):
     prompt = random_prompt(prompt_len, seed=prompt_len)
     dt = _check(mooncake_pair, tiny_llama_dir, prompt)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.demo.models import build_tiny_mla_576, random_prompt, reference_generate
-from tests.helpers.vllm_env import requires_vllm
+from tests.helpers.vllm_env import requires_vllm, vllm_pair
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -31,17 +31,8 @@ def mla_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def mla_servers(mla_dir, tmp_path_factory):
-    from kvbridge.demo.sglang_server import wait_healthy
-    from kvbridge.demo.vllm_server import start_vllm_server
-
-    logs = tmp_path_factory.mktemp("vllm-mla-logs")
-    servers = [start_vllm_server(mla_dir, "kv_both", log_dir=logs, block_size=16, wait=False) for _ in range(2)]
-    try:
-        wait_healthy(servers, 400, lambda: "\n".join(f"--- {s.log_path} ---\n{s.log_tail(40)}" for s in servers))
+    with vllm_pair(mla_dir, tmp_path_factory.mktemp("vllm-mla-logs"), block_size=16) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.kill()
 
 
 def reference(mla_dir, n):

@@ -24,7 +24,7 @@ import pytest
 from kvbridge.demo.models import random_prompt, reference_generate
 from tests.helpers.kvhelpers import FaultSwitch
 from tests.helpers.vllm_env import requires_vllm
-from tests.vllm.test_vllm_servers import MAX_NEW, assert_blocks_freed, model_dir  # noqa: F401  (model_dir: a fixture)
+from tests.vllm.test_vllm_servers import MAX_NEW, assert_blocks_freed
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,7 +34,7 @@ FLIP = dict(piece_bytes=0, inflight=0, delay_s=0.0, started_at=1, flip=True)
 
 
 @pytest.fixture(scope="module")
-def hooked_servers(model_dir, tmp_path_factory):  # noqa: F811
+def hooked_servers(model_dir, tmp_path_factory):
     """A vLLM prefill and a vLLM decode (kv_both each) whose transports obey one switch."""
     from kvbridge.demo.sglang_server import wait_healthy
     from kvbridge.demo.vllm_server import start_vllm_server
@@ -54,7 +54,7 @@ def hooked_servers(model_dir, tmp_path_factory):  # noqa: F811
         sw.close()
 
 
-def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_servers):  # noqa: F811
+def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_servers):
     from kvbridge.adapters.vllm.handle import Handle, to_params
     from kvbridge.demo.sglang_server import new_room, post_json
     from kvbridge.demo.vllm_flows import _wait_record
@@ -84,7 +84,7 @@ def test_decode_abort_keeps_blocks_until_the_prefill_is_quiet(model_dir, hooked_
     assert complete(decode, prompt, MAX_NEW)["token_ids"] == ref
 
 
-def test_a_load_whose_content_differs_is_recomputed(model_dir, hooked_servers):  # noqa: F811
+def test_a_load_whose_content_differs_is_recomputed(model_dir, hooked_servers):
     from kvbridge.adapters.vllm.handle import Handle, to_params
     from kvbridge.demo.sglang_server import new_room
     from kvbridge.demo.vllm_flows import _external_tokens, _wait_record

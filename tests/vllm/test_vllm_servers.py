@@ -1,7 +1,7 @@
 """vLLM's REAL server (CPU, the kvbridge connector) on either side of a handoff.
 
-Two vLLM servers (``kv_both``, started once for the module, in the vLLM venv) play
-prefill and decode; SGLang's REAL servers (the kvbridge backend, one pair for the
+Two vLLM servers (``kv_both``, ``vllm_servers`` of tests/vllm/conftest.py, in the vLLM venv)
+play prefill and decode; SGLang's REAL servers (the kvbridge backend, one pair for the
 module) and the TensorRT-LLM stand-in (in this process) play the other engines:
 
 - vLLM -> vLLM, both ways round, the decode half's handle taken from the prefill's response;
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.demo.models import build_tiny_llama_hd32, random_prompt, reference_generate
+from kvbridge.demo.models import random_prompt, reference_generate
 from tests.helpers.vllm_env import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
@@ -31,28 +31,6 @@ pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 MAX_NEW = 12
 LENS = (70, 33)
 KV_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # layers x K/V x KV heads x head_dim x float32
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_tiny_llama_hd32(tmp_path_factory.mktemp("vllm") / "tiny-llama-hd32")
-
-
-@pytest.fixture(scope="module")
-def vllm_servers(model_dir, tmp_path_factory):
-    """Two vLLM servers, each prefill and decode (kv_both), started together."""
-    from kvbridge.demo.sglang_server import wait_healthy
-    from kvbridge.demo.vllm_server import start_vllm_server
-
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    settings = {"discovery_timeout_s": 3.0, "deadline_s": 30.0}
-    servers = [start_vllm_server(model_dir, "kv_both", log_dir=logs, settings=settings, wait=False) for _ in range(2)]
-    try:
-        wait_healthy(servers, 400, lambda: "\n".join(f"--- {s.log_path} ---\n{s.log_tail(40)}" for s in servers))
-        yield servers
-    finally:
-        for s in servers:
-            s.kill()
 
 
 @pytest.fixture(scope="module")

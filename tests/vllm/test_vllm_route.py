@@ -1,7 +1,8 @@
 """``kvbridge route`` with a vLLM decode answers as vLLM's own OpenAI server does: the
 checks of ``tests.helpers.route_client`` that SGLang's decode and the TensorRT-LLM
-stand-in pass too, here against vLLM's REAL servers (the module fixtures of
-``tests/vllm/test_vllm_servers.py``: two ``kv_both`` servers, ``--max-model-len 2048``)."""
+stand-in pass too, here against vLLM's REAL servers (``vllm_servers`` of
+tests/vllm/conftest.py, which test_vllm_servers.py uses too: two ``kv_both`` servers,
+``--max-model-len 2048``). In tests/vllm, not tests/route, to share those servers."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import pytest
 from kvbridge.demo.models import random_prompt, reference_generate
 from tests.helpers import route_client as rc
 from tests.helpers.vllm_env import requires_vllm
-from tests.vllm.test_vllm_servers import model_dir, vllm_servers  # noqa: F401  (module fixtures)
 
 pytestmark = [requires_vllm, pytest.mark.vllm, pytest.mark.slow]
 
 EOS_PROMPT = (40, 213)  # the head_dim-32 Llama's greedy answer has EOS as its 3rd token
 
 
-def _router(model_dir, vllm_servers):  # noqa: F811
+def _router(model_dir, vllm_servers):
     from kvbridge.route.app import BackgroundRouter
     from kvbridge.route.config import parse_config
     from kvbridge.demo.route_local import route_yaml
@@ -32,7 +32,7 @@ def _router(model_dir, vllm_servers):  # noqa: F811
     return BackgroundRouter(parse_config(route_yaml(cfg)))
 
 
-def test_openai_edges_answer_as_vllm_itself(model_dir, vllm_servers):  # noqa: F811
+def test_openai_edges_answer_as_vllm_itself(model_dir, vllm_servers):
     """vLLM's own ``/v1/completions`` and the router in front of a vLLM prefill and decode
     answer alike: stop strings trimmed (kept with ``include_stop_str_in_output``), the
     stop in ``stop_reason``, the ids up to it, the answer ended at EOS, streamed and not;
