@@ -99,8 +99,9 @@ def mutated(draw):
     return msgspec.msgpack.encode(d), field
 
 
-# fields that checks comparing fields (TransferRequest.__post_init__) name in their message
-_CROSS_FIELD = {"first_token", "token_start", "token_stop", "staging_addr", "staging_bytes", "block_ids", "layout"}
+# fields that checks comparing fields (TransferRequest's and TransferDone's __post_init__) name in their message
+_CROSS_FIELD = {"first_token", "token_start", "token_stop", "staging_addr", "staging_bytes", "block_ids", "layout",
+                "layer_bytes"}
 
 
 @FUZZ
