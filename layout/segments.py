@@ -164,14 +164,9 @@ def _kv_classes(spec: CopySpec):
         return
     for kv in range(s.kv_factor):
         elems = _paired(s.elem_dims(kv), d.elem_dims(kv))
-        if s.affine_tokens and d.affine_tokens:
-            runs, groups = spec.runs, [(int(n),) for n in np.unique(spec.runs.length)]
-            key = spec.runs.length[:, None]
-        else:
-            runs, key, groups = _token_pieces(spec, kv)
-        for g in groups:
-            sel = np.flatnonzero((key == np.asarray(g)).all(axis=1))
-            n = int(np.prod(g))
+        runs = spec.runs if s.affine_tokens and d.affine_tokens else _token_pieces(spec, kv)
+        for n in np.unique(runs.length).tolist():
+            sel = np.flatnonzero(runs.length == n)
             toks = _paired(_inner_dims(s.token_dims(kv), n), _inner_dims(d.token_dims(kv), n))
             run, dims = _fold(elems + toks + [(h.count, s.head_stride, d.head_stride)], s.itemsize)
             yield runs, sel, kv, run, dims
@@ -192,14 +187,10 @@ def _inner_dims(dims: tuple[tuple[int, int], ...], n: int) -> tuple[tuple[int, i
 
 
 def _paired(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
-    """(count, src stride, dst stride) dims of two dim lists over the same indices: an
-    affine side's one dim is split to match the other's counts."""
-    if len(a) == 1 and len(b) > 1:
-        return [(c, a[0][1] * int(np.prod([x for x, _ in b[i + 1:]])), st) for i, (c, st) in enumerate(b)]
-    if len(b) == 1 and len(a) > 1:
-        return [(c, st, b[0][1] * int(np.prod([x for x, _ in a[i + 1:]]))) for i, (c, st) in enumerate(a)]
+    """(count, src stride, dst stride) dims of two dim lists of the same counts (what
+    ``refused_kinds`` lets a direct plan join)."""
     if [c for c, _ in a] != [c for c, _ in b]:
-        raise LayoutError(f"element dims {a} and {b} differ: no direct copy between them")
+        raise LayoutError(f"dims {a} and {b} differ in their counts: no direct copy between them")
     return [(c, sa, sb) for (c, sa), (_, sb) in zip(a, b)]
 
 
@@ -212,15 +203,11 @@ def _groups(dims: tuple[tuple[int, int], ...]) -> list[int]:
     return out
 
 
-def _token_pieces(spec: CopySpec, kv: int) -> tuple[TokenRuns, np.ndarray, list[tuple[int]]]:
+def _token_pieces(spec: CopySpec, kv: int) -> TokenRuns:
     """The runs of ``spec`` cut into pieces whose tokens are one aligned sub-grid of K/V
-    ``kv``'s token dims on both sides (greedy, largest first): (pieces, each piece's
-    token count as a key [P, 1], the distinct keys). Whole blocks of equal size on both
-    sides stay whole, vectorized; only runs that cut a block are walked."""
-    s, d = spec.src, spec.dst
-    ds, dd = s.token_dims(kv), d.token_dims(kv)
-    sizes = sorted(set(_groups(ds) if len(ds) > 1 else range(1, s.tokens_per_block + 1))
-                   & set(_groups(dd) if len(dd) > 1 else range(1, d.tokens_per_block + 1)), reverse=True)
+    ``kv``'s token dims on both sides (greedy, largest first). Whole blocks of equal size
+    on both sides stay whole, vectorized; only runs that cut a block are walked."""
+    sizes = sorted(set(_groups(spec.src.token_dims(kv))) & set(_groups(spec.dst.token_dims(kv))), reverse=True)
     r = spec.runs
     whole = (r.src_slot == 0) & (r.dst_slot == 0) & (r.length == sizes[0])
     parts = [(r.start[whole], r.length[whole], r.src_block[whole], r.src_slot[whole], r.dst_block[whole],
@@ -235,9 +222,8 @@ def _token_pieces(spec: CopySpec, kv: int) -> tuple[TokenRuns, np.ndarray, list[
     if rest:
         parts.append(tuple(np.asarray(col, dtype=np.int64) for col in zip(*rest)))
     cols = [np.concatenate(c) for c in zip(*parts)]
-    pieces = TokenRuns(start=cols[0], length=cols[1], src_block=cols[2], src_slot=cols[3], dst_block=cols[4],
-                       dst_slot=cols[5])
-    return pieces, pieces.length[:, None], [(int(n),) for n in np.unique(pieces.length)]
+    return TokenRuns(start=cols[0], length=cols[1], src_block=cols[2], src_slot=cols[3], dst_block=cols[4],
+                     dst_slot=cols[5])
 
 
 def count_segments(spec: CopySpec, exact_limit: int = 1 << 15) -> int:

@@ -27,6 +27,17 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 
 
+def _apply_around(registry: Any, hooks: tuple[tuple[str, Callable], ...]) -> None:
+    """Register each (target, hook) AROUND once per process and apply every hook not
+    applied yet (these, and any that failed before). Call under ``_lock``."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    for target, hook in hooks:
+        if not any(h is hook for _, h, _ in registry._hooks.get(target, ())):
+            registry.register(target, hook, HookType.AROUND)
+    registry.apply_hooks()
+
+
 # -- prefill: layer-wise sends ----------------------------------------------------------
 def kvbridge_run_batch(original, *args, **kwargs):
     """AROUND hook on ``Scheduler.run_batch`` (prefill rank with ``layerwise`` on): arm the
@@ -78,16 +89,14 @@ def install_prefill_hooks(mgr: Any, owns: Callable[[Any], bool]) -> "LayerStream
     whether a request's sender is one of ``mgr``'s). Returns it, or None (logged once) when
     a hook point is missing: requests then go whole."""
     try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        from sglang.srt.plugins.hook_registry import HookRegistry
     except ImportError as e:
         log.warning("kvbridge: layerwise is on but SGLang has no plugin hook registry (%s): requests go whole", e)
         return None
     with _lock:
-        for target, fn in ((RUN_BATCH, kvbridge_run_batch), (SET_KV_BUFFER, kvbridge_set_kv_buffer),
-                           (SET_MLA_KV_BUFFER, kvbridge_set_kv_buffer), (SET_MLA_LATENT, kvbridge_set_kv_buffer)):
-            if not any(h is fn for _, h, _ in HookRegistry._hooks.get(target, ())):
-                HookRegistry.register(target, fn, HookType.AROUND)
-        HookRegistry.apply_hooks()
+        _apply_around(HookRegistry, ((RUN_BATCH, kvbridge_run_batch), (SET_KV_BUFFER, kvbridge_set_kv_buffer),
+                                     (SET_MLA_KV_BUFFER, kvbridge_set_kv_buffer),
+                                     (SET_MLA_LATENT, kvbridge_set_kv_buffer)))
         missing = [t for t in (RUN_BATCH, SET_KV_BUFFER) if t not in HookRegistry._patched]
         if missing:
             log.warning("kvbridge: layerwise is on but %s cannot be hooked in this SGLang version: requests go whole",
@@ -153,13 +162,10 @@ def install_decode_hooks() -> bool:
     and apply the hooks on ``_send_kv_metadata`` and ``resolve_deferred_releases`` once.
     Returns whether both are in place."""
     from sglang.srt.disaggregation import decode
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     with _lock:
-        for target, hook in _DECODE_HOOKS:
-            if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
-                HookRegistry.register(target, hook, HookType.AROUND)
-        HookRegistry.apply_hooks()  # applies targets not applied yet: these (and any that failed before)
+        _apply_around(HookRegistry, _DECODE_HOOKS)
     ok = True
     for target, _ in _DECODE_HOOKS:
         cls, name = target.rsplit(".", 2)[1:]

@@ -106,10 +106,9 @@ class LayerStreamer:
     """A prefill rank's layer-wise sends: armed requests of the forward in progress, fed
     by the two hooks. Built by the prefill manager when ``layerwise`` is on."""
 
-    def __init__(self, mgr: Any, owns: Callable[[Any], bool] | None = None):
+    def __init__(self, mgr: Any, owns: Callable[[Any], bool]):
         self.mgr = mgr
-        # whether a request's ``disagg_kv_sender`` is one of this rank's kvbridge senders
-        self.owns = owns or (lambda sender: getattr(sender, "kv_mgr", None) is mgr)
+        self.owns = owns  # whether a request's ``disagg_kv_sender`` is one of this rank's kvbridge senders
         self.num_layers = int(mgr.layout.num_layers)
         self.pool: Any = None  # the pool armed for the forward in progress
         self.armed: list[_Armed] = []

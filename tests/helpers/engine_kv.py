@@ -108,16 +108,23 @@ def _vllm_offsets(layout: Any, blocks, first_token: int, start: int, stop: int, 
     h = np.asarray(heads_local, dtype=np.int64)
     j = np.arange(hd)
     tile = (blk[:, None] * nh + h[None, :]) * (bs * hd2)  # [T, H] first element of the (block, head)
-    t3, j3 = slot[:, None, None], j[None, None, :]
-    if layout.engine == "vllm-cpu-amx":  # the 'amx' ISA, as vLLM's own reshape kernel writes it
-        k = tile[:, :, None] + (t3 // 16) * 16 * hd + (j3 // 2) * 32 + (t3 % 16) * 2 + j3 % 2
-        v = tile[:, :, None] + bs * hd + (j3 // 16) * 16 * bs + (t3 // 2) * 32 + (j3 % 16) * 2 + t3 % 2
-    else:
-        k = tile[:, :, None] + j3 * bs + t3  # [T, H, hd]
-        v = tile[:, :, None] + bs * hd + t3 * hd + j3
-    elems = np.stack([k, v])  # [kv, T, H, hd]
+    isa = "amx" if layout.engine == "vllm-cpu-amx" else "vec"
+    k, v = _vllm_tile_elems(isa, bs, hd, slot[:, None, None], j[None, None, :])
+    elems = np.stack([tile[:, :, None] + k, tile[:, :, None] + v])  # [kv, T, H, hd]
     byte = (elems[..., None] * isz + np.arange(isz)).reshape(2, t.size, h.size, hd * isz)
     return np.broadcast_to(byte[None], (len(layout.tensors),) + byte.shape).copy()
+
+
+def _vllm_tile_elems(isa: str, bs: int, hd: int, t, j):
+    """Element offsets of K and V (token ``t``, dim ``j``; arrays that broadcast) inside one
+    (block, head) tile of vLLM's CPU cache, as its ``isa`` kernel writes them: 'vec' and
+    'vec16' store K transposed (``j * bs + t``) and V row-major after it; 'amx' interleaves
+    K in 16-token runs of dimension pairs and V in token pairs (its own reshape kernel,
+    checked element by element in vllm_scripts/kernel_layout.py)."""
+    if isa == "amx":
+        return ((t // 16) * 16 * hd + (j // 2) * 32 + (t % 16) * 2 + j % 2,
+                bs * hd + (j // 16) * 16 * bs + (t // 2) * 32 + (j % 16) * 2 + t % 2)
+    return j * bs + t, bs * hd + t * hd + j
 
 
 def trtllm_kv(pool: torch.Tensor, blocks: Sequence[int], tokens_per_block: int, head_dim: int,
@@ -159,14 +166,11 @@ def vllm_kv(layer_caches: Sequence[torch.Tensor], blocks: Sequence[int], block_s
     for layer, cache in enumerate(layer_caches):
         for i, t in enumerate(positions):
             b, slot = int(blocks[t // block_size]), t % block_size
+            k, v = _vllm_tile_elems(isa, bs, hd, slot, j)
             for h in range(heads):
                 tile = cache[b, h].reshape(-1)
-                if isa == "amx":  # K: 16-token runs of dimension pairs; V: token pairs (its reshape kernel)
-                    out[layer, 0, i, h] = tile[(slot // 16) * 16 * hd + (j // 2) * 32 + (slot % 16) * 2 + j % 2]
-                    out[layer, 1, i, h] = tile[bs * hd + (j // 16) * 16 * bs + (slot // 2) * 32 + (j % 16) * 2 + slot % 2]
-                else:
-                    out[layer, 0, i, h] = tile[: bs * hd].view(hd, bs)[:, slot]  # K stored transposed
-                    out[layer, 1, i, h] = tile[bs * hd + slot * hd: bs * hd + (slot + 1) * hd]
+                out[layer, 0, i, h] = tile[k]
+                out[layer, 1, i, h] = tile[v]
     return out
 
 

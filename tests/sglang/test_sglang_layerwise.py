@@ -133,7 +133,7 @@ def test_unsupported_pool_falls_back_to_whole_sends_once(sglang_pools, caplog):
                     enable_memory_saver=False)
     assert _supported_pool(mha) and not _supported_pool(own) and not _supported_pool(mla)
     mgr = SimpleNamespace(layout=SimpleNamespace(num_layers=2, device="cpu"), kvb_settings=SimpleNamespace(layerwise=True))
-    st = LayerStreamer(mgr)
+    st = LayerStreamer(mgr, owns=lambda sender: True)
     sched = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: own, page_size=16))
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True), reqs=[object()])
     with caplog.at_level(logging.WARNING, logger="kvbridge.adapters.sglang.layerwise"):
