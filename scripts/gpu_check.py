@@ -539,7 +539,7 @@ def _drive_sglang(io: PoolIO, vals, fwd, sender: ReadingSender, cycles: int) -> 
 
     mgr = SimpleNamespace(layout=io.lay, kv_sender=sender, kvb_settings=BridgeSettings(layerwise=True),
                           kvb_layerwise_chooser=None)
-    st = LayerStreamer(mgr)
+    st = LayerStreamer(mgr, owns=lambda s: getattr(s, "kv_mgr", None) is mgr)  # the manager's kvb_owns
     armed = st.arm_request(_SGLangRoom(mgr, 7), 0, io.tokens, io.page, lambda lo, hi: io.slots_cpu[lo:hi], io.tokens)
     if armed is None:
         raise CheckFailed("the SGLang plugin's LayerStreamer did not arm an open room")
