@@ -6,13 +6,13 @@ every prefill rank registers with ``PUT /route`` (its TP/CP/DP/PP slot, ``rank_i
 ``rank_port``, ``page_size``, ``kv_cache_dtype``); a decode rank asks ``GET /route`` with
 all four ranks -1 for the topology (``PrefillServerInfo``), then with its target ranks
 for each prefill rank's address. kvbridge adds one record per rank (its control
-endpoint, Mooncake session and layout, see ``rank_record``): returned under
+endpoint, Mooncake session and layout, a ``kvbridge.common.protocol.RankRecord``): returned under
 ``"kvbridge"`` with the rank's ``/route`` answer, and listed at ``GET /kvbridge/ranks``
 (``ranks_payload``), so any kvbridge receiver, SGLang or not, finds every rank.
 
 ``BootstrapServer`` serves that protocol for a prefill that is not SGLang (the
 TensorRT-LLM plugin's ``sglang_bootstrap_port``), so an SGLang decode server on the
-kvbridge backend can pull from it; ``fetch_ranks`` / ``endpoints_by_tp_rank`` are the
+kvbridge backend can pull from it; ``fetch_ranks`` / ``rank_records`` / ``endpoints_by_tp_rank`` are the
 client a non-SGLang decode uses to find an SGLang prefill (or a ``BootstrapServer``).
 The SGLang adapter's own bootstrap server (a subclass of SGLang's) answers
 ``/kvbridge/ranks`` with ``ranks_payload`` too.
@@ -59,7 +59,11 @@ import urllib.error
 import urllib.request
 from typing import Any, Mapping
 
-__all__ = ["BootstrapError", "BootstrapServer", "endpoints_by_tp_rank", "fetch_ranks", "parse_address", "rank_record",
+import msgspec
+
+from .protocol import ProtocolError, RankRecord
+
+__all__ = ["BootstrapError", "BootstrapServer", "endpoints_by_tp_rank", "fetch_ranks", "parse_address", "rank_records",
            "ranks_payload", "canonical", "seal_record", "check_registration", "open_entry",
            "seal_route_info", "open_route_info", "read_registration", "RECORD_DOMAIN", "SEAL_FIELD", "MAX_RANKS"]
 
@@ -218,15 +222,6 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port_s)
 
 
-def rank_record(*, endpoint: str, session: str, engine: str, page_size: int, layout: dict) -> dict:
-    """What a prefill rank publishes for kvbridge receivers: its control endpoint, its
-    Mooncake session, its engine, its own block size and its layout (``describe()``)."""
-    from kvbridge.common.protocol import PROTOCOL_VERSION
-
-    return {"version": PROTOCOL_VERSION, "endpoint": endpoint, "session": session, "engine": engine,
-            "page_size": int(page_size), "layout": layout}
-
-
 def ranks_payload(ranks: Mapping[tuple[int, int, int, int], dict], *, ready: bool, attn_tp_size: Any,
                   attn_cp_size: Any, dp_size: Any, pp_size: Any, page_size: Any, kv_cache_dtype: Any,
                   keyring=None) -> dict:
@@ -306,21 +301,30 @@ def fetch_ranks(address: str, timeout_s: float = 30.0, poll_s: float = 0.2, keyr
         time.sleep(poll_s)
 
 
-def endpoints_by_tp_rank(body: dict, address: str = "") -> list[str]:
-    """The kvbridge control endpoints of a ``/kvbridge/ranks`` answer in TP rank order.
-    Only prefills with one DP group, CP 1 and PP 1 are supported (raises BootstrapError
-    naming the topology otherwise, or a missing rank)."""
+def rank_records(body: dict, address: str = "") -> list[RankRecord]:
+    """The rank records of a ``/kvbridge/ranks`` answer in TP rank order. Only prefills
+    with one DP group, CP 1 and PP 1 are supported (raises BootstrapError naming the
+    topology otherwise, a missing rank, or the field of a record that is not valid)."""
     where = f"bootstrap server {address}: " if address else ""
     for key in ("dp_size", "attn_cp_size", "pp_size"):
         if int(body.get(key) or 1) != 1:
             raise BootstrapError(f"{where}prefill has {key} {body.get(key)}; kvbridge pulls from prefills with "
                                  "dp_size, attn_cp_size and pp_size 1")
     tp = int(body.get("attn_tp_size") or 0)
-    by_rank = {int(r["tp_rank"]): r.get("endpoint") for r in body.get("ranks") or []}
-    missing = [t for t in range(tp) if not by_rank.get(t)]
+    by_rank = {int(r["tp_rank"]): r for r in body.get("ranks") or [] if isinstance(r, dict) and r.get("endpoint")}
+    missing = [t for t in range(tp) if t not in by_rank]
     if tp <= 0 or missing:
         raise BootstrapError(f"{where}prefill TP size {tp}, no kvbridge endpoint for TP rank(s) {missing}")
-    return [str(by_rank[t]) for t in range(tp)]
+    try:
+        return [RankRecord.parse(by_rank[t], f"TP rank {t}'s record") for t in range(tp)]
+    except ProtocolError as e:
+        raise BootstrapError(f"{where}{e}") from None
+
+
+def endpoints_by_tp_rank(body: dict, address: str = "") -> list[str]:
+    """The kvbridge control endpoints of a ``/kvbridge/ranks`` answer in TP rank order
+    (``rank_records``)."""
+    return [r.endpoint for r in rank_records(body, address)]
 
 
 # -- server ----------------------------------------------------------------------------
@@ -403,15 +407,16 @@ class BootstrapServer:
         """``host:port``: what SGLang requests name as ``bootstrap_host`` / ``bootstrap_port``."""
         return f"{self.host}:{self.port}"
 
-    def register(self, tp_rank: int, record: dict) -> None:
-        """Register prefill TP rank ``tp_rank`` with its kvbridge record (``version``,
-        ``endpoint``, ``session``, ``engine``, ``page_size``, ``layout``)."""
+    def register(self, tp_rank: int, record: RankRecord | dict) -> None:
+        """Register prefill TP rank ``tp_rank`` with its kvbridge record (a ``RankRecord``,
+        or its JSON form: ``ProtocolError`` naming the field that is not valid)."""
         if not 0 <= tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {tp_rank} outside TP size {self.tp_size}")
-        if not isinstance(record, dict) or not record.get("endpoint"):
-            raise ValueError(f"rank {tp_rank}: a kvbridge record needs an endpoint, got {record!r:.200}")
+        if not isinstance(record, RankRecord):
+            record = RankRecord.parse(record, f"rank {tp_rank}'s kvbridge record")
         with self._lock:
-            self._ranks[(0, 0, int(tp_rank), 0)] = {**record, "rank_ip": self.host, "rank_port": self.rank_port}
+            self._ranks[(0, 0, int(tp_rank), 0)] = {**msgspec.to_builtins(record), "rank_ip": self.host,
+                                                    "rank_port": self.rank_port}
 
     def ready(self) -> bool:
         """Whether every TP rank registered."""

@@ -18,8 +18,10 @@ announced under the prompt) and reads only the fields it serves (``Handle.from_d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
+
+import msgspec
+from msgspec import Meta
 
 from .bootstrap import parse_address
 
@@ -56,16 +58,20 @@ def check_handle(op: Any, room: Any, *, bootstrap: str = "", endpoints: Sequence
             raise HandleError(f"room {room}: endpoint {ep!r} is not a tcp:// address")
 
 
-@dataclass(frozen=True)
-class Handle:
-    """One server's part in a handoff (see the module docstring)."""
+_Addr = Annotated[str, Meta(max_length=256)]
+
+
+class Handle(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One server's part in a handoff (see the module docstring). A msgspec struct: it
+    crosses a bus typed (checked by ``__post_init__`` on decode too), ``to_dict`` is its
+    JSON form."""
 
     op: str  # "send" (prefill) or "recv" (decode)
     room: int
-    bootstrap: str = ""
-    endpoints: tuple[str, ...] = ()
-    prefill: str = ""
-    on_failure: str = ""
+    bootstrap: _Addr = ""
+    endpoints: Annotated[tuple[_Addr, ...], Meta(max_length=1 << 10)] = ()
+    prefill: _Addr = ""
+    on_failure: Annotated[str, Meta(max_length=16)] = ""
 
     def __post_init__(self) -> None:
         check_handle(self.op, self.room, bootstrap=self.bootstrap,
@@ -76,11 +82,9 @@ class Handle:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set, as JSON/msgpack-ready values."""
-        d: dict[str, Any] = {"op": self.op, "room": self.room}
-        for name in FIELDS[2:]:
-            v = getattr(self, name)
-            if v:
-                d[name] = list(v) if name == "endpoints" else v
+        d = msgspec.to_builtins(self)
+        if "endpoints" in d:
+            d["endpoints"] = list(d["endpoints"])
         return d
 
     @classmethod

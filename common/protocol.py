@@ -23,10 +23,14 @@ from typing import Annotated, Any, Union
 import msgspec
 from msgspec import Meta
 
+from kvbridge.layout import KVLayout
+
 __all__ = [
     "Abort",
     "DigestPart",
     "Heartbeat",
+    "LayoutDescription",
+    "RankRecord",
     "StagedChunk",
     "MAX_BLOCK_IDS",
     "MAX_MESSAGE_BYTES",
@@ -63,6 +67,87 @@ Seconds = Annotated[float, Meta(ge=0.0, le=1e12)]
 Name = Annotated[str, Meta(max_length=256)]
 Code = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_.-]*$")]
 Reason = Annotated[str, Meta(max_length=4096)]
+Int62 = Annotated[int, Meta(ge=0, lt=2**62)]
+Stride = Annotated[int, Meta(gt=0, lt=2**62)]
+Dims = Union[Stride, Annotated[list[Annotated[list[Stride], Meta(min_length=2, max_length=2)]], Meta(min_length=1, max_length=8)]]
+PerLayerKV = Annotated[list[Annotated[list[Int62], Meta(max_length=2)]], Meta(max_length=MAX_LAYERS)]
+Endpoint = Annotated[str, Meta(min_length=7, max_length=256, pattern=r"^tcp://")]
+
+
+class LayoutDescription(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A rank's KV layout as it crosses the wire or the bootstrap: ``KVLayout.describe()``'s
+    fields, typed and bounded (addresses included, tensors not). ``of`` builds it from a
+    layout, ``to_layout`` rebuilds the layout (``LayoutError`` if its geometry does not hold).
+
+    >>> from kvbridge.layout import allocate_pool
+    >>> lay = allocate_pool("sglang", layers=2, total_heads=2, head_dim=8, dtype="bfloat16",
+    ...                     tokens_per_block=16, num_blocks=4)
+    >>> d = LayoutDescription.of(lay)
+    >>> d.tokens_per_block, len(d.base), d.to_layout().num_blocks
+    (16, 2, 4)
+    """
+
+    engine: Name
+    num_layers: Int62
+    kv_factor: Int62
+    num_heads: Int62
+    head_offset: Int62
+    total_heads: Int62
+    head_dim: Int62
+    dtype: Name
+    tokens_per_block: Int62
+    num_blocks: Int62
+    first_block: Int62
+    block_stride: Int62
+    token_stride: Int62
+    head_stride: Int62
+    base: PerLayerKV  # [layer][K/V] byte address of block 0
+    region_of: PerLayerKV  # [layer][K/V] index into ``regions``
+    regions: Annotated[list[Annotated[list[Int62], Meta(min_length=2, max_length=2)]], Meta(max_length=1 << 16)]  # [addr, nbytes]
+    layer_offset: Int62  # the global index of layer 0
+    # per K/V: [token dims, element dims], each a stride or [[count, stride], ...] outermost first
+    row_strides: Annotated[list[Annotated[list[Dims], Meta(min_length=2, max_length=2)]], Meta(max_length=2)] | None = None
+    # [layer][K/V][head] fp8 dequantisation scales
+    kv_scales: Annotated[list[Annotated[list[Annotated[list[float], Meta(max_length=1 << 16)]], Meta(max_length=2)]],
+                         Meta(max_length=MAX_LAYERS)] | None = None
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> "LayoutDescription":
+        """``layout``'s description."""
+        return msgspec.convert(layout.describe(), cls)
+
+    def to_layout(self) -> KVLayout:
+        """The layout this describes; ``LayoutError`` naming what does not hold."""
+        return KVLayout.from_description(msgspec.to_builtins(self))
+
+    @property
+    def heads(self) -> range:
+        """The global KV heads this rank holds."""
+        return range(self.head_offset, self.head_offset + self.num_heads)
+
+
+class RankRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a prefill rank publishes for kvbridge receivers through its bootstrap server
+    (JSON there: ``msgspec.to_builtins``): its control ``endpoint``, its Mooncake
+    ``session``, its ``engine``, its own block size ``page_size`` and its ``layout``."""
+
+    version: Version = PROTOCOL_VERSION
+    endpoint: Endpoint
+    session: Annotated[str, Meta(min_length=1, max_length=256)]
+    engine: Name
+    page_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    layout: LayoutDescription
+
+    @classmethod
+    def parse(cls, obj: Any, where: str = "rank record") -> "RankRecord":
+        """A record from its JSON form (extra keys of a bootstrap entry, e.g. ``tp_rank``,
+        ignored); ``ProtocolError`` naming the field that is wrong."""
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"{where}: expected a kvbridge rank record, got {type(obj).__name__}")
+        try:
+            return msgspec.convert({k: obj[k] for k in cls.__struct_fields__ if k in obj}, cls)
+        except msgspec.ValidationError as e:
+            raise ProtocolError(f"{where}: {e}") from None
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -73,13 +158,13 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
     """Decode -> prefill: send room ``room``'s KV tokens ``[token_start, token_stop)``
     into my blocks ``block_ids`` (entry 0 holds token ``first_token``) of ``layout``
-    (``KVLayout.describe()``), through transfer-engine session ``session``; tokens
+    (``LayoutDescription``), through transfer-engine session ``session``; tokens
     before ``token_start`` I already hold. ``receivers`` is how many decode ranks ask
     for this room; ``staging_*`` name a registered staging buffer when the receiver
     scatters."""
 
     model: Name
-    layout: Annotated[dict[str, Any], Meta(max_length=256)]
+    layout: LayoutDescription
     block_ids: Annotated[list[BlockId], Meta(max_length=MAX_BLOCK_IDS)]
     first_token: Token
     token_start: Token
@@ -98,8 +183,8 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
                 f"token range inverted: need first_token <= token_start <= token_stop, got "
                 f"{self.first_token} <= {self.token_start} <= {self.token_stop}"
             )
-        tpb = self.layout.get("tokens_per_block")
-        if type(tpb) is int and tpb > 0 and self.token_stop - self.first_token > len(self.block_ids) * tpb:
+        tpb = self.layout.tokens_per_block
+        if tpb > 0 and self.token_stop - self.first_token > len(self.block_ids) * tpb:
             raise ProtocolError(
                 f"{len(self.block_ids)} blocks (block_ids) of {tpb} tokens from token {self.first_token} cannot hold "
                 f"tokens up to token_stop {self.token_stop}"
@@ -159,7 +244,7 @@ class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     seconds: Seconds
     aux: Annotated[dict[Annotated[str, Meta(max_length=64)], AuxValue], Meta(max_length=32)] = {}
     # staged_recv only: the sender's layout and what it wrote where, for the receiver's scatter
-    src_layout: Annotated[dict[str, Any], Meta(max_length=256)] = {}
+    src_layout: LayoutDescription | None = None
     staged: Annotated[list[StagedChunk], Meta(max_length=1 << 16)] = []
     layer_bytes: Annotated[list[Count], Meta(max_length=MAX_LAYERS)] = []
     # asked for (TransferRequest.digest): the content of every piece moved, for the receiver to compare

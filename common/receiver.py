@@ -92,7 +92,7 @@ class KVReceiver(ControlSide):
         self._closed_at: dict[str, tuple[float, int]] = {}  # prefill endpoint -> (when its control connection closed, ping then)
         self._ping = 0  # heartbeat round: a sender echoes it, so a reply to a later round came over a new connection
         self._incarnation: dict[str, str] = {}  # prefill endpoint -> the incarnation its heartbeats carry
-        self._layout_desc = layout.describe()  # what every request carries (the layout never changes)
+        self._layout_desc = P.LayoutDescription.of(layout)  # what every request carries (the layout never changes)
         super().__init__(layout, transport, config, metrics, bind_host=None)
         for t in layout.tensors or ():
             transport.register_tensor(t)
@@ -377,7 +377,9 @@ class KVReceiver(ControlSide):
         if peer not in r.staging:
             raise LayoutError("sender used receiver staging that was not offered to it")
         off, size = r.staging[peer]
-        src = KVLayout.from_description(msg.src_layout)
+        if msg.src_layout is None:
+            raise LayoutError("staged chunks without the sender's layout (src_layout)")
+        src = msg.src_layout.to_layout()
         t0 = time.perf_counter()
         for ch in msg.staged:
             s_lay, d_lay = src, self.layout

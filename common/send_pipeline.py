@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,11 +29,14 @@ from kvbridge.layout import (DIGEST_ALGORITHM, MAX_UNITS, HeadMap, KVLayout, Lay
 
 from . import protocol as P
 from .rooms import TERMINAL, HandoffFailed, RoomState
+from .metrics import KVBridgeMetrics
 from .send_rooms import Prestaged, SendChunk, SendRoom, SendTarget
-from .transport import TransportError, WriteHandle
+from .settings import HandoffConfig
+from .staging import staging_buffer
+from .transport import MooncakeTransport, TransportError, WriteHandle
 
 
-__all__ = ["SendPipeline"]
+__all__ = ["SendPipeline", "SenderSide"]
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +58,74 @@ def _shape_of_prestage(pre: "Prestaged | None", t: "SendTarget", c: "SendChunk")
             and (pre.remote is t.remote or pre.remote.relative_key == t.remote.relative_key))
 
 
-class SendPipeline:
-    """``KVSender``'s send workers (a mixin: it uses the sender's rooms, lock, config,
-    transport, rings and prestage slots). Runs on the sender's worker threads, one room per
-    worker at a time; the state it changes is taken under the sender's ``_lock``."""
+class SenderSide(Protocol):
+    """What a send pipeline asks of its sender (``KVSender``). ``lock`` guards every room's
+    ``state``, ``targets``, ``chunks``, ``busy`` and ``prestaged``, and the pipeline's
+    prestage slots."""
 
-    def _next_work(self, r: "SendRoom") -> tuple["SendTarget", "SendChunk", int] | None:
+    lock: threading.RLock
+
+    def last_heard(self, peer: str) -> float | None:
+        """When ``peer`` (a decode rank) was last heard from (``time.monotonic``), if ever."""
+
+    def control_pending(self) -> bool:
+        """Whether a control message waits to be handled (perhaps a room's request)."""
+
+    def reply(self, peer: str, msg) -> None:
+        """Send control message ``msg`` to ``peer``."""
+
+    def succeed(self, r: SendRoom) -> None:
+        """Room ``r`` was delivered to every decode rank that asked."""
+
+    def fail(self, room: int, reason: str, code: str) -> None:
+        """Room ``room`` failed (its decode ranks are told)."""
+
+    def worker_done(self, r: SendRoom) -> None:
+        """A send worker let go of ``r`` (``r.busy`` is False): forget it if it was
+        forgotten meanwhile, and hand it a worker again if work is left."""
+
+
+class SendPipeline:
+    """A sender's send workers and what they own: the staging rings (one per worker), the
+    prestage slots, the digest worker, the layer views. ``drain(r)`` runs on a send worker,
+    one room per worker at a time; the room state it changes is taken under ``side.lock``;
+    it reaches its sender only through ``side`` (``SenderSide``)."""
+
+    def __init__(self, side: SenderSide, layout: KVLayout, transport: MooncakeTransport, config: HandoffConfig,
+                 metrics: KVBridgeMetrics, workers: int):
+        self.side, self.layout, self.transport, self.config, self.metrics = side, layout, transport, config, metrics
+        self._lock = side.lock
+        self._layout_desc = P.LayoutDescription.of(layout)  # what a staged_recv Done carries (src_layout)
+        self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
+        self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers
+        # content digests (integrity), taken beside the writes of the piece they describe
+        self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-digest")
+        self._rings: deque = deque()
+        for _ in range(workers):
+            ring = staging_buffer(max(2, config.ring_parts) * config.part_bytes, layout.device or "cpu")  # faulted in now
+            transport.register_tensor(ring)
+            self._rings.append(ring)
+        self._own_staging = list(self._rings)  # registered here, unregistered at close
+        # first parts gathered ahead of their requests (see _prestage): one slot per room
+        self._slot_bytes = max(0, config.prestage_bytes)
+        self.prestage_free: deque = deque(range(max(0, config.prestage_slots) if self._slot_bytes else 0))
+        self._prestage_buf = None
+        if self.prestage_free:
+            self._prestage_buf = staging_buffer(len(self.prestage_free) * self._slot_bytes,
+                                                layout.device or "cpu")  # touched now: no page faults on a room's time
+            transport.register_tensor(self._prestage_buf)
+            self._own_staging.append(self._prestage_buf)
+
+    def close(self) -> None:
+        """After the send workers stopped: stop the digest worker, and give back the
+        staging's registration (nothing writes from it any more)."""
+        self._digester.shutdown(wait=True, cancel_futures=True)
+        if not self.transport.closed:
+            for buf in self._own_staging:
+                self.transport.unregister(buf.data_ptr())
+        self._own_staging = []
+
+    def next_work(self, r: "SendRoom") -> tuple["SendTarget", "SendChunk", int] | None:
         """The next chunk some target of ``r`` has not been served, and how many of the
         room's chunks it stands for: layer pieces of one token range that queued up (the
         decode asked late, or the wire is slower than the forward) go as one layer range,
@@ -75,13 +143,13 @@ class SendPipeline:
                 return t, c, n
         return None
 
-    def _prestage_due(self, r: "SendRoom") -> bool:
+    def prestage_due(self, r: "SendRoom") -> bool:
         """Whether ``r``'s first part should be gathered now: its prompt is prefilled in one
         chunk, no decode rank has asked for it yet, the last one served got a staged send,
         and a slot is free. Call under the lock."""
         return (not r.prestage_tried and not r.targets and len(r.chunks) == 1 and r.chunks[0].last
                 and r.chunks[0].start == 0 and self._last_pull is not None and self._last_pull[1]
-                and bool(self._prestage_free))
+                and bool(self.prestage_free))
 
     def _prestage(self, r: "SendRoom") -> None:
         """Send worker, after a room's last chunk when no request has come yet (TensorRT-LLM's
@@ -89,10 +157,10 @@ class SendPipeline:
         for the decode layout served last, so that a matching request has bytes on the
         wire without waiting for a gather (``_usable_prestage`` decides). Best effort."""
         with self._lock:
-            if not self._prestage_due(r) or r.state in TERMINAL:
+            if not self.prestage_due(r) or r.state in TERMINAL:
                 return
             r.prestage_tried = True
-            slot = self._prestage_free.pop()  # the slot freed last: still in cache
+            slot = self.prestage_free.pop()  # the slot freed last: still in cache
             remote, c = self._last_pull[0], r.chunks[0]
         cfg = self.config
         t0 = time.perf_counter()
@@ -115,7 +183,7 @@ class SendPipeline:
                 b = min(limit, rows + step)
                 gather.run(buf[rows * rb:], rows=(rows, b), inline=True)
                 rows = b
-                if r.targets or r.state in TERMINAL or self.channel.pending():  # perhaps its request: serve it
+                if r.targets or r.state in TERMINAL or self.side.control_pending():  # perhaps its request: serve it
                     break
         except Exception as e:  # never fails the room: the request is served the usual way
             if isinstance(e, (LayoutError, ValueError)):
@@ -123,7 +191,7 @@ class SendPipeline:
             else:
                 log.exception("sender: prestaging room %s failed", r.room)
             with self._lock:
-                self._prestage_free.append(slot)
+                self.prestage_free.append(slot)
             return
         with self._lock:
             r.prestaged = Prestaged(c, remote, gather, nblk, plan.nbytes, rows, slot, buf.data_ptr())
@@ -138,26 +206,29 @@ class SendPipeline:
         if (plan.kind is PlanKind.STAGED_SEND and _shape_of_prestage(pre, t, c) and plan.nbytes == pre.nbytes
                 and t.blocks.size >= pre.nblk and bool(np.all(t.blocks[1:pre.nblk] > t.blocks[:pre.nblk - 1]))):
             return pre
-        self._drop_prestage(r, used=False)
+        self.drop_prestage(r, used=False)
         return None
 
-    def _drop_prestage(self, r: "SendRoom", *, used: bool) -> None:
+    def drop_prestage(self, r: "SendRoom", *, used: bool) -> None:
         """Give the room's prestage slot back (once, whoever calls first), when no write
         can still read it."""
         with self._lock:
             pre, r.prestaged = r.prestaged, None
             if pre is None:
                 return
-            self._prestage_free.append(pre.slot)
+            self.prestage_free.append(pre.slot)
         self.metrics.child(self.metrics.prestaged, "used" if used else "unused").inc()
 
-    def _drain(self, r: "SendRoom") -> None:
+    def drain(self, r: "SendRoom") -> None:
+        """Send worker (``KVSender._kick``, with ``r.busy`` set): serve room ``r``'s targets
+        chunk by chunk until no work is left or the room ends, then hand it back
+        (``SenderSide.worker_done``)."""
         ring = self._rings.popleft()
         try:
             self._prestage(r)
             while True:
                 with self._lock:
-                    work = self._next_work(r) if r.state not in TERMINAL else None
+                    work = self.next_work(r) if r.state not in TERMINAL else None
                     if work is None:
                         break
                     r.state = RoomState.TRANSFERRING
@@ -170,34 +241,32 @@ class SendPipeline:
                     done = P.TransferDone(
                         room=r.room, bytes=target.bytes, segments=target.segments, plan=r.record.plan,
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
-                        src_layout=self.layout.describe() if target.staged else {},
+                        src_layout=self._layout_desc if target.staged else None,
                         layer_bytes=target.layer_bytes.tolist(), digest=target.digest,
                         digest_algorithm=DIGEST_ALGORITHM if target.digest else "") if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
                 if done is not None:  # the decode side waits on it: out before our own bookkeeping
                     r.record.done_at = time.monotonic()
-                    self._send(target.peer, done)
+                    self.side.reply(target.peer, done)
                 if complete:
-                    self._succeed(r)
+                    self.side.succeed(r)
         except (TransportError, LayoutError, HandoffFailed) as e:
             with self._lock:
                 r.busy = False
-            self._fail(r.room, str(e), code="transfer", notify=True)
+            self.side.fail(r.room, str(e), "transfer")
         except Exception as e:  # never leave a room hanging on a bug
             log.exception("sender: room %s crashed", r.room)
             with self._lock:
                 r.busy = False
-            self._fail(r.room, f"internal error: {e!r}", code="internal", notify=True)
+            self.side.fail(r.room, f"internal error: {e!r}", "internal")
         finally:
             self._rings.append(ring)
             if r.state in TERMINAL:
-                self._drop_prestage(r, used=False)
+                self.drop_prestage(r, used=False)
             with self._lock:
                 r.busy = False
-                if r.forgotten and r.state in TERMINAL and self._rooms.get(r.room) is r:
-                    del self._rooms[r.room]  # forget() came while this worker held it
-        self._kick(r)
+        self.side.worker_done(r)
 
     def _send_one(self, r: "SendRoom", t: "SendTarget", c: "SendChunk", ring: torch.Tensor) -> None:
         req = t.request
@@ -245,16 +314,16 @@ class SendPipeline:
                     self._pipeline(r, t.peer, req.session, plan.chunks(cfg.chunk_bytes), ring, deadline, pre)
                 finally:
                     if pre is not None:  # every write that read it has settled
-                        self._drop_prestage(r, used=True)
+                        self.drop_prestage(r, used=True)
             elif plan.kind is PlanKind.STAGED_BOTH:
-                self._drop_prestage(r, used=False)
+                self.drop_prestage(r, used=False)
                 chunks = plan.chunks(cfg.chunk_bytes)
                 self._pipeline(r, t.peer, req.session, chunks, ring, deadline, dst_base=base)
             else:
-                self._drop_prestage(r, used=False)
+                self.drop_prestage(r, used=False)
                 t0 = time.perf_counter()
                 rec.wrote_at = rec.wrote_at or time.monotonic()
-                h = self._write(req.session, wire, deadline, functools.partial(self._stop_reason, r, t.peer))
+                h = self._write(req.session, wire, deadline, functools.partial(self.stop_reason, r, t.peer))
                 try:
                     self._await(r, h, peer=t.peer, last=True)
                 finally:
@@ -328,7 +397,7 @@ class SendPipeline:
         # last 8 MiB gathered after the wire ran dry: 0.5-0.9 ms more than parts up to 4 MiB)
         cap = min(cfg.part_bytes, max(cfg.first_part_bytes, sum(ch.nbytes for ch in chunks) // 4))
         k = 0
-        guard = functools.partial(self._stop_reason, r, peer)
+        guard = functools.partial(self.stop_reason, r, peer)
         try:
             landed = 0  # staged_both: where this chunk starts in the receiver's staging
             for i, chunk in enumerate(chunks):
@@ -353,7 +422,7 @@ class SendPipeline:
                 rec.repack_s += time.perf_counter() - t0
                 rb = gather.row_bytes
                 while a < gather.rows:
-                    why = self._stop_reason(r, peer)
+                    why = self.stop_reason(r, peer)
                     if why:
                         raise HandoffFailed(why)
                     b = min(gather.rows, a + max(1, min(want, cap) // rb))
@@ -394,7 +463,7 @@ class SendPipeline:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         sleep = 50e-6
         while True:
-            why = self._stop_reason(r, peer)
+            why = self.stop_reason(r, peer)
             if why:
                 raise HandoffFailed(why)
             if h.poll():
@@ -405,7 +474,7 @@ class SendPipeline:
             time.sleep(sleep)
             sleep = min(2 * sleep, h.sleep_cap() if last else 1e-3)
 
-    def _stop_reason(self, r: "SendRoom", peer: str | None) -> str | None:
+    def stop_reason(self, r: "SendRoom", peer: str | None) -> str | None:
         """Why no further piece of room ``r`` may go to ``peer`` (None: it may): the room
         ended, or the peer has been silent longer than ``peer_timeout_s``, so it has given
         the room up and may reuse its blocks (e.g. this process was stopped and has just
@@ -414,7 +483,8 @@ class SendPipeline:
         if r.state in TERMINAL:
             return f"room {r.room} ended during the transfer: {r.reason}"
         if peer is not None:
-            silent = time.monotonic() - self._peers_seen.get(peer, time.monotonic())
+            heard = self.side.last_heard(peer)
+            silent = 0.0 if heard is None else time.monotonic() - heard
             if silent > self.config.peer_timeout_s:
                 return (f"decode peer silent for {silent:.1f} s (> {self.config.peer_timeout_s:.1f} s): "
                         "it has given the room up; no more writes into its blocks")

@@ -21,11 +21,9 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-import msgspec
 import numpy as np
 
 from kvbridge.layout import KVLayout, LayoutError, block_ranges, check_compatible
@@ -38,7 +36,6 @@ from .settings import HandoffConfig
 from .send_pipeline import SendPipeline
 from .send_rooms import SendChunk, SendRoom, SendTarget
 from .limits import BoundedMap
-from .staging import staging_buffer
 from .transport import MooncakeTransport
 
 __all__ = ["KVSender"]
@@ -51,7 +48,7 @@ MAX_EARLY_PEERS = 1024  # decode ranks whose early request for one room a sender
 MAX_DECLINED = 1 << 14  # rooms declined before the prefill added them, remembered until their deadline at most
 
 
-class KVSender(ControlSide, SendPipeline):
+class KVSender(ControlSide):
     """Prefill side of one rank: serves TransferRequests for its rooms.
 
     Called by the prefill engine: ``add_room`` when a request is admitted (with the
@@ -61,10 +58,11 @@ class KVSender(ControlSide, SendPipeline):
 
     Threads: engine threads call the public methods; the control channel's I/O thread
     runs ``_on_message`` (requests, heartbeats, aborts) and ``_on_tick`` (deadlines, silent
-    peers); send workers (``_pool``) run ``_drain`` for one room at a time (``busy``).
-    ``_lock`` guards ``_rooms``, ``_early``, ``_declined``, ``_peer_layouts``, every
-    room's ``state``, ``targets``, ``chunks``, ``busy`` and ``prestaged``, and the
-    prestage slots.
+    peers); send workers (``_pool``) run the pipeline's ``drain`` for one room at a time
+    (``busy``; ``kvbridge.common.send_pipeline``, which reaches this sender as its
+    ``SenderSide``). ``_lock`` guards ``_rooms``, ``_early``, ``_declined``,
+    ``_peer_layouts``, every room's ``state``, ``targets``, ``chunks``, ``busy`` and
+    ``prestaged``, and the pipeline's prestage slots.
     """
 
     role = "sender"
@@ -75,32 +73,13 @@ class KVSender(ControlSide, SendPipeline):
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = BoundedMap(  # room -> (reason, when): declined before add_room
             MAX_DECLINED, name="declined", on_evict=self._evicted)
-        self._peer_layouts: dict[str, tuple[bytes, KVLayout]] = {}  # peer -> its last layout (encoded description, parsed)
-        self._last_pull: tuple[KVLayout, bool] | None = None  # the last decode layout served, and if its plan was staged_send
-        self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers
+        self._peer_layouts: dict[str, tuple[P.LayoutDescription, KVLayout]] = {}  # peer -> its last layout (described, parsed)
         self.incarnation = uuid.uuid4().hex[:16]  # this process's sender: a restart behind the same endpoint changes it
         super().__init__(layout, transport, config, metrics, bind_host=host)
-        cfg = self.config
         for t in layout.tensors or ():
             transport.register_tensor(t)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvbridge-send")
-        # content digests (integrity), taken beside the writes of the piece they describe
-        self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-digest")
-        self._rings: deque = deque()
-        for _ in range(workers):
-            ring = staging_buffer(max(2, cfg.ring_parts) * cfg.part_bytes, layout.device or "cpu")  # faulted in now
-            transport.register_tensor(ring)
-            self._rings.append(ring)
-        self._own_staging = list(self._rings)  # registered by this sender, unregistered at close
-        # first parts gathered ahead of their requests (see _prestage): one slot per room
-        self._slot_bytes = max(0, cfg.prestage_bytes)
-        self._prestage_free: deque = deque(range(max(0, cfg.prestage_slots) if self._slot_bytes else 0))
-        self._prestage_buf = None
-        if self._prestage_free:
-            self._prestage_buf = staging_buffer(len(self._prestage_free) * self._slot_bytes,
-                                                layout.device or "cpu")  # touched now: no page faults on a room's time
-            transport.register_tensor(self._prestage_buf)
-            self._own_staging.append(self._prestage_buf)
+        self.pipeline = SendPipeline(self, layout, transport, self.config, self.metrics, workers)
 
     @property
     def endpoint(self) -> str:
@@ -245,12 +224,8 @@ class KVSender(ControlSide, SendPipeline):
             if self._rooms[room].state not in TERMINAL:
                 self._fail(room, "sender shutting down", code="shutdown", notify=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._digester.shutdown(wait=True, cancel_futures=True)
         super().close()
-        if not self.transport.closed:  # nothing writes from the staging any more: give its registration back
-            for buf in self._own_staging:
-                self.transport.unregister(buf.data_ptr())
-        self._own_staging = []
+        self.pipeline.close()
 
     # -- control plane (I/O thread) -----------------------------------------------------
     def _on_message(self, peer: str, msg) -> None:
@@ -364,18 +339,17 @@ class KVSender(ControlSide, SendPipeline):
                 r.state = RoomState.WAITING
         self._kick(r)
 
-    def _remote_layout(self, peer: str, desc: dict) -> KVLayout:
+    def _remote_layout(self, peer: str, desc: P.LayoutDescription) -> KVLayout:
         """The decode peer's layout, checked against ours; a warm peer's is reused while it
         describes the same layout (raises LayoutError naming the mismatch)."""
-        key = msgspec.msgpack.encode(desc)  # type-exact: 1, 1.0 and True differ here, not under ==
         known = self._peer_layouts.get(peer)
-        if known is not None and known[0] == key:
+        if known is not None and known[0] == desc:
             return known[1]
-        remote = KVLayout.from_description(desc)
+        remote = desc.to_layout()
         check_compatible(self.layout, remote)
         with self._lock:
             self._peer_layouts.pop(peer, None)
-            self._peer_layouts[peer] = (key, remote)
+            self._peer_layouts[peer] = (desc, remote)
             while len(self._peer_layouts) > MAX_PEER_LAYOUTS:
                 self._peer_layouts.pop(next(iter(self._peer_layouts)))
         return remote
@@ -407,10 +381,36 @@ class KVSender(ControlSide, SendPipeline):
 
     def _kick(self, r: SendRoom) -> None:
         with self._lock:
-            if r.busy or r.state in TERMINAL or (self._next_work(r) is None and not self._prestage_due(r)):
+            if r.busy or r.state in TERMINAL or (self.pipeline.next_work(r) is None and not self.pipeline.prestage_due(r)):
                 return
             r.busy = True
-        self._pool.submit(self._drain, r)
+        self._pool.submit(self.pipeline.drain, r)
+
+    # -- what the send pipeline asks of this sender (send_pipeline.SenderSide) -----------
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def last_heard(self, peer: str) -> float | None:
+        return self._peers_seen.get(peer)
+
+    def control_pending(self) -> bool:
+        return self.channel.pending()
+
+    def reply(self, peer: str, msg) -> None:
+        self._send(peer, msg)
+
+    def succeed(self, r: SendRoom) -> None:
+        self._succeed(r)
+
+    def fail(self, room: int, reason: str, code: str) -> None:
+        self._fail(room, reason, code=code, notify=True)
+
+    def worker_done(self, r: SendRoom) -> None:
+        with self._lock:
+            if r.forgotten and r.state in TERMINAL and self._rooms.get(r.room) is r:
+                del self._rooms[r.room]  # forget() came while a worker held it
+        self._kick(r)
 
     def _succeed(self, r: SendRoom) -> None:
         with self._lock:
@@ -420,7 +420,7 @@ class KVSender(ControlSide, SendPipeline):
             r.state = RoomState.SUCCESS
             rec = r.record
             rec.finished, rec.result = time.monotonic(), "success"
-        self._drop_prestage(r, used=False)
+        self.pipeline.drop_prestage(r, used=False)
         r.lease.release(True)
         self._settled(r)
         self.metrics.child(self.metrics.inflight, self.role).dec()
@@ -462,7 +462,7 @@ class KVSender(ControlSide, SendPipeline):
         if notify:
             with self._lock:
                 r.watchers |= set(r.targets)
-        self._drop_prestage(r, used=False)
+        self.pipeline.drop_prestage(r, used=False)
         r.lease.release(False)
         self._settled(r, code)
 

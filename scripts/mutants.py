@@ -216,7 +216,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "an fp8 unit's content digest covers its scale: equal bytes under another scale differ",
         ("tests/layout/test_digest.py::test_fp8_scales_seed_the_units_they_scale",)),
     Mutation(
-        "sender-unregisters-staging", "common/sender.py",
+        "sender-unregisters-staging", "common/send_pipeline.py",
         "                self.transport.unregister(buf.data_ptr())\n",
         "                pass\n",
         "nothing leaked: a closed sender gives back the staging it registered with the transport",

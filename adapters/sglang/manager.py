@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, List, Optional
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -23,8 +24,10 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import get_local_ip_auto
 
 from kvbridge.common.auth import AuthError, check_bind
-from kvbridge.common.bootstrap import rank_record, refused, seal_record
+from kvbridge.common.bootstrap import refused, seal_record
 from kvbridge.common.handoff import KVReceiver, KVSender, RoomState
+from kvbridge.common.protocol import LayoutDescription, RankRecord
+from kvbridge.common.rank import BridgeRank
 from kvbridge.layout import SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice
 
 from .config import SglangBridgeConfig
@@ -87,15 +90,13 @@ class KVBridgeKVManager(CommonKVManager):
         self._kvb_lock = threading.Lock()
         self._kvb_closed = threading.Event()
         timeout = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()) + float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-        # the shared settings (docs/settings.md): handoff timing, link (the plans' costs), cost gate;
-        # recv_staging_bytes: staging a decode rank offers its senders (staged_recv plans, e.g.
-        # prefill TP 2 -> decode TP 1 MHA, where direct writes are per token)
+        # the shared settings (docs/settings.md): handoff timing, link (the plans' costs), cost gate,
+        # recv_staging_bytes (what a decode rank's receiver offers for staged_recv plans)
         decode = disaggregation_mode == DisaggregationMode.DECODE
         sglang_host = get_local_ip_auto()  # where SGLang binds this rank's sockets; kvbridge's by default
         self.kvb_settings = SglangBridgeConfig.load(ib_device=getattr(args, "ib_device", None) or "",
                                                     sglang_timeout_s=timeout, host=sglang_host)
         self._kvb_host = self.kvb_settings.host
-        self.kvb_config = self.kvb_settings.handoff(receiver=decode)
         self.kvb_gate = self.kvb_settings.cost_gate(server_args) if decode else None
         # every rank record and ABORT notice sealed with the deployment's secret (None: auth off);
         # a prefill's sender binds self._kvb_host and its Common PULL socket (ABORT notices)
@@ -105,7 +106,8 @@ class KVBridgeKVManager(CommonKVManager):
             for host in dict.fromkeys((self._kvb_host, sglang_host)):
                 check_bind(host, self.kvb_settings.secret, self.kvb_settings.allow_insecure,
                            "the kvbridge SGLang prefill (its control endpoint and ABORT socket)")
-        self.transport = self.kvb_settings.transport()
+        self.kvb_rank = BridgeRank(self.kvb_settings, "sglang")
+        self.transport = self.kvb_rank.transport
         self.kv_sender: Optional[KVSender] = None
         self.kv_receiver: Optional[KVReceiver] = None
         self.layout: Optional[KVLayout] = None
@@ -115,7 +117,7 @@ class KVBridgeKVManager(CommonKVManager):
         try:
             if disaggregation_mode == DisaggregationMode.PREFILL:
                 self.layout = self._make_layout(args)
-                self.kv_sender = KVSender(self.layout, self.transport, host=self._kvb_host, config=self.kvb_config)
+                self.kv_sender = self.kvb_rank.start_sender(self.layout)
             elif self._kvb_mla or getattr(args, "kv_head_num", None):
                 self._make_receiver(args)
             else:
@@ -131,9 +133,8 @@ class KVBridgeKVManager(CommonKVManager):
             raise
         if disaggregation_mode == DisaggregationMode.PREFILL:
             threading.Thread(target=self._prefill_control_loop, daemon=True, name="kvbridge-sglang-ctl").start()
-        log.info("kvbridge %s manager up: tp %d/%d, %s, endpoint %s; plans costed on %s", disaggregation_mode.value,
-                 self._kvb_tp[0], self._kvb_tp[1], self.layout, self.kv_sender.endpoint if self.kv_sender else "-",
-                 self.kvb_settings.link_profile().describe())
+        log.info("kvbridge %s manager up: tp %d/%d, %s, endpoint %s", disaggregation_mode.value,
+                 self._kvb_tp[0], self._kvb_tp[1], self.layout, self.kv_sender.endpoint if self.kv_sender else "-")
 
     # -- deferred decode release (SGLang's DecodeTransferQueue) ------------------------
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
@@ -164,7 +165,7 @@ class KVBridgeKVManager(CommonKVManager):
         with self._kvb_lock:
             if self.kv_receiver is None:
                 self.layout = self._make_layout(args, heads, total)
-                self.kv_receiver = KVReceiver(self.layout, self.transport, config=self.kvb_config)
+                self.kv_receiver = self.kvb_rank.start_receiver(self.layout)
             return self.kv_receiver
 
     def _make_own_receiver(self, args: KVArgs) -> None:
@@ -183,24 +184,23 @@ class KVBridgeKVManager(CommonKVManager):
             log.warning("kvbridge: decode pool does not match its model's %s KV heads (%s); its layout will "
                         "follow the first prefill met", total, e)
 
-    def ensure_receiver(self, peer_layout: dict) -> KVReceiver:
+    def ensure_receiver(self, peer_layout: LayoutDescription) -> KVReceiver:
         """Decode: the receiver, built on first use from a prefill rank's geometry
         (total heads and head_dim) and this rank's TP slot when KVArgs lack head counts."""
         if self.kv_receiver is not None:
             return self.kv_receiver
-        total = int(peer_layout["total_heads"])
+        total = peer_layout.total_heads
         _, heads = tp_head_slice(total, self._kvb_tp[1], self._kvb_tp[0])
         return self._make_receiver(self.kv_args, heads, total)
 
     # -- bootstrap registration (prefill) ---------------------------------------------
-    def kvbridge_record(self) -> dict:
+    def kvbridge_record(self) -> RankRecord:
         """What this prefill rank publishes for kvbridge receivers."""
-        return rank_record(endpoint=self.kv_sender.endpoint, session=self.transport.session_id, engine="sglang",
-                           page_size=int(self.kv_args.page_size), layout=self.layout.describe())
+        return self.kvb_rank.record()
 
     def _register_topology_row(self, url: str, payload):
         if self.kv_sender is not None:
-            payload = {**payload, "kvbridge": self.kvbridge_record()}
+            payload = {**payload, "kvbridge": msgspec.to_builtins(self.kvbridge_record())}
         if self.kvb_keyring is None:
             return super()._register_topology_row(url, payload)
         # sealed (kvbridge.common.bootstrap). Common's loop retries the same body, but a seal
@@ -367,15 +367,9 @@ class KVBridgeKVManager(CommonKVManager):
         self._kvb_closed.set()
         if getattr(self, "kvb_streamer", None) is not None:
             self.kvb_streamer.close()
-        for side in (getattr(self, "kv_sender", None), getattr(self, "kv_receiver", None)):
-            if side is not None:
-                try:
-                    side.close()
-                except Exception:  # pragma: no cover - best effort at shutdown
-                    log.exception("kvbridge: closing %s", type(side).__name__)
-        tr = getattr(self, "transport", None)
-        if tr is not None:
-            tr.close()
+        rank = getattr(self, "kvb_rank", None)
+        if rank is not None:
+            rank.close()
 
     def close(self) -> None:
         """Stop kvbridge's sender/receiver and transport (tests, shutdown)."""

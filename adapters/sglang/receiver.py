@@ -88,10 +88,14 @@ class KVBridgeKVReceiver(CommonKVReceiver):
             return fail("kvbridge does not receive into host memory (decode host KV destinations)")
         if state_indices is not None and any(s is not None for s in state_indices):
             return fail("kvbridge does not move SGLang state pools (mamba/SWA/DSA)")
-        records = [info.get("kvbridge") for info in self.bootstrap_infos]
-        if not all(isinstance(r, dict) and r.get("endpoint") for r in records):
+        raw = [info.get("kvbridge") for info in self.bootstrap_infos]
+        if not all(isinstance(r, dict) and r.get("endpoint") for r in raw):
             return fail(f"prefill at {self.bootstrap_addr} publishes no kvbridge endpoint (not a kvbridge backend?)")
-        endpoints = list(dict.fromkeys(r["endpoint"] for r in records))
+        try:
+            records = [P.RankRecord.parse(r, f"prefill at {self.bootstrap_addr}: rank record") for r in raw]
+        except P.ProtocolError as e:
+            return fail(f"kvbridge: {e}")
+        endpoints = list(dict.fromkeys(r.endpoint for r in records))
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         ps = int(mgr.kv_args.page_size)
         prefix = int(decode_prefix_len or 0)
@@ -105,14 +109,14 @@ class KVBridgeKVReceiver(CommonKVReceiver):
             verdict = mgr.kvb_gate.check(prefix + ntok, prefix)
             if not verdict.move:
                 try:
-                    mgr.ensure_receiver(records[0]["layout"]).decline(room, endpoints, verdict.reason, label=verdict.label)
+                    mgr.ensure_receiver(records[0].layout).decline(room, endpoints, verdict.reason, label=verdict.label)
                 except (ValueError, LayoutError, P.ProtocolError) as e:
                     log.warning("kvbridge: room %s: cannot tell the prefill it was declined: %s", room, e)
                 log.info("kvbridge: room %s not pulled: %s", room, verdict.reason)
                 self._kvb_declined = True
                 return fail(verdict.reason)
         try:
-            recv = mgr.ensure_receiver(records[0]["layout"])
+            recv = mgr.ensure_receiver(records[0].layout)
             recv.forget(room)
             recv.request(room, endpoints, pages, prefix, prefix + ntok, first_token=prefix,
                          receivers=int(self.required_dst_info_num or 1), deadline_s=mgr.waiting_timeout)

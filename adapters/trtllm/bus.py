@@ -19,8 +19,10 @@ from typing import Annotated, Any, Union
 import msgspec
 from msgspec import Meta
 
+from kvbridge.common.handles import Handle
 from kvbridge.common.orders import (Decline, Drop, Endpoint, EndpointList, Load, Open, Order, Reason, Send, SendLayers,
                                     Verdict)
+from kvbridge.common.protocol import RankRecord
 
 __all__ = [
     "BusError", "Decline", "Drop", "Endpoints", "Expect", "Expected", "Hello", "LoadResult", "Load", "Open",
@@ -35,7 +37,12 @@ Key = Annotated[str, Meta(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$
 
 
 class BusError(ValueError):
-    """A bus message that cannot be decoded or is not valid."""
+    """A bus message that cannot be decoded or is not valid; ``answer``: what to tell its
+    sender (an announcement whose handle is not valid gets an ``Expected`` naming why)."""
+
+    def __init__(self, message: str, answer: Any = None):
+        super().__init__(message)
+        self.answer = answer
 
 
 class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="t"):
@@ -54,7 +61,7 @@ class Hello(_Base, tag="hello", frozen=True, kw_only=True):
 
     rank: Annotated[int, Meta(ge=0, le=1 << 16)]
     endpoint: Endpoint
-    record: Annotated[dict[str, Any], Meta(max_length=64)] = {}
+    record: RankRecord | None = None
 
 
 class LoadResult(_Base, tag="result", frozen=True, kw_only=True):
@@ -86,10 +93,10 @@ class Endpoints(_Base, tag="endpoints", frozen=True, kw_only=True):
 
 class Expect(_Base, tag="expect", frozen=True, kw_only=True):
     """A router: the next request whose prompt hashes to ``key`` (``handle.prompt_key``)
-    belongs to the handoff ``handle`` (``Handle.to_dict``), for ``ttl_s`` seconds."""
+    belongs to the handoff ``handle``, for ``ttl_s`` seconds."""
 
     key: Key
-    handle: Annotated[dict[str, Any], Meta(max_length=16)]
+    handle: Handle
     ttl_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 60.0
     nonce: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
 
@@ -113,7 +120,15 @@ class _Envelope(msgspec.Struct):
     v: int = BUS_VERSION
 
 
+class _ExpectHead(msgspec.Struct):
+    """What an announcement must carry to be answered at all."""
+
+    key: Key
+    nonce: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+
+
 _env = msgspec.msgpack.Decoder(_Envelope)
+_expect_head = msgspec.msgpack.Decoder(_ExpectHead)
 
 
 def encode(msg: Any) -> bytes:
@@ -134,7 +149,14 @@ def decode(data: bytes) -> Any:
     try:
         return _dec.decode(data)
     except msgspec.ValidationError as e:
-        raise BusError(f"invalid {env.t!r} bus message: {e}") from None
+        answer = None
+        if env.t == "expect":  # the announcer is told why, not left to time out
+            try:
+                head = _expect_head.decode(data)
+                answer = Expected(key=head.key, ok=False, nonce=head.nonce, reason=f"invalid announcement: {e}")
+            except msgspec.MsgspecError:
+                pass
+        raise BusError(f"invalid {env.t!r} bus message: {e}", answer) from None
     except Exception as e:
         raise BusError(f"malformed {env.t!r} bus message: {e}") from None
 
@@ -158,9 +180,11 @@ def unpack(data: bytes, keyring=None) -> Any:
     return decode(data)
 
 
-def receive(payload: bytes, keyring, limiter, peer: str) -> Any:
+def receive(payload: bytes, keyring, limiter, peer: str, reply: Any = None) -> Any:
     """The bus message in ``payload``, or None when it is refused: counted in
-    ``kvbridge_refused_frames_total{channel="bus"}``, logged at ``limiter``'s rate."""
+    ``kvbridge_refused_frames_total{channel="bus"}``, logged at ``limiter``'s rate; a
+    sealed one that is not valid is answered through ``reply(msg)`` where it has an
+    answer (``BusError.answer``)."""
     from kvbridge.common.auth import AuthError
     from kvbridge.common.rooms import default_metrics
 
@@ -170,4 +194,6 @@ def receive(payload: bytes, keyring, limiter, peer: str) -> Any:
         code = getattr(e, "code", "bad_message")
         default_metrics().refused("bus", code)
         limiter.warn(code, "from %s: %s", peer, e)
+        if reply is not None and getattr(e, "answer", None) is not None:
+            reply(e.answer)
         return None

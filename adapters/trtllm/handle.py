@@ -74,7 +74,7 @@ def announce(bus: str, prompt_token_ids: Sequence[int], handle: Handle, *, ttl_s
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(bus)
-        sock.send(B.pack(B.Expect(key=key, handle=handle.to_dict(), ttl_s=float(ttl_s), nonce=nonce), keyring))
+        sock.send(B.pack(B.Expect(key=key, handle=handle, ttl_s=float(ttl_s), nonce=nonce), keyring))
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()

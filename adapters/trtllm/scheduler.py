@@ -38,7 +38,7 @@ from . import bus as B
 from ._compat import KvCacheConnectorScheduler
 from .config import BridgeConfig, ConfigError
 from .geometry import _get
-from .handle import Handle, HandleError, prompt_key
+from .handle import Handle, prompt_key
 from .idle import IdleWake
 from .refusals import refuse_unsupported
 
@@ -338,11 +338,7 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self._compact(key)
 
     def _expect(self, peer: str, msg: B.Expect) -> None:
-        try:
-            h = Handle.from_dict(msg.handle)
-        except HandleError as e:
-            self.bus.send(peer, B.pack(B.Expected(key=msg.key, ok=False, nonce=msg.nonce, reason=str(e)), self._keyring))
-            return
+        h = msg.handle  # checked on decode (a malformed one is a refused frame)
         with self._lock:
             now = time.monotonic()
             self._expire(now)
@@ -464,7 +460,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
             self.bus.send(ident, payload)
 
     def _on_bus(self, peer: str, payload: bytes) -> None:
-        msg = B.receive(payload, self._keyring, self._bad_bus, peer)
+        msg = B.receive(payload, self._keyring, self._bad_bus, peer,
+                        reply=lambda m: self.bus.send(peer, B.pack(m, self._keyring)))
         if msg is None:
             return
         if isinstance(msg, B.Expect):
@@ -477,8 +474,8 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                                        self.world_size)
                     return
                 self._workers[msg.rank], self._endpoints[msg.rank] = peer, msg.endpoint
-                if self.bootstrap is not None and msg.record:
-                    self.bootstrap.register(msg.rank, dict(msg.record))
+                if self.bootstrap is not None and msg.record is not None:
+                    self.bootstrap.register(msg.rank, msg.record)
                 log.info("kvbridge scheduler: rank %d joined (sender %s)", msg.rank, msg.endpoint)
                 if self._log:
                     self.bus.send(peer, B.pack(B.Orders(orders=list(self._log.values())), self._keyring))

@@ -22,9 +22,9 @@ from typing import Any, List, Tuple
 import numpy as np
 import torch
 
-from kvbridge.common.bootstrap import rank_record
 from kvbridge.common.control import ControlChannel
 from kvbridge.common.handoff import KVReceiver, KVSender
+from kvbridge.common.rank import BridgeRank
 from kvbridge.common.limits import LogLimiter
 from kvbridge.common.ordered_calls import OrderedCalls, stream_event
 
@@ -121,7 +121,7 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self.cfg = config or BridgeConfig.load(llm_args=llm_args)
         self._configured = config is not None or bool(settings_environ(llm_args))  # did any setting reach this rank
         self.layout = None
-        self.transport = None
+        self.rank_side: BridgeRank | None = None  # the transport, sender and receiver (register_kv_caches)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.bus: ControlChannel | None = None
@@ -175,20 +175,17 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         self._attach_idle_wake()
         self.layout = model_scales(self._executor, pool_layout(kv_cache_tensor, geo))
         cfg = self.cfg
-        self.transport = cfg.transport()
-        log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())
-        hc = cfg.handoff()
-        self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=hc)
-        self.receiver = KVReceiver(self.layout, self.transport, config=hc)
+        self.rank_side = BridgeRank(cfg, "trtllm")
+        self.sender = self.rank_side.start_sender(self.layout)
+        self.receiver = self.rank_side.start_receiver(self.layout)
         log.info("kvbridge worker rank %d/%d: %s pool, %d blocks x %d tokens, %d KV head(s) of %d x %s; sender %s",
                  self.rank, self.tp_size, self.layout.engine, self.layout.num_blocks, self.layout.tokens_per_block,
                  self.layout.num_heads, self.layout.head_dim, self.layout.dtype, self.sender.endpoint)
         self._keyring = cfg.keyring()  # the bus is sealed as the control channel is (kvbridge.common.auth)
         self._bad_bus = LogLimiter(log, f"kvbridge worker rank {self.rank}: refused bus messages")
         self.bus = ControlChannel(self._on_bus, None, name=f"kvbridge-trtllm-worker{self.rank}")
-        record = rank_record(endpoint=self.sender.endpoint, session=self.transport.session_id, engine="trtllm",
-                             page_size=self.layout.tokens_per_block, layout=self.layout.describe())
-        self.bus.send(self._scheduler_ep, B.pack(B.Hello(rank=self.rank, endpoint=self.sender.endpoint, record=record), self._keyring))
+        hello = B.Hello(rank=self.rank, endpoint=self.sender.endpoint, record=self.rank_side.record())
+        self.bus.send(self._scheduler_ep, B.pack(hello, self._keyring))
 
     def _join_rank0(self, world: int) -> str:
         """Rank 0's bus, and the settings this rank runs with: in this process on rank 0;
@@ -653,8 +650,5 @@ class KVBridgeConnectorWorker(KvCacheConnectorWorker):
         if self.bus is not None:
             self.bus.close()
         self._dispatch.close()
-        for part in (self.receiver, self.sender):
-            if part is not None:
-                part.close()
-        if self.transport is not None:
-            self.transport.close()
+        if self.rank_side is not None:
+            self.rank_side.close()

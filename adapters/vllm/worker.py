@@ -31,13 +31,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
-from kvbridge.common.bootstrap import (BootstrapError, BootstrapServer, endpoints_by_tp_rank, fetch_ranks, rank_record,
-                                       seal_record)
+from kvbridge.common.bootstrap import BootstrapError, BootstrapServer, fetch_ranks, rank_records, seal_record
 from kvbridge.common.handoff import KVReceiver, KVSender
 from kvbridge.common.orders import Drop, Load, Open, Send
+from kvbridge.common.protocol import RankRecord
+from kvbridge.common.rank import BridgeRank
 from kvbridge.layout import (SCALED_DTYPES, KVLayout, LayoutError, tp_head_slice, vllm_cpu_layout, vllm_cpu_mla_layout,
                              vllm_paged_layout)
 
@@ -188,7 +190,7 @@ class KVBridgeWorker:
         ktc = vllm_config.kv_transfer_config
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self.layout: KVLayout | None = None
-        self.transport = None
+        self.rank_side: BridgeRank | None = None  # the transport, sender and receiver (register_kv_caches)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.bootstrap: BootstrapServer | None = None
@@ -198,7 +200,7 @@ class KVBridgeWorker:
         self._sends: dict[str, _Room] = {}
         self._announced: set[str] = set()  # finished requests vLLM told this worker about
         self._forget: set[int] = set()
-        self._discovered: dict[str, list[dict]] = {}  # bootstrap address -> its ranks' records
+        self._discovered: dict[str, list[RankRecord]] = {}  # bootstrap address -> its ranks' records
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvbridge-vllm-load")
         self.finished_loads: OrderedDict[str, dict] = OrderedDict()  # request -> how its load ended
         self.finished_sends: OrderedDict[str, dict] = OrderedDict()  # request -> how its send ended
@@ -217,12 +219,11 @@ class KVBridgeWorker:
             self.tp_rank, self.tp_size = 0, 1
         self.layout = layout_from_vllm(kv_caches, self.vllm_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         cfg = self.cfg
-        self.transport = cfg.transport()
-        log.info("kvbridge: plans costed on %s", cfg.link_profile().describe())
+        self.rank_side = BridgeRank(cfg, "vllm")
         if self.producer:
-            self.sender = KVSender(self.layout, self.transport, host=cfg.host, config=cfg.handoff(receiver=False))
+            self.sender = self.rank_side.start_sender(self.layout)
         if self.consumer:
-            self.receiver = KVReceiver(self.layout, self.transport, config=cfg.handoff(receiver=True))
+            self.receiver = self.rank_side.start_receiver(self.layout)
         lay = self.layout
         log.info("kvbridge vLLM worker rank %d/%d: %s, %d layers, %d blocks x %d tokens, %d KV head(s) of %d x %s%s",
                  self.tp_rank, self.tp_size, lay.engine, lay.num_layers, lay.num_blocks, lay.tokens_per_block,
@@ -231,8 +232,7 @@ class KVBridgeWorker:
             self._register_rank()
 
     def _register_rank(self) -> None:
-        record = rank_record(endpoint=self.sender.endpoint, session=self.transport.session_id, engine="vllm",
-                             page_size=self.layout.tokens_per_block, layout=self.layout.describe())
+        record = self.rank_side.record()
         if self.tp_rank == 0:
             self.bootstrap = BootstrapServer(self.cfg.host, self.cfg.bootstrap_port, page_size=self.cfg.sglang_page_size,
                                              tp_size=self.tp_size, keyring=self._record_keyring,
@@ -245,7 +245,7 @@ class KVBridgeWorker:
         end = time.monotonic() + self.cfg.discovery_timeout_s
         while True:  # rank 0 may not be up yet
             # sealed afresh each try (a seal lives replay_window_s and is taken once)
-            body = json.dumps(seal_record({"attn_tp_rank": self.tp_rank, "kvbridge": record},
+            body = json.dumps(seal_record({"attn_tp_rank": self.tp_rank, "kvbridge": msgspec.to_builtins(record)},
                                                 self._record_keyring)).encode()
             try:
                 with opener.open(urllib.request.Request(url, data=body, method="PUT"), timeout=5) as r:
@@ -366,15 +366,14 @@ class KVBridgeWorker:
             records = self._discovered.get(o.bootstrap)
             if records is None:
                 body = fetch_ranks(o.bootstrap, self.cfg.discovery_timeout_s, keyring=self._record_keyring)
-                endpoints_by_tp_rank(body, o.bootstrap)  # checks the topology
-                records = sorted(body["ranks"], key=lambda r: int(r["tp_rank"]))
+                records = rank_records(body, o.bootstrap)  # checks the topology and each record
                 self._discovered[o.bootstrap] = records
-            self._request(ld, o, [r["endpoint"] for r in records], records)
+            self._request(ld, o, [r.endpoint for r in records], records)
         except (BootstrapError, ValueError, KeyError, TypeError) as e:
             self._discovered.pop(o.bootstrap, None)
             self._fail(ld, f"cannot find the prefill at {o.bootstrap}: {e}")
 
-    def _request(self, ld: _Room, o: Load, endpoints: list[str], records: list[dict] | None) -> None:
+    def _request(self, ld: _Room, o: Load, endpoints: list[str], records: list[RankRecord] | None) -> None:
         if ld.cancelled:
             return self._fail(ld, "the request ended before its load started")
         lay = self.layout
@@ -383,10 +382,8 @@ class KVBridgeWorker:
             mine = set(lay.heads)
             eps = []
             for r in records:
-                d = r.get("layout") or {}
-                theirs = set(range(int(d.get("head_offset", 0)), int(d.get("head_offset", 0)) + int(d.get("num_heads", 0))))
-                if theirs & mine:
-                    eps.append(r["endpoint"])
+                if mine.intersection(r.layout.heads):
+                    eps.append(r.endpoint)
             if not eps:
                 return self._fail(ld, f"no prefill rank holds KV heads {sorted(mine)}")
             if lay.kv_factor == 1:  # MLA: every rank holds the whole latent; one of them serves this rank
@@ -426,11 +423,10 @@ class KVBridgeWorker:
     def close(self) -> None:
         """Stop the bootstrap server, sender, receiver and transport."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for part in (self.bootstrap, self.receiver, self.sender):
-            if part is not None:
-                try:
-                    part.close()
-                except Exception:  # pragma: no cover - best effort at shutdown
-                    log.exception("kvbridge vLLM: closing %s", type(part).__name__)
-        if self.transport is not None:
-            self.transport.close()
+        if self.bootstrap is not None:
+            try:
+                self.bootstrap.close()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                log.exception("kvbridge vLLM: closing the bootstrap server")
+        if self.rank_side is not None:
+            self.rank_side.close()

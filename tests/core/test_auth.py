@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvbridge.common import protocol as P
 from kvbridge.common.auth import MIN_SECRET_BYTES, OVERHEAD, AuthError, Keyring, check_bind, is_loopback, key_id
 from kvbridge.common.settings import BridgeSettings, ConfigError
+from tests.helpers.kvhelpers import tiny_description
 
 K1 = "k1-" + "a" * 29
 K2 = "k2-" + "b" * 29
@@ -32,7 +33,7 @@ class Clock:
 
 
 def _request(**kw) -> P.TransferRequest:
-    f = dict(room=7, model="llama", layout={"engine": "sglang", "tokens_per_block": 16}, block_ids=[3, 4, 9],
+    f = dict(room=7, model="llama", layout=tiny_description(), block_ids=[3, 4, 9],
              first_token=0, token_start=0, token_stop=40, session="10.0.0.2:15555", sent_at=12.5)
     return P.TransferRequest(**{**f, **kw})
 

@@ -31,8 +31,8 @@ from kvbridge.common.bootstrap import (
     endpoints_by_tp_rank,
     fetch_ranks,
     parse_address,
-    rank_record,
 )
+from tests.helpers.kvhelpers import tiny_record
 
 HTTP = requests.Session()
 HTTP.trust_env = False  # never a proxy for 127.0.0.1
@@ -46,8 +46,7 @@ def _dead_port() -> int:
 
 
 def _record(i: int) -> dict:
-    return rank_record(endpoint=f"tcp://127.0.0.1:{40000 + i}", session=f"127.0.0.1:{41000 + i}", engine="trtllm",
-                       page_size=32, layout={"engine": "trtllm"})
+    return tiny_record(i, engine="trtllm")
 
 
 def test_handle_names_an_sglang_bootstrap_address():

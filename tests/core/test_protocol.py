@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.kvhelpers import tiny_description
+
 from kvbridge.common.protocol import (
     MAX_BLOCK_IDS,
     PROTOCOL_VERSION,
@@ -30,9 +32,10 @@ i63 = st.integers(0, 2**63 - 1)
 tok = st.integers(0, 2**31 - 1)
 secs = st.floats(0.0, 1e12, allow_nan=False, allow_infinity=False)
 text = st.text(max_size=40)
-json_leaf = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | text
-json_value = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(text, c, max_size=4), max_leaves=12)
-layouts = st.dictionaries(st.text(max_size=20).filter(lambda k: k != "tokens_per_block"), json_value, max_size=6)
+# a real layout's description; the protocol checks types and bounds, not geometry
+LAYOUT = tiny_description()
+layouts = st.builds(lambda eng, nl, off: msgspec.structs.replace(LAYOUT, engine=eng, num_layers=nl, layer_offset=off),
+                    st.text(max_size=20), st.integers(0, 2**62 - 1), st.integers(0, 2**62 - 1))
 
 
 @st.composite
@@ -46,7 +49,7 @@ def requests(draw):
     return TransferRequest(
         room=draw(i63),
         model=draw(text),
-        layout={**draw(layouts), "tokens_per_block": tpb},
+        layout=msgspec.structs.replace(draw(layouts), tokens_per_block=tpb),
         block_ids=blocks,
         first_token=first,
         token_start=start,
@@ -73,7 +76,7 @@ def _request(**kw) -> TransferRequest:
     base = dict(
         room=7,
         model="llama-3-8b",
-        layout={"engine": "sglang", "tokens_per_block": 16, "num_layers": 2},
+        layout=LAYOUT,
         block_ids=[3, 4, 9],
         first_token=0,
         token_start=16,
@@ -166,9 +169,10 @@ def _kind(value) -> type:
 @FAST
 @given(messages, st.data())
 def test_wrong_type_fields_are_protocol_errors(msg, data):
-    fields = [f for f in msg.__struct_fields__]
+    plain = msgspec.to_builtins(msg)  # typed parts (a layout) as their wire form; None fields are not sent
+    fields = [f for f in msg.__struct_fields__ if plain.get(f) is not None]
     name = data.draw(st.sampled_from(fields))
-    kind = _kind(getattr(msg, name))
+    kind = _kind(plain[name])
     bad = data.draw(st.one_of(_WRONG[kind]))
     with pytest.raises(ProtocolError):
         decode(_raw(msg, **{name: bad}))
@@ -246,6 +250,11 @@ def test_size_cap():
         ({"staging_addr": 4096}, "staging"),
         ({"staging_bytes": -5}, r"staging_bytes"),
         ({"layout": {str(i): i for i in range(300)}}, r"\$\.layout"),
+        ({"layout": {**msgspec.to_builtins(LAYOUT), "num_blocks": True}}, r"\$\.layout\.num_blocks"),
+        ({"layout": {**msgspec.to_builtins(LAYOUT), "head_dim": 2**62}}, r"\$\.layout\.head_dim"),
+        ({"layout": {**msgspec.to_builtins(LAYOUT), "base": [[1, 2, 3]]}}, r"\$\.layout\.base"),
+        ({"layout": {**msgspec.to_builtins(LAYOUT), "row_strides": [[0, 1]]}}, r"\$\.layout\.row_strides"),
+        ({"layout": {**msgspec.to_builtins(LAYOUT), "extra": 1}}, r"\$\.layout"),
         ({"extra": 1}, "unknown field"),
     ],
 )
@@ -266,7 +275,7 @@ def test_absurd_values_in_other_messages():
 def test_too_many_block_ids():
     n = MAX_BLOCK_IDS + 1
     ids = msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + bytes(n))  # array32 of n zeros
-    d = msgspec.to_builtins(_request(layout={}))
+    d = msgspec.to_builtins(_request())
     d["block_ids"] = ids
     data = msgspec.msgpack.encode(d)
     with pytest.raises(ProtocolError, match="exceeds"):

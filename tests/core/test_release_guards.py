@@ -51,9 +51,9 @@ def test_resume_guard_refuses_the_next_piece_to_a_peer_silent_past_the_timeout(s
     r = SendRoom(1, time.monotonic() + 30, HandoffRecord(room=1, role="sender"), state=RoomState.TRANSFERRING)
     peer = "decode-peer"
     sender._peers_seen[peer] = time.monotonic()
-    assert sender._stop_reason(r, peer) is None
+    assert sender.pipeline.stop_reason(r, peer) is None
     sender._peers_seen[peer] = time.monotonic() - 2 * CFG.peer_timeout_s  # e.g. this process was stopped that long
-    why = sender._stop_reason(r, peer)
+    why = sender.pipeline.stop_reason(r, peer)
     assert why and "silent" in why and "no more writes" in why
 
 

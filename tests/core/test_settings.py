@@ -220,3 +220,30 @@ def test_a_link_file_is_read_once_per_process(tmp_path, monkeypatch):
     later = BridgeSettings.load(environ=env)
     assert later.link_profile().name == "rewritten" and first.link_profile().name == "here" and len(reads) == 2
     assert BridgeSettings.load(environ=env).link_profile() is later.link_profile() and len(reads) == 2
+
+
+@pytest.mark.parametrize("config", [BridgeConfig, SglangBridgeConfig, VllmBridgeConfig])
+def test_every_plugin_starts_its_rank_the_same_way(config):
+    """One start-up for the three plugins (``BridgeRank``): the receiver offers the
+    deployment's ``recv_staging_bytes`` (and the sender none), both bind the settings'
+    host, the record names the sender, the session and the layout, and close ends both
+    sides and the transport."""
+    from kvbridge.common.rank import BridgeRank
+
+    env = {"KVBRIDGE_RECV_STAGING_BYTES": str(3 << 20), "KVBRIDGE_HOST": "127.0.0.1"}
+    cfg = config.load({}, environ=env) if config is VllmBridgeConfig else config.load(environ=env)
+    lay = allocate_pool("sglang", layers=2, total_heads=2, head_dim=8, dtype="bfloat16", tokens_per_block=16, num_blocks=4)
+    rank = BridgeRank(cfg, "x")
+    try:
+        send, recv = rank.start_sender(lay), rank.start_receiver(lay)
+        assert (recv.config.recv_staging_bytes, send.config.recv_staging_bytes) == (3 << 20, 0)
+        assert send.endpoint.startswith("tcp://127.0.0.1:")
+        rec = rank.record()
+        assert (rec.endpoint, rec.session, rec.engine, rec.page_size) == (send.endpoint, rank.transport.session_id,
+                                                                          "x", 16)
+        assert rec.layout.to_layout().relative_key == lay.relative_key
+        with pytest.raises(RuntimeError, match="started twice"):
+            rank.start_sender(lay)
+    finally:
+        rank.close()
+    assert send.channel._closed and recv.channel._closed

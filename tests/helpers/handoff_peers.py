@@ -200,7 +200,7 @@ def prefill_main(conn, spec: dict, cfg: dict) -> None:
             def count(outcome):
                 return REGISTRY.get_sample_value("kvbridge_prestaged_parts_total", {"outcome": outcome}) or 0.0
 
-            return ("prestage", len(sender._prestage_free), count("used"), count("unused"))
+            return ("prestage", len(sender.pipeline.prestage_free), count("used"), count("unused"))
         raise ValueError(op)
 
     serve(conn, handle, sender, transport)

@@ -8,6 +8,7 @@ under test or any plan code, so tests can check plans and repack kernels against
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -500,3 +501,32 @@ class FaultSwitch:
 
         self.off()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_description():
+    from kvbridge.common.protocol import LayoutDescription
+    from kvbridge.layout import allocate_pool
+
+    lay = allocate_pool("sglang", layers=2, total_heads=2, head_dim=8, dtype="bfloat16", tokens_per_block=16, num_blocks=4)
+    return LayoutDescription.of(lay)
+
+
+def tiny_description(**over):
+    """A real small SGLang layout's wire description (``LayoutDescription``, the same one
+    each call), fields replaced by ``over``: for tests of messages and records (they check
+    types and bounds, not geometry)."""
+    import msgspec
+
+    return msgspec.structs.replace(_tiny_description(), **over)
+
+
+def tiny_record(i: int = 0, *, engine: str = "sglang", endpoint: str | None = None, **layout):
+    """Prefill TP rank ``i``'s bootstrap record (its JSON form) on ``tiny_description(**layout)``."""
+    import msgspec
+
+    from kvbridge.common.protocol import RankRecord
+
+    return msgspec.to_builtins(RankRecord(endpoint=endpoint or f"tcp://127.0.0.1:{40000 + i}",
+                                          session=f"127.0.0.1:{41000 + i}", engine=engine, page_size=16,
+                                          layout=tiny_description(**layout)))

@@ -152,7 +152,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                 before[room] = [[v.clone() for v in _block_views(spec, tensors, b)]
                                 for b in range(lay.first_block, lay.num_blocks)]
             if opts.get("replay_first"):  # a captured copy of this request, sent first from another endpoint
-                req = P.TransferRequest(room=room, model=recv.config.model, layout=lay.describe(),
+                req = P.TransferRequest(room=room, model=recv.config.model, layout=P.LayoutDescription.of(lay),
                                         block_ids=blocks.tolist(), first_token=0, token_start=0, token_stop=ntok,
                                         session=transport.session_id, sent_at=time.time())
                 s = zmq.Context.instance().socket(zmq.DEALER)

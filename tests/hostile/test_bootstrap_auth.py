@@ -22,6 +22,7 @@ import pytest
 from kvbridge.common import bootstrap as BS
 from kvbridge.common.auth import AuthError, Keyring
 from kvbridge.common.rooms import default_metrics
+from tests.helpers.kvhelpers import tiny_record
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -36,8 +37,7 @@ def _refused(code: str, channel: str = "rank_record") -> float:
 
 
 def _record(i: int, endpoint: str | None = None) -> dict:
-    return BS.rank_record(endpoint=endpoint or f"tcp://127.0.0.1:{40000 + i}", session=f"127.0.0.1:{41000 + i}",
-                          engine="sglang", page_size=16, layout={"engine": "sglang", "total_heads": 8})
+    return tiny_record(i, endpoint=endpoint)
 
 
 def _put(address: str, body) -> tuple[int, str]:

@@ -131,7 +131,7 @@ def test_expect_flood_is_capped_and_expires(sched, dealer):
     heap's own cost: tests/trtllm/test_trtllm_unit.py)."""
     ring = Keyring(SECRET)
     one = "a" * 32
-    h = Handle("send", 1).to_dict()
+    h = Handle("send", 1)
     for i in range(4096):
         dealer.send(B.pack(B.Expect(key=one, handle=h, ttl_s=3.0, nonce=i), ring))
         dealer.send(B.pack(B.Expect(key=f"{i:032x}", handle=h, ttl_s=3.0, nonce=10_000 + i), ring))

@@ -65,10 +65,10 @@ LAY = build_pool(dict(engine="trtllm", layers=2, total_heads=4, tp=1, rank=0, he
 
 
 def _valid_messages():
-    req = P.TransferRequest(room=5, model="m", layout=LAY.describe(), block_ids=[1, 2, 3], first_token=0,
+    req = P.TransferRequest(room=5, model="m", layout=P.LayoutDescription.of(LAY), block_ids=[1, 2, 3], first_token=0,
                             token_start=0, token_stop=40, session="127.0.0.1:15001", sent_at=1.0)
     done = P.TransferDone(room=5, bytes=10, segments=1, plan="direct", seconds=0.1, aux={"output_ids": [3]},
-                          src_layout=LAY.describe(),
+                          src_layout=P.LayoutDescription.of(LAY),
                           staged=[P.StagedChunk(first_token=0, start=0, stop=16, offset=0, blocks=[1])])
     return [req, done, P.TransferFailed(room=5, reason="x", code="timeout"),
             P.Heartbeat(room=5, sender="tcp://x"), P.Abort(room=5, reason="r")]
@@ -514,10 +514,11 @@ def hostile_answers(draw, room):
                                             start=start, stop=draw(st.integers(start, 2**31 - 1).filter(lambda x: True)),
                                             offset=draw(st.sampled_from([0, 1, 4096, 2**40])),
                                             blocks=draw(st.lists(st.integers(0, 2**31 - 1), max_size=20))))
-        lay = draw(st.sampled_from([SRC_LAYOUT, {**SRC_LAYOUT, "num_blocks": 2**31}, {**SRC_LAYOUT, "head_dim": 64}]))
+        lay = msgspec.convert(draw(st.sampled_from([SRC_LAYOUT, {**SRC_LAYOUT, "num_blocks": 2**31},
+                                                    {**SRC_LAYOUT, "head_dim": 64}])), P.LayoutDescription)
         try:
             msg = P.TransferDone(room=target, bytes=1, segments=1, plan="staged_recv", seconds=0.0, staged=staged,
-                                 src_layout=lay if staged else {})
+                                 src_layout=lay if staged else None)
             out.append(P.pack(msg, RING))
         except P.ProtocolError:
             out.append(RING.seal(msgspec.msgpack.encode(msgspec.to_builtins(msg)), P.CONTROL))

@@ -26,7 +26,7 @@ from kvbridge.adapters.sglang.receiver import KVBridgeKVReceiver
 from kvbridge.common.auth import Keyring
 from kvbridge.common.handoff import RoomState
 from kvbridge.common.rooms import default_metrics
-from tests.helpers.kvhelpers import wait_until
+from tests.helpers.kvhelpers import tiny_record, wait_until
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -158,8 +158,7 @@ def test_the_sglang_bootstrap_server_takes_only_sealed_registrations():
     ring = Keyring(K)
     KVBridgeKVBootstrapServer("127.0.0.1", port, keyring=ring, allow_insecure=False)
     url = f"http://127.0.0.1:{port}/route"
-    rec = BS.rank_record(endpoint="tcp://127.0.0.1:40000", session="127.0.0.1:41000", engine="sglang", page_size=16,
-                         layout={"engine": "sglang"})
+    rec = tiny_record(0)
     reg = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
            "rank_ip": "127.0.0.1", "rank_port": 5000, "page_size": 16, "kv_cache_dtype": "bfloat16", "kvbridge": rec}

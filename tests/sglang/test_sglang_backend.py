@@ -96,7 +96,7 @@ def _run(peers, case, requests):
     assert len(dec) == case["d_tp"]
     for rank, p in enumerate(pre):  # rank 0 starts the bootstrap server
         rec = p.call("setup", "prefill", case, rank)
-        assert rec["endpoint"].startswith("tcp://") and rec["layout"]["tokens_per_block"] == case["page_size"]
+        assert rec.endpoint.startswith("tcp://") and rec.layout.tokens_per_block == case["page_size"]
     for rank, p in enumerate(dec):
         p.call("setup", "decode", case, rank)
     ps = case["page_size"]

@@ -89,28 +89,32 @@ def test_bus_messages_are_typed_and_bounded():
 
 
 def test_announce_is_refused_with_a_reason_and_times_out_on_silence():
-    """A scheduler refuses an invalid handle by name; a bus nobody serves fails in time."""
-    from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler
+    """A scheduler answers an announcement whose handle is not valid (sealed, from a
+    router that built it by hand) naming why; a bus nobody serves fails in time."""
+    import msgspec
+    import zmq
 
-    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
+    from kvbridge.adapters.trtllm import KVBridgeConnectorScheduler, prompt_key
+
+    cfg = BridgeConfig(secret=SECRET)
+    sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=cfg)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
     try:
         announce(sched.endpoint, [5, 6, 7], Handle("send", 1))
-        with pytest.raises(AnnounceError, match="refused room 2.*a decode handle needs"):
-            announce(sched.endpoint, [5], _UncheckedHandle({"op": "recv", "room": 2}))
+        ring = cfg.keyring()
+        raw = {"t": "expect", "v": B.BUS_VERSION, "key": prompt_key([5]), "handle": {"op": "recv", "room": 2}, "nonce": 9}
+        sock.connect(sched.endpoint)
+        sock.send(ring.seal(msgspec.msgpack.encode(raw), B.DOMAIN))
+        assert sock.poll(5000), "no answer to an invalid announcement"
+        ans = B.unpack(sock.recv(), ring)
+        assert isinstance(ans, B.Expected) and not ans.ok and ans.nonce == 9, ans
+        assert "a decode handle needs" in ans.reason and "$.handle" in ans.reason, ans.reason
     finally:
+        sock.close()
         sched.close()
     with pytest.raises(AnnounceError, match="did not answer"):
         announce("tcp://127.0.0.1:9", [1], Handle("send", 3), timeout_s=0.5)
-
-
-class _UncheckedHandle:
-    """A handle a careless router builds by hand (what Handle's own checks would refuse)."""
-
-    def __init__(self, d):
-        self.d, self.room = d, d["room"]
-
-    def to_dict(self):
-        return self.d
 
 
 def test_config_from_file_env_and_overrides(tmp_path):
@@ -277,15 +281,15 @@ def test_the_bus_takes_only_sealed_messages():
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sched.endpoint)
     try:
-        forged = [B.Hello(rank=0, endpoint="tcp://attacker:1", record={}),
+        forged = [B.Hello(rank=0, endpoint="tcp://attacker:1"),
                   B.LoadResult(req=7, rank=0, ok=True, reason=""),
-                  B.Expect(key="k" * 32, handle=Handle("send", 5).to_dict(), ttl_s=60.0, nonce=1)]
+                  B.Expect(key="k" * 32, handle=Handle("send", 5), ttl_s=60.0, nonce=1)]
         before = {c: refused(c) for c in ("unsigned", "unknown_key", "replay")}
         other = Keyring("another-deployment-" + "z" * 20)
         for msg in forged:
             sock.send(B.encode(msg))
             sock.send(B.pack(msg, other))
-        captured = B.pack(B.Expect(key="c" * 32, handle=Handle("send", 6).to_dict(), ttl_s=60.0, nonce=2),
+        captured = B.pack(B.Expect(key="c" * 32, handle=Handle("send", 6), ttl_s=60.0, nonce=2),
                           Keyring(SECRET))
         sock.send(captured)
         sock.send(captured)  # the same frame again: a replay
@@ -325,7 +329,7 @@ def test_released_is_taken_only_from_that_ranks_worker():
             s.connect(sched.endpoint)
             socks.append(s)
         worker, stranger = socks
-        worker.send(B.pack(B.Hello(rank=0, endpoint="tcp://127.0.0.1:1", record={}), ring))
+        worker.send(B.pack(B.Hello(rank=0, endpoint="tcp://127.0.0.1:1"), ring))
         deadline = time.monotonic() + 10
         while 0 not in sched._workers and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -391,8 +395,8 @@ def test_an_expect_flood_expires_in_log_time():
 
     sched = KVBridgeConnectorScheduler(SimpleNamespace(model=None), config=BridgeConfig(secret=SECRET))
     try:
-        same = [B.Expect(key="5" * 32, handle=Handle("send", i).to_dict(), ttl_s=60.0, nonce=i) for i in range(4096)]
-        many = [B.Expect(key=f"{i:032x}", handle=Handle("send", i).to_dict(), ttl_s=60.0, nonce=i) for i in range(4096)]
+        same = [B.Expect(key="5" * 32, handle=Handle("send", i), ttl_s=60.0, nonce=i) for i in range(4096)]
+        many = [B.Expect(key=f"{i:032x}", handle=Handle("send", i), ttl_s=60.0, nonce=i) for i in range(4096)]
         answers = []
         sched.bus.send = lambda peer, payload: answers.append(B.unpack(payload, sched._keyring))
         for m in same + many:

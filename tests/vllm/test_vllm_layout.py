@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvbridge.common import protocol as P
 from kvbridge.layout import (VLLM_CPU_ISAS, KVLayout, LayoutError, PlanKind, allocate_pool, plan_transfer,
                              refused_kinds, vllm_cpu_layout, vllm_cpu_layout_from_geometry)
 from tests.helpers.kvhelpers import read_units, run_plan, snapshot, unit_addresses, written_mask
@@ -170,6 +171,10 @@ def test_description_round_trip_keeps_row_strides():
     a = allocate_pool("vllm", layers=L, total_heads=H, head_dim=HD, dtype="bf16", tokens_per_block=32, num_blocks=4,
                       isa="amx")
     back = KVLayout.from_description(a.describe())  # 'amx': mixed-radix token and element dims
+    assert back.row_strides == a.row_strides and np.array_equal(back.token_offsets, a.token_offsets)
+    wire = P.decode(P.encode(P.TransferRequest(room=1, model="m", layout=P.LayoutDescription.of(a), block_ids=[0],
+                                               first_token=0, token_start=0, token_stop=1, session="s", sent_at=0.0)))
+    back = wire.layout.to_layout()  # the typed description off the wire carries them too
     assert back.row_strides == a.row_strides and np.array_equal(back.token_offsets, a.token_offsets)
     with pytest.raises(LayoutError, match="tokens_per_block 1099511627776 is over"):
         KVLayout.from_description({**d, "tokens_per_block": 2**40})
