@@ -96,11 +96,16 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     print_table(
         f"transfer: {res['geometry']['tokens']} tokens, SGLang page 64 -> TensorRT-LLM block 32, Mooncake TCP loopback",
         res,
-        ["bytes", "handoff_gbps", "raw_gbps", "ratio", "scattered_gbps", "scattered_ratio", "same_layout_gbps",
-         "same_layout_ratio", "small_handoff_ms",
+        ["bytes", "handoff_gbps", "raw_gbps", "ratio", "one_batch_raw_gbps", "one_batch_ratio", "scattered_gbps",
+         "scattered_ratio", "same_layout_gbps", "same_layout_ratio", "small_handoff_ms",
          "small_raw_ms", "small_overhead_ms", "small_overhead_paired_ms", "plan", "segments", "scattered_segments",
          "chunks", "model_error_max"],
     )
+    if res.get("best_raw_shape"):
+        sh = res["best_raw_shape"]
+        print(f"raw baseline: the fastest of {len(res['raw_shapes'])} write shapes, {sh['segment_mib']:g} MiB segments, "
+              f"depth {sh['depth']}: " + ", ".join(f"{r['segment_mib']:g} MiB/{r['depth']} {r['gbps']}"
+                                                   for r in res["raw_shapes"]) + " GB/s")
     if res["cpu_s_per_gib"]:
         print("CPU s per GiB (both peers): " + ", ".join(f"{k} {v}" for k, v in res["cpu_s_per_gib"].items()))
     if res.get("copy_floor"):
