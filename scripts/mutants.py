@@ -407,6 +407,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            scales[i, k] = s\n    return lay\n",
         "a vLLM rank's fp8 layout carries the _k_scale / _v_scale vLLM loaded into each attention layer",
         ("tests/vllm/test_vllm_layout.py::test_fp8_caches_carry_the_scales_vllm_loaded",)),
+    # -- one vocabulary, one rank start-up (docs/design.md)
+    Mutation(
+        "layout-description-bounds", "common/protocol.py",
+        "Int62 = Annotated[int, Meta(ge=0, lt=2**62)]\n",
+        "Int62 = int\n",
+        "a layout description off the wire is refused on decode, naming the field, when a value is out of bounds",
+        ("tests/core/test_protocol.py::test_absurd_request_values",)),
+    Mutation(
+        "rank-receiver-staging", "common/rank.py",
+        "        self.receiver = KVReceiver(layout, self.transport, config=self.settings.handoff(receiver=True))\n",
+        "        self.receiver = KVReceiver(layout, self.transport, config=self.settings.handoff())\n",
+        "every plugin's decode rank offers the deployment's recv_staging_bytes to its senders (staged_recv plans)",
+        ("tests/core/test_settings.py::test_every_plugin_starts_its_rank_the_same_way",)),
+    Mutation(
+        "announce-refusal-answered", "adapters/trtllm/bus.py",
+        '                answer = Expected(key=head.key, ok=False, nonce=head.nonce, reason=f"invalid announcement: {e}")\n',
+        "                answer = None\n",
+        "an announcement whose handle is not valid is answered naming why, not left to time out",
+        ("tests/trtllm/test_trtllm_unit.py::test_announce_is_refused_with_a_reason_and_times_out_on_silence",)),
 )
 
 
