@@ -211,6 +211,21 @@ def _trt_state(srv) -> dict:
     return srv.stepper.call(lambda s: s.state())
 
 
+def _new_trt_records(srv, before: dict, side: str, n: int, timeout_s: float = 30.0) -> dict:
+    """The stand-in's ``side`` records (``finished_saves`` / ``finished_loads``) added since
+    ``before``, waiting until ``n`` are there: a prefill's send ends when the decode's done
+    message reaches it, which may come after the client already has its completion."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = _trt_state(srv).get(side) or {}
+        new = {k: v for k, v in now.items() if k not in (before.get(side) or {})}
+        if len(new) >= n or time.monotonic() > deadline:
+            return new
+        time.sleep(0.05)
+
+
 def _route_cfg(model_dir, servers: list[dict], **sections):
     from kvbridge.demo.route_local import route_yaml
     from kvbridge.route.config import parse_config
@@ -290,9 +305,8 @@ def test_route_pairs_with_vllm(model_dir, vllm_servers, sglang_pair, trt_http, p
             assert rec["ok"] and rec["record"]["bytes"] == n * KV_PER_TOKEN, rec
         assert _external_tokens(vdec) - ext0 == sum(LENS), "the vLLM decode loaded every prompt token"
     if "trtllm" in (pk, dk):
-        trt1 = _trt_state(trt_http)
         side = "finished_loads" if dk == "trtllm" else "finished_saves"
-        new = {k: v for k, v in (trt1.get(side) or {}).items() if k not in (trt0.get(side) or {})}
+        new = _new_trt_records(trt_http, trt0, side, len(cases))
         assert len(new) == len(cases), new
         if side == "finished_loads":
             assert all(v.get("verdict") == "ok" for v in new.values()), new
