@@ -62,7 +62,8 @@ def _bench_layout(args: argparse.Namespace) -> int:
         "layout: SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 32 layers x 8 heads x 128, bf16",
         res,
         ["plan_ms_32k", "plan_kind", "segments_direct", "segments_staged", "segments_staged_contiguous_dst",
-         "repack_bytes", "repack_path", "repack_gbps", "memcpy_one_thread_gbps", "memcpy_gbps", "repack_ratio",
+         "repack_bytes", "repack_path", "repack_gbps", "memcpy_one_thread_gbps", "memcpy_gbps", "repack_split_gbps",
+         "memcpy_split_gbps", "gather_best_ratio_spread", "repack_ratio",
          "repack_ratio_spread", "repack_all_threads_ratio_spread", "one_thread_copy_share_spread",
          "repack_rows_ratio_spread", "repack_cold_ratio_spread", "warmup_reps", "threads"],
     )
@@ -129,6 +130,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         print(f"integrity: {c['tokens']}-token request verified {c['verified_ms']['median']} ms "
               f"[{c['verified_ms']['p10']}-{c['verified_ms']['p90']}], unverified {c['unverified_ms']['median']} ms "
               f"[{c['unverified_ms']['p10']}-{c['unverified_ms']['p90']}]; ratio {c['ratio']['median']} "
+              f"[{c['ratio']['p10']}-{c['ratio']['p90']}] over {c['ratio']['n']} pairs")
+    if res.get("copy_threads_cost"):
+        c = res["copy_threads_cost"]
+        print(f"copy threads: {c['tokens']}-token handoff, gather on all threads {c['all_threads_ms']['median']} ms "
+              f"[{c['all_threads_ms']['p10']}-{c['all_threads_ms']['p90']}], on one {c['one_thread_ms']['median']} ms "
+              f"[{c['one_thread_ms']['p10']}-{c['one_thread_ms']['p90']}]; ratio {c['ratio']['median']} "
               f"[{c['ratio']['p10']}-{c['ratio']['p90']}] over {c['ratio']['n']} pairs")
     for p in res["model_check"]:
         print(f"  {p['tokens']:>6} tokens: measured {p['measured_ms']:.1f} ms, predicted {p['predicted_ms']:.1f} ms, error {p['error']:.1%}")

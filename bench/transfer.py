@@ -236,7 +236,7 @@ def _recv(conn, proc, timeout: float = 300.0):
 
 def transfer_steps(reps: int, sweep: tuple[int, ...] = (), link_only: bool = False) -> int:
     """How many times ``bench_transfer`` calls ``progress`` (for a progress bar)."""
-    return 3 + (0 if link_only else reps + len(sweep) + 2)
+    return 3 + (0 if link_only else reps + len(sweep) + 3)
 
 
 def _paired_cost(ctx, n: int, cfg: dict, pairs: int, a: tuple[str, dict], b: tuple[str, dict], what: str) -> dict:
@@ -305,6 +305,17 @@ def _integrity_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
                         f"the {n}-token cross-layout request between two fresh pairs of peers, content digests "
                         "taken and compared (XXH3-64 over the canonical rows, both sides) over the same without, "
                         "interleaved pairs")
+
+
+def _copy_threads_cost(ctx, n: int, cfg: dict, pairs: int) -> dict:
+    """The gather on every thread against one (the choice beside TCP, ``copy_choice``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return _paired_cost(ctx, n, cfg, pairs, ("all_threads", {"gather_threads": threads}), ("one_thread", {"gather_threads": 1}),
+                        f"the {n}-token cross-layout handoff between two fresh pairs of peers, the sender's gather "
+                        f"on {threads} threads over the same on one (TCP's choice), interleaved pairs; a ratio "
+                        "over 1: one thread is faster beside this transport")
 
 
 def bench_transfer(
@@ -501,8 +512,10 @@ def bench_transfer(
         per_len = []
         for n in sweep:
             say(f"cost model check: {n} tokens")
-            runs = [handoff(n) for _ in range(reps)]
-            raws = [raw(n) for _ in range(reps)]
+            runs, raws = [], []
+            for _ in range(reps):  # interleaved: the link drifts up to 2x over seconds on loopback
+                runs.append(handoff(n))
+                raws.append(raw(n))
             mid = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
             measured, parts = mid
             # the link as it is now (loopback bandwidth drifts up to 2x over a run): the raw
@@ -530,7 +543,10 @@ def bench_transfer(
         auth_cost = _auth_cost(ctx, small_tokens, cfg, 25 * reps)
         say("integrity cost: content digests on against off")
         integrity_cost = [_integrity_cost(ctx, small_tokens, cfg, 25 * reps), _integrity_cost(ctx, tokens, cfg, 5 * reps)]
+        say("copy threads: the gather on every thread against one, over TCP")
+        copy_threads_cost = _copy_threads_cost(ctx, tokens, cfg, 5 * reps)
         return {
+            "copy_threads_cost": copy_threads_cost,
             "auth_cost": auth_cost,
             "integrity_cost": integrity_cost,
             "geometry": {**GEOM, "tokens": tokens, "src": f"sglang page {SRC_PAGE} (NHD)",

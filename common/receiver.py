@@ -38,6 +38,7 @@ from . import protocol as P
 from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, PeerState, RoomState
+from .copy_choice import copy_split
 from .settings import HandoffConfig
 from .staging import Arena, staging_buffer
 from .transport import MooncakeTransport
@@ -103,6 +104,8 @@ class KVReceiver(ControlSide):
             self._staging = staging_buffer(n, layout.device or "cpu")  # faulted in now, not on a request's time
             transport.register_tensor(self._staging)
         self._scatter_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-scatter")
+        # the scatter's C copy over config.gather_threads threads (copy_choice: one beside TCP)
+        self._split, self._split_pool = copy_split(self.config.gather_threads, "kvbridge-scatter-copy")
 
     def request(self, room: int, endpoints: str | Sequence[str], blocks, start: int, stop: int,
                 release: Callable[[np.ndarray, bool], None] | None = None, *, first_token: int = 0,
@@ -264,6 +267,8 @@ class KVReceiver(ControlSide):
             log.warning("receiver: closing with %d room(s) quarantined (%d blocks never given back)",
                         len(left), sum(q["blocks"] for q in left))
         self._scatter_pool.shutdown(wait=True, cancel_futures=True)
+        if self._split_pool is not None:
+            self._split_pool.shutdown(wait=True)
         super().close()
 
     # -- control plane (I/O thread) -----------------------------------------------------
@@ -389,8 +394,9 @@ class KVReceiver(ControlSide):
                                   src_first_token=ch.first_token, dst_first_token=r.first_token)
             if ch.offset + spec.nbytes > size:
                 raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
-            Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])
+            Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes], split=self._split)
         r.record.repack_s += time.perf_counter() - t0
+        r.record.copy_threads = max(r.record.copy_threads, self._split.taken() if self._split else 0, 1)
 
     def _verify(self, r: _RecvRoom, peer: str, msg) -> str:
         """'' when the content digest ``peer`` sent with its Done matches what landed in the

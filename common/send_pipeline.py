@@ -31,6 +31,7 @@ from . import protocol as P
 from .rooms import TERMINAL, HandoffFailed, RoomState
 from .metrics import KVBridgeMetrics
 from .send_rooms import Prestaged, SendChunk, SendRoom, SendTarget
+from .copy_choice import copy_split
 from .settings import HandoffConfig
 from .staging import staging_buffer
 from .transport import MooncakeTransport, TransportError, WriteHandle
@@ -100,6 +101,8 @@ class SendPipeline:
         self._own_views: dict[tuple[int, int], KVLayout] = {}  # layer range -> our layout seen as those layers
         # content digests (integrity), taken beside the writes of the piece they describe
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-digest")
+        # the gather's C copy over config.gather_threads threads (copy_choice: one beside TCP)
+        self._split, self._split_pool = copy_split(config.gather_threads, "kvbridge-gather")
         self._rings: deque = deque()
         for _ in range(workers):
             ring = staging_buffer(max(2, config.ring_parts) * config.part_bytes, layout.device or "cpu")  # faulted in now
@@ -120,6 +123,8 @@ class SendPipeline:
         """After the send workers stopped: stop the digest worker, and give back the
         staging's registration (nothing writes from it any more)."""
         self._digester.shutdown(wait=True, cancel_futures=True)
+        if self._split_pool is not None:
+            self._split_pool.shutdown(wait=True)
         if not self.transport.closed:
             for buf in self._own_staging:
                 self.transport.unregister(buf.data_ptr())
@@ -434,8 +439,9 @@ class SendPipeline:
                         rec.transfer_s += time.perf_counter() - t0
                     region = ring[(k % regions) * cfg.part_bytes:]
                     t0 = time.perf_counter()
-                    gather.run(region, rows=(a, b))
+                    gather.run(region, rows=(a, b), split=self._split)
                     rec.repack_s += time.perf_counter() - t0
+                    rec.copy_threads = max(rec.copy_threads, self._split.taken() if self._split else 0, 1)
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     rec.wrote_at = rec.wrote_at or time.monotonic()
                     w = wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())

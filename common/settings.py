@@ -94,6 +94,7 @@ class HandoffConfig:
     integrity: str
     integrity_sample: float
     costs: PlanCosts  # the plan chooser's figures, from the link (LinkProfile.plan_costs)
+    gather_threads: int  # threads of the gather / scatter's C tile copy (BridgeSettings.copy_choice)
     # the transfer core's own
     gone_drain_s: float = 1.0  # a sender whose control connection closed and that answers no probe within this is gone
     part_bytes: int = 16 << 20  # one gather + one write of a staged send (the ring's region size)
@@ -156,6 +157,9 @@ class BridgeSettings:
     Link: ``link``, a preset (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or a
     ``kvbridge bench link --out`` file; empty: the preset of ``protocol``. It sets both
     the plan chooser's costs (``HandoffConfig.costs``) and the cost gate's figures.
+    Copies: ``gather_threads``, the threads the sender's gather and the receiver's scatter
+    copy on (CPU pools); 0: this host's choice for ``protocol`` (``copy_choice``: one
+    beside TCP, all where RDMA / NVLink leave the CPU free and they measured faster here).
     SGLang interop (vLLM and TensorRT-LLM): ``sglang_page_size``, the page size a
     prefill's SGLang-compatible bootstrap server reports (it must be the SGLang decode's
     ``--page-size``: SGLang refuses a prefill whose reported page size differs; kvbridge
@@ -194,6 +198,7 @@ class BridgeSettings:
     integrity: str = "off"  # receiver: "on" verifies every room's content digest, "sample" a fraction, "off" none
     integrity_sample: float = 0.1  # the fraction of rooms "sample" verifies (chosen by room id)
     link: str = ""
+    gather_threads: int = 0  # threads of the gather / scatter copy; 0: this host's choice for the protocol
     sglang_page_size: int = 1
     discovery_timeout_s: float = 30.0
     cost_gate_enabled: bool = False
@@ -216,7 +221,7 @@ class BridgeSettings:
                               "(http://host:port/metadata) or an etcd host:port")
         if not _DEVICES.fullmatch(self.device_name):
             raise ConfigError(f"device_name {self.device_name!r} is not a comma-separated list of device names")
-        for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s", "recv_staging_bytes"):
+        for name in ("cost_prefill_tps", "cost_decode_prefill_tps", "cost_queue_s", "recv_staging_bytes", "gather_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         try:
@@ -259,6 +264,17 @@ class BridgeSettings:
             object.__setattr__(self, "_link", link)  # a cache beside the frozen fields, not a field
         return link
 
+    def copy_choice(self):
+        """The gather / scatter copy's threads and why (``kvbridge.common.copy_choice``),
+        decided once per settings object (a host calibration is read or taken once)."""
+        choice = self.__dict__.get("_copy_choice")
+        if choice is None:
+            from .copy_choice import choose
+
+            choice = choose(self.protocol, self.gather_threads)
+            object.__setattr__(self, "_copy_choice", choice)
+        return choice
+
     def handoff(self, *, receiver: bool = False, **extra: Any) -> HandoffConfig:
         """The handoff state machines' settings, with the plan costs of this link
         (receiver staging only on the decode side); ``extra``: the transfer core's own
@@ -275,7 +291,7 @@ class BridgeSettings:
                              allow_insecure=self.allow_insecure, integrity=self.integrity,
                              integrity_sample=self.integrity_sample,
                              recv_staging_bytes=self.recv_staging_bytes if receiver else 0,
-                             costs=self.link_profile().plan_costs(), **extra)
+                             costs=self.link_profile().plan_costs(), gather_threads=self.copy_choice().threads, **extra)
 
     def transport(self):
         """This rank's Mooncake transport, bound to ``host`` (``device_name`` only off TCP)."""
@@ -378,7 +394,7 @@ def handoff_config(values: Mapping[str, Any], *, receiver: bool = False) -> Hand
 # the HandoffConfig fields BridgeSettings.handoff() fills from the settings
 _FROM_SETTINGS = frozenset({"deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "chunk_bytes", "secret", "model",
                             "accepted_secrets", "replay_window_s", "allow_insecure", "integrity", "integrity_sample",
-                            "recv_staging_bytes", "costs"})
+                            "recv_staging_bytes", "costs", "gather_threads"})
 
 
 def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:

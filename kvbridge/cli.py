@@ -294,6 +294,7 @@ def _doctor(args: argparse.Namespace) -> int:
     notes["copy_floor"] = floor
     notes["warnings"] = notes["warnings"] + floor["warnings"]
     notes["quarantine"] = _quarantine(args.metrics, notes["warnings"])
+    notes["gather_copy"] = _gather_copy()
     if args.json:
         print(json.dumps(notes))
         return 0
@@ -302,11 +303,27 @@ def _doctor(args: argparse.Namespace) -> int:
           f"{floor['small_ms']} ms for {floor['small_bytes'] / 2**20:g} MiB")
     print(f"copy rate past the cache, {floor['share_bytes'] >> 20} MiB: one thread {floor['one_thread_gbps']} GB/s, "
           f"all {floor['threads']} thread(s) {floor['all_threads_gbps']} GB/s (one thread's share {floor['one_thread_share']})")
+    gc = notes["gather_copy"]
+    cal = gc["calibration"]
+    print(f"gather copy, one thread {cal['one_gbps']} GB/s, {cal['threads']} thread(s) {cal['all_gbps']} GB/s "
+          f"(calibrated {cal.get('measured', '?')}{', cached in ' + cal['cached'] if cal.get('cached') else ''}):")
+    for proto, c in gc["choice"].items():
+        print(f"  {proto}: {c['threads']} thread{'s' if c['threads'] > 1 else ''} ({c['reason']})")
     for w in notes["warnings"]:
         print(f"note: {w}")
     if not notes["warnings"]:
         print("nothing here bounds kvbridge's copies")
     return 0
+
+
+def _gather_copy() -> dict:
+    """For ``kvbridge doctor``: this host's copy calibration (measured once, cached) and the
+    gather's threads it gives each transport when ``gather_threads`` is 0."""
+    from kvbridge.common.copy_choice import CPU_FREE_PROTOCOLS, choose, host_calibration
+
+    cal = host_calibration()
+    return {"calibration": cal,
+            "choice": {p: vars(choose(p, 0, lambda: cal)) for p in ("tcp", *CPU_FREE_PROTOCOLS)}}
 
 
 def _quarantine(urls, warnings: list) -> dict:

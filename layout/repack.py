@@ -50,7 +50,7 @@ from .copyspec import CopySpec
 from .geometry import KVLayout, LayoutError
 from .pools import alias_memory
 from .segments import SideBoxes, side_boxes
-from .tiles import BoxTiles, native_tile_copy
+from .tiles import BoxTiles, CopySplit, native_tile_copy
 
 __all__ = ["Gather", "Scatter", "row_addresses", "repack"]
 
@@ -286,7 +286,8 @@ class _PoolRows:
         first = int(self._box_end[i - 1]) if i else 0
         return self._rows_index(self._boxes.take(slice(i, j)), a - first, b - first)
 
-    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None) -> int:
+    def _gather_into(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, inline: bool | None = None,
+                     split: CopySplit | None = None) -> int:
         a, b = rows if rows is not None else (0, self.rows)
         if not 0 <= a <= b <= self.rows:
             raise LayoutError(f"row range [{a}, {b}) outside the {self.rows} rows of this repack")
@@ -296,7 +297,7 @@ class _PoolRows:
                 and staging.is_contiguous() and staging.dtype == torch.uint8 and staging.data_ptr() % self._space.unit == 0):
             # a pipeline's part of whole boxes: one C call, no staging views (their cost per part
             # was a fifth of a 4 MiB part's copy)
-            t.native_copy(a // t.rows, b // t.rows, staging, scatter=False)
+            t.native_copy(a // t.rows, b // t.rows, staging, scatter=False, split=split)
             return nbytes
         out = _staging_rows(staging, nbytes, self.row_bytes, self._space.unit)
         if self._tiles is not None:
@@ -312,10 +313,10 @@ class _PoolRows:
         self._complete()
         return nbytes
 
-    def _scatter_from(self, staging: torch.Tensor) -> int:
+    def _scatter_from(self, staging: torch.Tensor, split: CopySplit | None = None) -> int:
         src = _staging_rows(staging, self.nbytes, self.row_bytes, self._space.unit)
         if self._native:
-            self._tiles.native_copy(0, self._tiles.count, src, scatter=True)
+            self._tiles.native_copy(0, self._tiles.count, src, scatter=True, split=split)
             return self.nbytes
         if self._tiles is not None:
             t = self._tiles
@@ -423,14 +424,16 @@ class Gather(_PoolRows):
             raise ValueError(f"order must be 'src' or 'dst', got {order!r}")
         super().__init__(spec, "src", order, src_addr, tiles, native)
 
-    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None) -> int:
+    def run(self, staging: torch.Tensor, rows: tuple[int, int] | None = None, *, inline: bool | None = None,
+            split: CopySplit | None = None) -> int:
         """Fill ``staging`` (a tensor of at least ``nbytes`` bytes on the pool's device); returns
         bytes once they are all in place (on a GPU too), so ``staging`` may be sent at once.
         With ``rows=(a, b)``, only staging rows ``[a, b)``, written at the START of ``staging``
         (``(b - a) * row_bytes`` bytes): one part of a pipelined gather. ``inline=True`` keeps
         a CPU gather on the calling thread (torch's intra-op threads stay out of it), False
-        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline."""
-        return self._gather_into(staging, rows, inline)
+        lets torch spread it; by default only copies up to ``CPU_INLINE_BYTES`` stay inline.
+        ``split``: the C tile copy of whole boxes spread over its threads (else one)."""
+        return self._gather_into(staging, rows, inline, split)
 
 
 class Scatter(_PoolRows):
@@ -445,9 +448,10 @@ class Scatter(_PoolRows):
                  native: bool | None = None):
         super().__init__(spec, "dst", "src", dst_addr, tiles, native)
 
-    def run(self, staging: torch.Tensor) -> int:
-        """Write ``staging``'s rows into the destination pool; returns bytes once they are in place."""
-        return self._scatter_from(staging)
+    def run(self, staging: torch.Tensor, *, split: CopySplit | None = None) -> int:
+        """Write ``staging``'s rows into the destination pool; returns bytes once they are in
+        place. ``split``: the C tile copy spread over its threads (else one)."""
+        return self._scatter_from(staging, split)
 
 
 def _staging_rows(staging: torch.Tensor, nbytes: int, row_bytes: int, unit: int) -> torch.Tensor:

@@ -4,12 +4,15 @@ Used by ``repack``'s box path (see its module doc). The C tile copy (``_tilecopy
 with the package from ``_tilecopy.c``; optional) walks each tile in the pool's address
 order and, for copies of ``STREAM_MIN_BYTES`` or more, streams its stores past the cache,
 on the calling thread with the GIL released; without it, ``repack`` uses torch's copies.
+A ``CopySplit`` spreads one such copy over several threads, which its owner lends.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,9 +26,58 @@ try:  # the C tile copy, built with the package (optional: pyproject's ext-modul
 except ImportError:  # no compiler at install time: torch's copies do the same work
     _tilecopy = None
 
-__all__ = ["BoxTiles", "native_tile_copy", "STREAM_MIN_BYTES"]
+__all__ = ["BoxTiles", "CopySplit", "native_tile_copy", "STREAM_MIN_BYTES", "SPLIT_MIN_BYTES"]
 
 STREAM_MIN_BYTES = 256 << 10  # C tile copies this large store past the cache (smaller ones are read back soon)
+SPLIT_MIN_BYTES = 1 << 20  # a C tile copy is split only into pieces at least this large (a thread's wake-up is ~50 us)
+
+
+class CopySplit:
+    """One C tile copy spread over ``threads`` threads: the calling thread and
+    ``threads - 1`` workers of ``executor``, which the owner creates and shuts down (the
+    layout core keeps no threads). The boxes are cut into ``threads`` ranges of whole
+    boxes, none under ``min_bytes``; the call returns once every range is copied.
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> with ThreadPoolExecutor(1) as ex:
+    ...     CopySplit(2, ex).ranges(0, 8, box_bytes=1 << 20)
+    [(0, 4), (4, 8)]
+    """
+
+    def __init__(self, threads: int, executor: Executor | None, min_bytes: int = SPLIT_MIN_BYTES):
+        if threads < 1:
+            raise LayoutError(f"a copy split needs at least one thread, got {threads}")
+        if threads > 1 and executor is None:
+            raise LayoutError(f"a copy split over {threads} threads needs an executor for {threads - 1} of them")
+        self.threads, self._executor, self.min_bytes = threads, executor, max(1, min_bytes)
+        self._local = threading.local()  # per calling thread: the most ranges one run used (``taken``)
+
+    def taken(self) -> int:
+        """The most threads one ``run`` on the calling thread used since the last call (0: none ran)."""
+        n = getattr(self._local, "most", 0)
+        self._local.most = 0
+        return n
+
+    def ranges(self, i: int, j: int, box_bytes: int) -> list[tuple[int, int]]:
+        """Boxes ``[i, j)`` cut into at most ``threads`` consecutive ranges of whole boxes."""
+        n = j - i
+        k = max(1, min(self.threads, n // -(-self.min_bytes // box_bytes)))  # each >= floor(n / k) boxes >= min_bytes
+        cuts = [i + n * q // k for q in range(k + 1)]
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def run(self, copy: Callable[[int, int], None], i: int, j: int, box_bytes: int) -> None:
+        """``copy(a, b)`` for each range of boxes ``[i, j)``: the first on the calling thread,
+        the others on the executor's; every range has finished when this returns or raises
+        (no worker writes after it)."""
+        parts = self.ranges(i, j, box_bytes)
+        self._local.most = max(getattr(self._local, "most", 0), len(parts))
+        futures = [self._executor.submit(copy, a, b) for a, b in parts[1:]]
+        try:
+            copy(*parts[0])
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
 
 
 def native_tile_copy() -> bool:
@@ -62,11 +114,16 @@ class BoxTiles:
             p = self.__dict__.setdefault("_pointers", self.view.data_ptr() + idx * self.unit)
         return p
 
-    def native_copy(self, i: int, j: int, dense: torch.Tensor, *, scatter: bool) -> None:
+    def native_copy(self, i: int, j: int, dense: torch.Tensor, *, scatter: bool, split: CopySplit | None = None) -> None:
         """Boxes ``[i, j)`` to (``scatter``: from) ``dense``, whose row 0 is box ``i``'s first
         row, through the C tile copy: each box in the pool's address order, stores past
-        the cache from ``STREAM_MIN_BYTES`` on."""
+        the cache from ``STREAM_MIN_BYTES`` on; ``split``: over its threads."""
         if j <= i:
+            return
+        if split is not None and split.threads > 1:
+            box = self.rows * self.shape[2] * self.unit
+            flat = dense.reshape(-1).view(torch.uint8)
+            split.run(lambda a, b: self.native_copy(a, b, flat[(a - i) * box:], scatter=scatter), i, j, box)
             return
         A, C, ru = self.shape
         u, (sA, sC) = self.unit, self.strides

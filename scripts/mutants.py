@@ -426,6 +426,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                answer = None\n",
         "an announcement whose handle is not valid is answered naming why, not left to time out",
         ("tests/trtllm/test_trtllm_unit.py::test_announce_is_refused_with_a_reason_and_times_out_on_silence",)),
+    Mutation(
+        "copy-split-offset", "layout/tiles.py",
+        "            split.run(lambda a, b: self.native_copy(a, b, flat[(a - i) * box:], scatter=scatter), i, j, box)\n",
+        "            split.run(lambda a, b: self.native_copy(a, b, flat, scatter=scatter), i, j, box)\n",
+        "a gather or scatter spread over several threads puts each range of boxes at its own place in staging",
+        ("tests/layout/test_gather_tiles.py::test_gather_split_over_threads_matches_reference",
+         "tests/core/test_handoff.py::test_gather_and_scatter_over_two_threads_move_the_same_bytes")),
+    Mutation(
+        "copy-choice-tcp", "common/copy_choice.py",
+        "    if protocol not in CPU_FREE_PROTOCOLS:\n",
+        "    if False:\n",
+        "beside a transport whose copies need the CPU (TCP), the gather keeps to one thread",
+        ("tests/core/test_copy_choice.py::test_one_thread_beside_tcp_all_where_rdma_or_nvlink_leave_the_cpu_and_it_measured_faster",)),
+    Mutation(
+        "copy-split-wired", "common/send_pipeline.py",
+        "                    gather.run(region, rows=(a, b), split=self._split)\n",
+        "                    gather.run(region, rows=(a, b))\n",
+        "the sender's gather runs on the threads the host's copy choice gives it",
+        ("tests/core/test_handoff.py::test_gather_and_scatter_over_two_threads_move_the_same_bytes",)),
+    Mutation(
+        "copy-split-wired-receiver", "common/receiver.py",
+        "            Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes], split=self._split)\n",
+        "            Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes])\n",
+        "the receiver's scatter runs on the threads the host's copy choice gives it",
+        ("tests/core/test_handoff.py::test_gather_and_scatter_over_two_threads_move_the_same_bytes",)),
 )
 
 

@@ -52,6 +52,9 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     floor = res["copy_floor"]
     assert floor["small_bytes"] == 64 * 32 * 2 * 8 * 128 * 2 and floor["small_ms"] > 0 and floor["cpu_s_per_gib"] > 0
     assert all(w in res["warnings"] for w in floor["warnings"])
+    # the gather on every thread against one beside TCP, interleaved pairs of the handoff
+    ct = res["copy_threads_cost"]
+    assert ct["tokens"] == 256 and ct["ratio"]["n"] == 5 and ct["all_threads_ms"]["p10"] > 0, ct
     names = sorted(os.path.basename(f) for f in res["plots"])
     assert names == ["break_even_llama3-8b.png", "transfer_breakdown.png", "transfer_gbps.png"]
     for f in res["plots"]:

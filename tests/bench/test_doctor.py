@@ -19,8 +19,11 @@ def _sysfs_choice(path):
 
 
 def _doctor_json(threads: int, *extra: str) -> tuple[dict, dict]:
-    """``kvbridge doctor --json`` with torch on ``threads`` threads: its notes, and the env it ran with."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    """``kvbridge doctor --json`` with torch on ``threads`` threads (its copy calibration cached
+    in a fresh directory): its notes, and the env it ran with."""
+    import tempfile
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KVBRIDGE_CACHE_DIR": tempfile.mkdtemp(prefix="kvb-doctor-")}
     out = subprocess.run([sys.executable, "-m", "kvbridge.cli", "doctor", "--json", *extra], capture_output=True,
                          text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -54,7 +57,13 @@ def test_doctor_reports_the_machine_as_the_kernel_does():
     assert lines[0].startswith(f"machine: THP {thp} ") and f"{notes['cpus']} CPU(s)" in lines[0]
     assert lines[1].startswith("one copy of every byte (one thread): ") and lines[1].endswith("ms for 16 MiB")
     assert lines[2].startswith("copy rate past the cache, ") and "one thread's share" in lines[2]
-    assert all(line.startswith("note: ") for line in lines[3:]) or lines[3:] == ["nothing here bounds kvbridge's copies"]
+    # the gather's copy: this host's calibration (torch on one thread: measured on one, cached), then
+    # the threads each transport gets, one with torch on one thread
+    cal = notes["gather_copy"]["calibration"]
+    assert cal["threads"] == 1 and cal["one_gbps"] > 0 and cal["cached"].startswith(env["KVBRIDGE_CACHE_DIR"])
+    assert lines[3].startswith("gather copy, one thread ") and "cached in" in lines[3]
+    assert lines[4:7] == [f"  {p}: 1 thread (torch has one thread here)" for p in ("tcp", "rdma", "nvlink")]
+    assert all(line.startswith("note: ") for line in lines[7:]) or lines[7:] == ["nothing here bounds kvbridge's copies"]
 
 
 def test_doctor_warns_where_one_thread_gets_too_little_of_the_copy_rate():

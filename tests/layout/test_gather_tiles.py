@@ -11,6 +11,8 @@ import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from kvbridge.layout import CopySpec, LayoutError, allocate_pool
@@ -181,3 +183,105 @@ def test_c_tile_copy_refuses_tiles_outside_the_pool():
     with pytest.raises(LayoutError, match="outside the pool's memory"):
         g.run(out)
     assert not out.any()
+
+
+# -- the C tile copy spread over several threads (CopySplit) ----------------------------
+
+TILED = [n for n in sorted(CASES) if CASES[n][-1]]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("name", TILED)
+def test_gather_split_over_threads_matches_reference(name, threads):
+    """The sender's gather with its C copy cut into ranges of whole boxes on ``threads``
+    threads (pieces of any size: ``min_bytes=1``), whole and in parts that cut boxes:
+    staging holds the reference's rows, exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge.layout.tiles import CopySplit
+
+    src, sb, dst, db, start, stop, _ = _pools(name)
+    g = Gather(CopySpec.build(src, sb, dst, db, (start, stop)))
+    assert g.native
+    want = _staged_rows(src, sb, dst, db, start, stop, "dst")
+    with ThreadPoolExecutor(threads - 1) as ex:
+        split = CopySplit(threads, ex, min_bytes=1)
+        out = torch.full((g.nbytes,), 0xAB, dtype=torch.uint8)
+        g.run(out, split=split)
+        assert np.array_equal(out.numpy().reshape(want.shape), want)
+        rb, box = g.row_bytes, g._tiles.rows
+        parts = torch.zeros(g.nbytes, dtype=torch.uint8)
+        for a in range(0, g.rows, 3 * box):  # parts of three whole boxes: the split path
+            b = min(g.rows, a + 3 * box)
+            region = torch.full(((b - a) * rb,), 0xCD, dtype=torch.uint8)
+            g.run(region, rows=(a, b), split=split)
+            parts[a * rb: b * rb] = region
+        assert np.array_equal(parts.numpy().reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("name", ["trtllm32_to_sglang64", "sglang16_to_trtllm32"])
+def test_scatter_split_over_threads_writes_exactly_the_request(name):
+    """The receiver's scatter on two threads: the request's bytes land, nothing else changes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge.layout.tiles import CopySplit
+
+    src, sb, dst, db, start, stop, _ = _pools(name)
+    spec = CopySpec.build(src, sb, dst, db, (start, stop))
+    staging = torch.from_numpy(_staged_rows(src, sb, dst, db, start, stop, "src").reshape(-1).copy())
+    before = snapshot(dst)
+    with ThreadPoolExecutor(1) as ex:
+        s = Scatter(spec)
+        assert s.native
+        assert s.run(staging, split=CopySplit(2, ex, min_bytes=1)) == spec.nbytes
+    heads = range(src.num_heads)
+    so, do = unit_addresses(src, sb, 0, start, stop, heads), unit_addresses(dst, db, 0, start, stop, heads)
+    assert np.array_equal(read_units(src, so), read_units(dst, do))
+    mask = written_mask(dst, do)
+    assert all(np.array_equal(a[~m], b[~m]) for a, b, m in zip(snapshot(dst), before, mask))
+
+
+@given(i=st.integers(0, 50), n=st.integers(1, 300), box=st.integers(1, 1 << 16), threads=st.integers(1, 9),
+       min_bytes=st.integers(1, 1 << 22))
+def test_copy_split_ranges_cover_every_box_once(i, n, box, threads, min_bytes):
+    """Consecutive ranges of whole boxes covering ``[i, i + n)`` exactly, at most ``threads``
+    of them, each at least ``min_bytes`` unless there is only one."""
+    from kvbridge.layout.tiles import CopySplit
+
+    rs = CopySplit(threads, object(), min_bytes=min_bytes).ranges(i, i + n, box)
+    assert rs[0][0] == i and rs[-1][1] == i + n and all(a < b for a, b in rs)
+    assert all(p[1] == q[0] for p, q in zip(rs, rs[1:]))
+    assert len(rs) <= threads
+    assert len(rs) == 1 or all((b - a) * box >= min_bytes for a, b in rs)
+
+
+def test_copy_split_returns_only_after_every_range_even_when_one_fails():
+    """A range that raises on the calling thread still waits for the others (no worker
+    writes after the call returns), and a worker's error reaches the caller."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge.layout.tiles import CopySplit
+
+    done = []
+
+    def copy(a, b):
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("calling thread's range failed")
+        time.sleep(0.2)
+        done.append((a, b))
+
+    with ThreadPoolExecutor(1) as ex:
+        with pytest.raises(RuntimeError, match="calling thread"):
+            CopySplit(2, ex, min_bytes=1).run(copy, 0, 4, 1)
+        assert done == [(2, 4)]
+
+        def worker_fails(a, b):
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError("worker's range failed")
+
+        with pytest.raises(ValueError, match="worker"):
+            CopySplit(2, ex, min_bytes=1).run(worker_fails, 0, 4, 1)
+    with pytest.raises(LayoutError, match="executor"):
+        CopySplit(2, None)

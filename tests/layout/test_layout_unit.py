@@ -217,6 +217,10 @@ def test_bench_layout_cli_reports_what_the_issue_asks():
     assert any("threads' speed here" in w for w in res["warnings"]) == (
         res["one_thread_copy_share_spread"]["median"] < 0.8 and res["threads"] > 1)
     assert res["repack_bytes_verified"] is True
+    # the gather on every thread against the fastest copy of the same bytes, any thread count
+    assert res["gather_best_ratio"] == res["gather_best_ratio_spread"]["median"] > 0
+    assert res["repack_split_gbps"] > 0 and res["memcpy_split_gbps"] > 0 and "fastest by median" in res["gather_best"]
+    assert res["gather_choice"]["tcp"]["threads"] == 1
     assert res["segments_direct"] == 32 * 2 * 2048 * 8 and res["segments_staged"] < 100
     v = res["vllm_cpu"]  # vLLM's CPU caches per ISA, staged: their repacks against a memcpy, bytes checked
     assert v["amx_to_vec_plan"] == "staged_both" and v["amx_to_vec_bytes_verified"] is True

@@ -1,0 +1,206 @@
+"""How many threads the sender's gather and the receiver's scatter copy on, per host and
+per transport.
+
+The C tile copy (``kvbridge.layout.tiles``) moves a part on one thread or, through a
+``CopySplit``, on several. Which is faster depends on who else needs the CPU:
+
+- a transport that copies through the CPU itself (TCP: the kernel's socket copies) needs
+  a core beside the gather, so the gather keeps to one thread;
+- a transport that does not (RDMA, NVLink: the NIC or the GPU moves the bytes) leaves
+  the cores to the gather, which then takes all of them where that is measurably faster
+  on this host (``GAIN``).
+
+The host's figures come from ``calibrate`` (one thread against all of torch's threads on
+the same gather of the same bytes, interleaved) run once per host and cached as JSON
+under ``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the CPU model, the
+CPUs this process may use and torch's threads (one file per key); a cache that does not
+match is measured again. ``kvbridge doctor`` shows the figures and the choice per transport. A
+``gather_threads`` setting above 0 overrides the choice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["CopyChoice", "CACHE_ENV", "GAIN", "cache_path", "host_key", "calibrate", "host_calibration", "choose",
+           "copy_split"]
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "KVBRIDGE_CACHE_DIR"  # where per-host measurements are kept (default ~/.cache/kvbridge)
+GAIN = 1.1  # all threads are chosen only when they copy at least this much faster than one
+CALIBRATION_VERSION = 1
+CPU_FREE_PROTOCOLS = ("rdma", "nvlink")  # transports whose bytes do not go through the CPU
+
+
+@dataclass(frozen=True)
+class CopyChoice:
+    """Threads of the gather / scatter copy, and why."""
+
+    threads: int
+    reason: str
+
+
+def cache_path(key: dict[str, Any] | None = None) -> Path:
+    """The file the copy calibration for ``key`` (default: this process's ``host_key()``) is
+    kept in: one per key, so processes with other thread counts keep their own."""
+    import hashlib
+
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kvbridge")
+    digest = hashlib.sha256(json.dumps(key or host_key(), sort_keys=True).encode()).hexdigest()[:12]
+    return Path(root) / f"copy-calibration-{digest}.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def host_key() -> dict[str, Any]:
+    """What a calibration holds for: the CPU model, the CPUs this process may run on,
+    torch's threads, whether the C tile copy is built."""
+    import torch
+
+    from kvbridge.layout.tiles import native_tile_copy
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return {"version": CALIBRATION_VERSION, "cpu": _cpu_model(), "cpus": cpus, "torch_threads": torch.get_num_threads(),
+            "native": native_tile_copy()}
+
+
+def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2, reps: int = 7,
+              part_bytes: int = 16 << 20, ring_parts: int = 4) -> dict[str, Any]:
+    """The sender's gather on one thread against the same gather over ``threads`` threads
+    (default torch's): SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 8 KV heads x
+    128 bf16, ``layers`` layers of ``tokens`` tokens (64 MiB at the defaults), part by
+    part into a ring as the sender does; medians over ``reps`` interleaved repetitions
+    after one untimed. Returns GB/s of each and the measurement's date."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+
+    from kvbridge.layout.plan import PlanKind, plan_transfer
+    from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
+    from kvbridge.layout.tiles import CopySplit
+    from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
+
+    threads = threads or torch.get_num_threads()
+    heads, head_dim, page, block = 8, 128, 64, 32
+    pages = tokens // page + 1
+    ts = [torch.zeros(pages * page, heads, head_dim, dtype=torch.bfloat16) for _ in range(2 * layers)]
+    page_bytes = page * heads * head_dim * 2
+    src = sglang_layout_from_buffers([t.data_ptr() for t in ts], [t.nbytes for t in ts], [page_bytes] * len(ts),
+                                     page, heads, heads, "bfloat16", tensors=ts)
+    blocks = tokens // block
+    dst = trtllm_layout_from_geometry(0x7F0000000000, blocks, layers, 2, heads, block, head_dim, "bfloat16")
+    rng = np.random.default_rng(0)
+    plan = plan_transfer(src, rng.permutation(np.arange(1, pages)), dst, rng.permutation(np.arange(blocks)), tokens,
+                         force=PlanKind.STAGED_SEND)
+    gather = plan.gather().prepare()
+    ring = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
+    step = max(1, part_bytes // gather.row_bytes)
+
+    with ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="kvbridge-calibrate") as ex:
+        split = CopySplit(threads, ex) if threads > 1 else None
+
+        def run(sp) -> float:
+            t0 = time.perf_counter()
+            for k, a in enumerate(range(0, gather.rows, step)):
+                gather.run(ring[(k % ring_parts) * part_bytes:], rows=(a, min(gather.rows, a + step)), split=sp)
+            return time.perf_counter() - t0
+
+        run(None), run(split)
+        one, all_ = [], []
+        for i in range(reps):
+            for which, sp in (((one, None), (all_, split)) if i % 2 == 0 else ((all_, split), (one, None))):
+                if sp is not None or which is one:
+                    which.append(run(sp))
+        all_ = all_ or one  # one thread: nothing else to measure
+    nbytes = plan.nbytes
+    return {"one_gbps": round(nbytes / statistics.median(one) / 1e9, 3),
+            "all_gbps": round(nbytes / statistics.median(all_) / 1e9, 3),
+            "threads": threads, "bytes": nbytes, "reps": reps,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def host_calibration(*, refresh: bool = False, path: Path | None = None,
+                     measure: Callable[[], dict[str, Any]] = calibrate) -> dict[str, Any]:
+    """This host's calibration: read from ``path`` (default ``cache_path()``) when it was
+    taken for this ``host_key()``, else measured (``measure``) and written there; a cache
+    that cannot be written is said once in the log, the figures still returned."""
+    key = host_key()
+    path = path or cache_path(key)
+    if not refresh:
+        try:
+            cached = json.loads(path.read_text())
+            if cached.get("key") == key:
+                return {**cached["figures"], "cached": str(path)}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("copy calibration %s unreadable (%s): measuring again", path, e)
+    figures = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "figures": figures}))
+        os.replace(tmp, path)
+        where = str(path)
+    except OSError as e:
+        log.warning("copy calibration not cached at %s: %s", path, e)
+        where = ""
+    return {**figures, "cached": where}
+
+
+def choose(protocol: str, setting: int = 0,
+           calibration: Callable[[], dict[str, Any]] = host_calibration) -> CopyChoice:
+    """The gather's threads on this host for ``protocol``: ``setting`` when above 0, else
+    one beside a transport that needs the CPU, else all of them where ``calibration``
+    says they copy at least ``GAIN`` times faster than one."""
+    if setting > 0:
+        return CopyChoice(setting, f"gather_threads={setting} (set)")
+    key = host_key()
+    if not key["native"]:
+        return CopyChoice(1, "the C tile copy is not built here: torch's copies spread themselves")
+    if key["torch_threads"] < 2:
+        return CopyChoice(1, "torch has one thread here")
+    if protocol not in CPU_FREE_PROTOCOLS:
+        return CopyChoice(1, f"{protocol}: the transport's own copies need a core beside the gather")
+    cal = calibration()
+    one, all_, n = cal["one_gbps"], cal["all_gbps"], cal["threads"]
+    measured = f"{n} threads {all_} GB/s against one {one} GB/s (calibrated {cal.get('measured', '?')})"
+    if all_ >= GAIN * one:
+        return CopyChoice(n, f"{protocol}: the transport leaves the CPU to the gather; {measured}")
+    return CopyChoice(1, f"{protocol}: all threads are not {GAIN}x one here; {measured}")
+
+
+def copy_split(threads: int, name: str):
+    """A ``CopySplit`` over ``threads`` threads and the executor its owner shuts down, or
+    ``(None, None)`` for one thread."""
+    if threads <= 1:
+        return None, None
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge.layout.tiles import CopySplit
+
+    ex = ThreadPoolExecutor(threads - 1, thread_name_prefix=name)
+    return CopySplit(threads, ex), ex
