@@ -230,7 +230,8 @@ def _plot_suites(out_dir: str, transfer: dict | None, sglang: dict | None) -> li
         files += plot_transfer(transfer, out_dir, sglang=sglang)
         lk = transfer["link"]
         link = LinkProfile("Mooncake TCP, 127.0.0.1", lk["bandwidth_bytes_per_s"], lk["per_segment_s"], lk["setup_s"],
-                           lk["repack_bytes_per_s"], source="measured in this run")
+                           lk["repack_bytes_per_s"], source="measured in this run",
+                           repack_overlap=lk.get("repack_overlap", LinkProfile.repack_overlap))
         files.append(plot_break_even(MODEL_PRESETS["llama3-8b"], link, {}, os.path.join(out_dir, "break_even_llama3-8b.png"),
                                       None))
     elif sglang is not None and sglang.get("per_length"):

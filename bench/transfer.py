@@ -413,11 +413,24 @@ def bench_transfer(
         small = [handoff(small_tokens) for _ in range(reps)]
         small_raw = [raw(small_tokens) for _ in range(reps)]
         setup = max(0.0, statistics.median(s[0] for s in small) - statistics.median(small_raw))
-        _, big_info = handoff(link_tokens)
-        repack_bps = big_info["bytes"] / big_info["repack_s"] if big_info["repack_s"] > 0 else 8e9
-        link = LinkProfile("mooncake-tcp-loopback", bw, per_seg, setup, repack_bps, source="measured")
+        # the gather's rate, and how much of it the wire hides: staged handoffs of link_tokens,
+        # each beside a raw write of the same bytes (interleaved), against repack + wire
+        # unhidden (PlanCosts.seconds: hidden = overlap x 7/8 x the shorter)
+        hidden, rates = [], []
+        for _ in range(max(3, reps)):
+            dt, big_info = handoff(link_tokens)
+            wire_s = raw(link_tokens)
+            rep_s = big_info["repack_s"]
+            if rep_s > 0:
+                rates.append(big_info["bytes"] / rep_s)
+                hidden.append((rep_s + wire_s + setup - dt) / (min(rep_s, wire_s) * 7 / 8))
+        repack_bps = statistics.median(rates) if rates else 8e9
+        overlap = min(1.0, max(0.0, statistics.median(hidden))) if hidden else 1.0
+        link = LinkProfile("mooncake-tcp-loopback", bw, per_seg, setup, repack_bps, source="measured",
+                           repack_overlap=overlap)
         link_fig = {"name": link.name, "bandwidth_bytes_per_s": bw, "per_segment_s": per_seg, "setup_s": setup,
-                    "repack_bytes_per_s": repack_bps, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                    "repack_bytes_per_s": repack_bps, "repack_overlap": round(overlap, 3),
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if link_only:
             return {"link": link_fig}
 

@@ -64,17 +64,24 @@ class LinkProfile:
     repack_bytes_per_s: float  # sender gather into staging (GPU: HBM copy; CPU here)
     source: str = "preset"  # "preset" or "measured: <file>"
     per_batch_s: float = 100e-6  # one more write batch: submit, completion, the sender's bookkeeping (per layer, layer-wise)
+    repack_overlap: float = 1.0  # how much of the gather the wire hides (``PlanCosts.repack_overlap``), measured by bench link
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.repack_overlap <= 1.0:
+            raise ValueError(f"link {self.name}: repack_overlap must be within [0, 1], got {self.repack_overlap}")
 
     def plan_costs(self, overlap_repack: bool = True) -> PlanCosts:
         """The plan chooser's figures for this link (``HandoffConfig.costs``)."""
         return PlanCosts(segment_s=self.per_segment_s, wire_bytes_per_s=self.bandwidth_bytes_per_s,
-                         repack_bytes_per_s=self.repack_bytes_per_s, overlap_repack=overlap_repack)
+                         repack_bytes_per_s=self.repack_bytes_per_s, overlap_repack=overlap_repack,
+                         repack_overlap=self.repack_overlap)
 
     def describe(self) -> str:
         """One line: the figures and where they come from."""
         return (
             f"{self.name}: {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {self.per_segment_s * 1e6:.1f} us/segment, "
-            f"setup {self.setup_s * 1e3:.2f} ms, repack {self.repack_bytes_per_s / 1e9:.0f} GB/s ({self.source})"
+            f"setup {self.setup_s * 1e3:.2f} ms, repack {self.repack_bytes_per_s / 1e9:.0f} GB/s"
+            f"{f' ({self.repack_overlap:g} of it overlapped)' if self.repack_overlap != 1.0 else ''} ({self.source})"
         )
 
 
@@ -212,7 +219,8 @@ def _read_link_file(p: Path) -> LinkProfile:
     try:
         return LinkProfile(d.get("name", p.stem), float(d["bandwidth_bytes_per_s"]), float(d["per_segment_s"]),
                            float(d["setup_s"]), float(d["repack_bytes_per_s"]), source=f"measured: {p}",
-                           per_batch_s=float(d.get("per_batch_s", LinkProfile.per_batch_s)))
+                           per_batch_s=float(d.get("per_batch_s", LinkProfile.per_batch_s)),
+                           repack_overlap=float(d.get("repack_overlap", LinkProfile.repack_overlap)))
     except KeyError as e:
         raise ValueError(f"{p} lacks {e}; write it with `kvbridge bench link --out {p}`") from None
 

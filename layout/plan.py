@@ -84,17 +84,23 @@ class PlanCosts:
     wire_bytes_per_s: float = 2e9
     repack_bytes_per_s: float = 5e9
     overlap_repack: bool = True
+    # the share of the shorter of repack and wire hidden behind the other when overlapped
+    # (1: all but the first of eight parts; 0: none, as where the transport's copies and the
+    # gather share the same cores), measured by ``kvbridge bench link``
+    repack_overlap: float = 1.0
 
     def seconds(self, kind: "PlanKind | str", nbytes, segments):
         """Estimated seconds of a ``kind`` plan moving ``nbytes`` in ``segments`` wire
-        segments: the wire, plus for a staged kind the repack (overlapped with the wire
-        when configured). The one formula behind the plan chooser and the cost gate."""
+        segments: the wire, plus for a staged kind the repack, of which ``repack_overlap``
+        x 7/8 of the shorter of the two is hidden when overlapped. The one formula behind
+        the plan chooser and the cost gate."""
         wire = segments * self.segment_s + nbytes / self.wire_bytes_per_s
         kind = PlanKind(kind)
         if kind is PlanKind.DIRECT:
             return wire
         rep = nbytes / self.repack_bytes_per_s
-        one = max(rep, wire) + min(rep, wire) / 8 if self.overlap_repack else rep + wire
+        hidden = self.repack_overlap * min(rep, wire) * 7 / 8 if self.overlap_repack else 0.0
+        one = rep + wire - hidden
         return one + rep if kind is PlanKind.STAGED_BOTH else one  # its scatter runs once the bytes are in
 
 
@@ -373,6 +379,7 @@ def _reason(spec: CopySpec, chosen: KindEstimate, est: dict, costs: PlanCosts, f
     head += f"{spec.src.engine} page {spec.src.tokens_per_block} -> {spec.dst.engine} page {spec.dst.tokens_per_block})"
     model = (
         f"[{costs.segment_s * 1e6:.0f} us/segment, wire {costs.wire_bytes_per_s / 1e9:.1f} GB/s, "
-        f"repack {costs.repack_bytes_per_s / 1e9:.1f} GB/s{', overlapped' if costs.overlap_repack else ''}]"
+        f"repack {costs.repack_bytes_per_s / 1e9:.1f} GB/s"
+        f"{f', overlapped {costs.repack_overlap:g}' if costs.overlap_repack else ''}]"
     )
     return head + ": " + "; ".join(parts) + " " + model

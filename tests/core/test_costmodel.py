@@ -47,6 +47,14 @@ def test_handoff_prediction_parts():
     slow = LinkProfile("slow-repack", 1e9, 0, 0, 0.5e9)
     r = predict_handoff_s(1 << 30, 1, slow, staged=True)
     assert r.total_s == pytest.approx((1 << 30) / 0.5e9 + (1 << 30) / 1e9 / 8)
+    # a measured overlap: none of the repack hidden (the gather and the transport's copies on
+    # the same cores) is the unoverlapped sum; half hides half of the 7/8
+    none = LinkProfile("shared-cores", 1e9, 10e-6, 1e-3, 4e9, repack_overlap=0.0)
+    assert predict_handoff_s(1 << 30, 64, none, staged=True).repack_s == pytest.approx(rep)
+    half = LinkProfile("half", 1e9, 10e-6, 1e-3, 4e9, repack_overlap=0.5)
+    assert predict_handoff_s(1 << 30, 64, half, staged=True).repack_s == pytest.approx(rep - 0.5 * rep * 7 / 8)
+    with pytest.raises(ValueError, match="repack_overlap"):
+        LinkProfile("bad", 1e9, 0, 0, 1e9, repack_overlap=1.5)
 
 
 @pytest.mark.parametrize("link, model, prompt, held", [
@@ -108,7 +116,11 @@ def test_geometry_from_hf_config_and_link_files(tmp_path):
     link_file = tmp_path / "link.json"
     link_file.write_text(json.dumps({"name": "here", "bandwidth_bytes_per_s": 2e9, "per_segment_s": 3e-5, "setup_s": 1e-3,
                                      "repack_bytes_per_s": 8e9}))
-    assert load_link(str(link_file)).source.startswith("measured")
+    assert load_link(str(link_file)).source.startswith("measured") and load_link(str(link_file)).repack_overlap == 1.0
+    other = tmp_path / "link2.json"  # what bench link writes now: the measured overlap too
+    other.write_text(json.dumps({"name": "here", "bandwidth_bytes_per_s": 2e9, "per_segment_s": 3e-5, "setup_s": 1e-3,
+                                 "repack_bytes_per_s": 8e9, "repack_overlap": 0.25}))
+    assert load_link(str(other)).plan_costs().repack_overlap == 0.25
     with pytest.raises(ValueError, match="unknown link"):
         load_link("carrier-pigeon")
 
