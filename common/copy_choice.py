@@ -14,8 +14,10 @@ The host's figures come from ``calibrate`` (one thread against all of torch's th
 the same gather of the same bytes, interleaved) run once per host and cached as JSON
 under ``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the CPU model, the
 CPUs this process may use and torch's threads (one file per key); a cache that does not
-match is measured again. ``kvbridge doctor`` shows the figures and the choice per transport. A
-``gather_threads`` setting above 0 overrides the choice.
+match is measured again. ``kvbridge doctor`` shows the figures (with the load they were taken at) and the
+choice per transport; ``kvbridge doctor --recalibrate`` measures again (a calibration taken
+while the host was busy keeps its choice until then). A ``gather_threads`` setting above
+0 overrides the choice.
 """
 
 from __future__ import annotations
@@ -136,7 +138,11 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
                     which.append(run(sp))
         all_ = all_ or one  # one thread: nothing else to measure
     nbytes = plan.nbytes
-    return {"one_gbps": round(nbytes / statistics.median(one) / 1e9, 3),
+    try:
+        load = round(os.getloadavg()[0], 2)  # a busy host skews the figures: kept with them
+    except OSError:
+        load = None
+    return {"one_gbps": round(nbytes / statistics.median(one) / 1e9, 3), "loadavg": load,
             "all_gbps": round(nbytes / statistics.median(all_) / 1e9, 3),
             "threads": threads, "bytes": nbytes, "reps": reps,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

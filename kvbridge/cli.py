@@ -270,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--json", action="store_true", help="print one JSON object")
     doc.add_argument("--metrics", nargs="+", default=(), metavar="URL",
                      help="serving processes' /metrics to read too: blocks they hold quarantined (kvbridge_quarantined_blocks)")
+    doc.add_argument("--recalibrate", action="store_true",
+                     help="measure the gather's copy again (one thread against all) and replace this host's cached figures")
     doc.set_defaults(func=_doctor)
 
     ann = sub.add_parser("announce", help="tell a TensorRT-LLM server which handoff its next request with a prompt plays")
@@ -294,7 +296,7 @@ def _doctor(args: argparse.Namespace) -> int:
     notes["copy_floor"] = floor
     notes["warnings"] = notes["warnings"] + floor["warnings"]
     notes["quarantine"] = _quarantine(args.metrics, notes["warnings"])
-    notes["gather_copy"] = _gather_copy()
+    notes["gather_copy"] = _gather_copy(args.recalibrate)
     if args.json:
         print(json.dumps(notes))
         return 0
@@ -306,7 +308,8 @@ def _doctor(args: argparse.Namespace) -> int:
     gc = notes["gather_copy"]
     cal = gc["calibration"]
     print(f"gather copy, one thread {cal['one_gbps']} GB/s, {cal['threads']} thread(s) {cal['all_gbps']} GB/s "
-          f"(calibrated {cal.get('measured', '?')}{', cached in ' + cal['cached'] if cal.get('cached') else ''}):")
+          f"(calibrated {cal.get('measured', '?')} at load {cal.get('loadavg', '?')}"
+          f"{', cached in ' + cal['cached'] if cal.get('cached') else ''}; `kvbridge doctor --recalibrate` measures again):")
     for proto, c in gc["choice"].items():
         print(f"  {proto}: {c['threads']} thread{'s' if c['threads'] > 1 else ''} ({c['reason']})")
     for w in notes["warnings"]:
@@ -316,12 +319,13 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gather_copy() -> dict:
-    """For ``kvbridge doctor``: this host's copy calibration (measured once, cached) and the
-    gather's threads it gives each transport when ``gather_threads`` is 0."""
+def _gather_copy(refresh: bool = False) -> dict:
+    """For ``kvbridge doctor``: this host's copy calibration (measured once and cached, or
+    again with ``refresh``) and the gather's threads it gives each transport when
+    ``gather_threads`` is 0."""
     from kvbridge.common.copy_choice import CPU_FREE_PROTOCOLS, choose, host_calibration
 
-    cal = host_calibration()
+    cal = host_calibration(refresh=refresh)
     return {"calibration": cal,
             "choice": {p: vars(choose(p, 0, lambda: cal)) for p in ("tcp", *CPU_FREE_PROTOCOLS)}}
 

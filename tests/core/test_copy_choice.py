@@ -108,7 +108,12 @@ def test_doctor_shows_the_choice_per_transport(cache, capsys):
     assert set(gc["choice"]) == {"tcp", "rdma", "nvlink"}
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "gather copy" in out and "tcp: 1 thread" in out
+    assert "gather copy" in out and "tcp: 1 thread" in out and "--recalibrate" in out
+    # --recalibrate measures again (for real, here) and replaces the cached figures
+    assert main(["doctor", "--json", "--recalibrate"]) == 0
+    cal = json.loads(capsys.readouterr().out)["gather_copy"]["calibration"]
+    assert cal["all_gbps"] != 20.0 and cal["one_gbps"] > 0 and "loadavg" in cal
+    assert json.loads(cache.read_text())["figures"]["all_gbps"] == cal["all_gbps"]
 
 
 def test_the_copy_split_example_runs():
