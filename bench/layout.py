@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
@@ -27,14 +26,14 @@ import numpy as np
 import torch
 
 from kvbridge.bench.machine import copy_parts_one_thread, copy_parts_split, machine_notes, spread
-from kvbridge.common.copy_choice import choose
+from kvbridge.common.copy_choice import choose, copy_split
 from kvbridge.common.settings import BridgeSettings, HandoffConfig
 from kvbridge.layout.geometry import dtype_itemsize
 from kvbridge.layout.plan import PlanKind, plan_transfer
 from kvbridge.layout.repack import Gather, row_addresses
 from kvbridge.layout.segments import count_segments
 from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
-from kvbridge.layout.tiles import CopySplit, native_tile_copy
+from kvbridge.layout.tiles import native_tile_copy
 from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
 
 __all__ = ["bench_layout", "bench_vllm_cpu"]
@@ -141,8 +140,7 @@ def bench_layout(
     # every thread on the C copies: the gather as the sender runs it where the transport leaves
     # the CPU free (copy_choice), and the same streamed memcpy split the same way
     threads = torch.get_num_threads()
-    split_pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="bench-split")
-    split = CopySplit(threads, split_pool) if threads > 1 else None
+    split, split_pool = copy_split(threads, "bench-split")
 
     def memcpy_split(into=ring) -> None:
         copy_parts_split(into, b, part_bytes, ring_parts, split)
@@ -182,7 +180,8 @@ def bench_layout(
     # each gather against a memcpy by as many threads: the sender's (one thread) and the inline
     # one against a one-thread copy of the same parts into the same ring; the others, which
     # spread over every core, against torch's copy on all of them
-    split_pool.shutdown()
+    if split_pool is not None:
+        split_pool.shutdown()
     one_thread = ("repack", "repack_inline")
     ratios = {k: spread([c / r for c, r in zip(t["memcpy_one" if k in one_thread else "memcpy"], t[k])], 1.0)
               for k in names if not k.startswith("memcpy")}

@@ -192,9 +192,13 @@ def copy_parts_one_thread(ring: torch.Tensor, src: torch.Tensor, part: int, ring
     gather's), numpy's memcpy where the C copy is not built or cannot stream a part."""
     for k, o in enumerate(range(0, src.numel(), part)):
         s = src[o:o + part]
-        d = ring[(k % ring_parts) * part:][:s.numel()]
-        if not streamed_copy(d, s):
-            d.numpy()[:] = s.numpy()
+        _copy_flat(ring[(k % ring_parts) * part:][:s.numel()], s)
+
+
+def _copy_flat(d: torch.Tensor, s: torch.Tensor) -> None:
+    """``s`` into ``d`` on the calling thread: streamed stores, numpy's memcpy where they cannot run."""
+    if not streamed_copy(d, s):
+        d.numpy()[:] = s.numpy()
 
 
 def copy_parts_split(ring: torch.Tensor, src: torch.Tensor, part: int, ring_parts: int, split) -> None:
@@ -209,8 +213,7 @@ def copy_parts_split(ring: torch.Tensor, src: torch.Tensor, part: int, ring_part
 
         def piece(i: int, j: int, s=s, d=d) -> None:
             a, b = i * unit, min(s.numel(), j * unit)
-            if not streamed_copy(d[a:b], s[a:b]):
-                d[a:b].numpy()[:] = s[a:b].numpy()
+            _copy_flat(d[a:b], s[a:b])
         split.run(piece, 0, -(-s.numel() // unit), unit)
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kvbridge.bench.machine import copy_floor, machine_notes, spread
+from kvbridge.layout.plan import PlanCosts
 
 __all__ = ["bench_transfer", "transfer_steps"]
 
@@ -415,7 +416,7 @@ def bench_transfer(
         setup = max(0.0, statistics.median(s[0] for s in small) - statistics.median(small_raw))
         # the gather's rate, and how much of it the wire hides: staged handoffs of link_tokens,
         # each beside a raw write of the same bytes (interleaved), against repack + wire
-        # unhidden (PlanCosts.seconds: hidden = overlap x 7/8 x the shorter)
+        # unhidden (PlanCosts.seconds: hidden = overlap x PlanCosts.hideable_s)
         hidden, rates = [], []
         for _ in range(max(3, reps)):
             dt, big_info = handoff(link_tokens)
@@ -423,7 +424,7 @@ def bench_transfer(
             rep_s = big_info["repack_s"]
             if rep_s > 0:
                 rates.append(big_info["bytes"] / rep_s)
-                hidden.append((rep_s + wire_s + setup - dt) / (min(rep_s, wire_s) * 7 / 8))
+                hidden.append((rep_s + wire_s + setup - dt) / PlanCosts.hideable_s(rep_s, wire_s))
         repack_bps = statistics.median(rates) if rates else 8e9
         overlap = min(1.0, max(0.0, statistics.median(hidden))) if hidden else 1.0
         link = LinkProfile("mooncake-tcp-loopback", bw, per_seg, setup, repack_bps, source="measured",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["CopyChoice", "CACHE_ENV", "GAIN", "cache_path", "host_key", "calibrate", "host_calibration", "choose",
-           "copy_split"]
+           "copy_split", "threads_taken"]
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,11 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
     128 bf16, ``layers`` layers of ``tokens`` tokens (64 MiB at the defaults), part by
     part into a ring as the sender does; medians over ``reps`` interleaved repetitions
     after one untimed. Returns GB/s of each and the measurement's date."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
     import torch
 
     from kvbridge.layout.plan import PlanKind, plan_transfer
     from kvbridge.layout.sglang_pool import sglang_layout_from_buffers
-    from kvbridge.layout.tiles import CopySplit
     from kvbridge.layout.trtllm_pool import trtllm_layout_from_geometry
 
     threads = threads or torch.get_num_threads()
@@ -121,22 +118,26 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
     ring = torch.empty(ring_parts * part_bytes, dtype=torch.uint8)
     step = max(1, part_bytes // gather.row_bytes)
 
-    with ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="kvbridge-calibrate") as ex:
-        split = CopySplit(threads, ex) if threads > 1 else None
+    split, ex = copy_split(threads, "kvbridge-calibrate")
 
-        def run(sp) -> float:
-            t0 = time.perf_counter()
-            for k, a in enumerate(range(0, gather.rows, step)):
-                gather.run(ring[(k % ring_parts) * part_bytes:], rows=(a, min(gather.rows, a + step)), split=sp)
-            return time.perf_counter() - t0
+    def run(sp) -> float:
+        t0 = time.perf_counter()
+        for k, a in enumerate(range(0, gather.rows, step)):
+            gather.run(ring[(k % ring_parts) * part_bytes:], rows=(a, min(gather.rows, a + step)), split=sp)
+        return time.perf_counter() - t0
 
-        run(None), run(split)
-        one, all_ = [], []
-        for i in range(reps):
-            for which, sp in (((one, None), (all_, split)) if i % 2 == 0 else ((all_, split), (one, None))):
-                if sp is not None or which is one:
-                    which.append(run(sp))
-        all_ = all_ or one  # one thread: nothing else to measure
+    one, all_ = [], []
+    cases = [(one, None)] + ([(all_, split)] if split is not None else [])  # one thread: nothing else to measure
+    try:
+        for times, sp in cases:  # untimed: first touch, threads started
+            run(sp)
+        for i in range(reps):  # interleaved, the order turned each repetition
+            for times, sp in cases[i % len(cases):] + cases[:i % len(cases)]:
+                times.append(run(sp))
+    finally:
+        if ex is not None:
+            ex.shutdown()
+    all_ = all_ or one
     nbytes = plan.nbytes
     try:
         load = round(os.getloadavg()[0], 2)  # a busy host skews the figures: kept with them
@@ -210,3 +211,9 @@ def copy_split(threads: int, name: str):
 
     ex = ThreadPoolExecutor(threads - 1, thread_name_prefix=name)
     return CopySplit(threads, ex), ex
+
+
+def threads_taken(split) -> int:
+    """The most threads a copy on the calling thread ran on since last asked (``CopySplit.taken``),
+    at least one: what a handoff record's ``copy_threads`` keeps."""
+    return max(split.taken() if split is not None else 0, 1)

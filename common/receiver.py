@@ -38,7 +38,7 @@ from . import protocol as P
 from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, PeerState, RoomState
-from .copy_choice import copy_split
+from .copy_choice import copy_split, threads_taken
 from .settings import HandoffConfig
 from .staging import Arena, staging_buffer
 from .transport import MooncakeTransport
@@ -396,7 +396,7 @@ class KVReceiver(ControlSide):
                 raise LayoutError(f"staged chunk at {ch.offset} (+{spec.nbytes} B) overruns the {size} B offered")
             Scatter(spec).run(self._staging[off + ch.offset : off + ch.offset + spec.nbytes], split=self._split)
         r.record.repack_s += time.perf_counter() - t0
-        r.record.copy_threads = max(r.record.copy_threads, self._split.taken() if self._split else 0, 1)
+        r.record.copy_threads = max(r.record.copy_threads, threads_taken(self._split))
 
     def _verify(self, r: _RecvRoom, peer: str, msg) -> str:
         """'' when the content digest ``peer`` sent with its Done matches what landed in the

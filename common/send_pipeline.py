@@ -31,7 +31,7 @@ from . import protocol as P
 from .rooms import TERMINAL, HandoffFailed, RoomState
 from .metrics import KVBridgeMetrics
 from .send_rooms import Prestaged, SendChunk, SendRoom, SendTarget
-from .copy_choice import copy_split
+from .copy_choice import copy_split, threads_taken
 from .settings import HandoffConfig
 from .staging import staging_buffer
 from .transport import MooncakeTransport, TransportError, WriteHandle
@@ -441,7 +441,7 @@ class SendPipeline:
                     t0 = time.perf_counter()
                     gather.run(region, rows=(a, b), split=self._split)
                     rec.repack_s += time.perf_counter() - t0
-                    rec.copy_threads = max(rec.copy_threads, self._split.taken() if self._split else 0, 1)
+                    rec.copy_threads = max(rec.copy_threads, threads_taken(self._split))
                     t0 = time.perf_counter()  # submitting the part's write counts as transfer time
                     rec.wrote_at = rec.wrote_at or time.monotonic()
                     w = wire.window(a * rb, b * rb).shifted(src_by=region.data_ptr())

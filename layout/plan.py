@@ -89,6 +89,12 @@ class PlanCosts:
     # gather share the same cores), measured by ``kvbridge bench link``
     repack_overlap: float = 1.0
 
+    @staticmethod
+    def hideable_s(repack_s, wire_s):
+        """The most of a repack and a wire of these seconds that overlapping can hide: all
+        of the shorter but its first of eight parts (before which the other cannot start)."""
+        return min(repack_s, wire_s) * 7 / 8
+
     def seconds(self, kind: "PlanKind | str", nbytes, segments):
         """Estimated seconds of a ``kind`` plan moving ``nbytes`` in ``segments`` wire
         segments: the wire, plus for a staged kind the repack, of which ``repack_overlap``
@@ -99,7 +105,7 @@ class PlanCosts:
         if kind is PlanKind.DIRECT:
             return wire
         rep = nbytes / self.repack_bytes_per_s
-        hidden = self.repack_overlap * min(rep, wire) * 7 / 8 if self.overlap_repack else 0.0
+        hidden = self.repack_overlap * self.hideable_s(rep, wire) if self.overlap_repack else 0.0
         one = rep + wire - hidden
         return one + rep if kind is PlanKind.STAGED_BOTH else one  # its scatter runs once the bytes are in
 

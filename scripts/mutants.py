@@ -453,8 +453,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_handoff.py::test_gather_and_scatter_over_two_threads_move_the_same_bytes",)),
     Mutation(
         "repack-overlap", "layout/plan.py",
-        "        hidden = self.repack_overlap * min(rep, wire) * 7 / 8 if self.overlap_repack else 0.0\n",
-        "        hidden = min(rep, wire) * 7 / 8 if self.overlap_repack else 0.0\n",
+        "        hidden = self.repack_overlap * self.hideable_s(rep, wire) if self.overlap_repack else 0.0\n",
+        "        hidden = self.hideable_s(rep, wire) if self.overlap_repack else 0.0\n",
         "a staged plan is priced with the share of its repack the link was measured to hide behind the wire",
         ("tests/core/test_costmodel.py::test_handoff_prediction_parts",)),
 )
