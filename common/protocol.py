@@ -103,7 +103,9 @@ class LayoutDescription(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     head_stride: Int62
     base: PerLayerKV  # [layer][K/V] byte address of block 0
     region_of: PerLayerKV  # [layer][K/V] index into ``regions``
-    regions: Annotated[list[Annotated[list[Int62], Meta(min_length=2, max_length=2)]], Meta(max_length=1 << 16)]  # [addr, nbytes]
+    # [addr, nbytes] of the memory the rank registered: at least one, so every address the
+    # map names can be checked against it before a byte moves
+    regions: Annotated[list[Annotated[list[Int62], Meta(min_length=2, max_length=2)]], Meta(min_length=1, max_length=1 << 16)]
     layer_offset: Int62  # the global index of layer 0
     # per K/V: [token dims, element dims], each a stride or [[count, stride], ...] outermost first
     row_strides: Annotated[list[Annotated[list[Dims], Meta(min_length=2, max_length=2)]], Meta(max_length=2)] | None = None

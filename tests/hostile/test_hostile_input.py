@@ -149,6 +149,15 @@ def test_wrong_versions_are_named(msg, version):
         P.decode(msgspec.msgpack.encode(d))
 
 
+def test_a_layout_off_the_wire_names_its_memory():
+    """A request whose layout names no memory regions is refused at decode: without them no
+    address the map names could be checked before a byte moves."""
+    d = msgspec.to_builtins(_valid_messages()[0])
+    d["layout"]["regions"] = []
+    with pytest.raises(P.ProtocolError, match=r"\$\.layout\.regions"):
+        P.decode(msgspec.msgpack.encode(d))
+
+
 def test_oversized_messages_are_refused_before_parsing():
     big = b"\x91" + b"\xc4\x00" * (P.MAX_MESSAGE_BYTES // 2 + 1)
     with pytest.raises(P.ProtocolError, match="exceeds the .*-byte limit"):
@@ -389,7 +398,8 @@ def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
     n = draw(st.integers(1, 4 * tpb))
     need = -(-n // tpb)
     good = draw(st.lists(st.integers(first_block, nblocks - 1), min_size=need, max_size=need))
-    what = draw(st.sampled_from(["outside_pool", "negative", "past_the_end", "inverted", "layout", "no_layout_geometry"]))
+    what = draw(st.sampled_from(["outside_pool", "negative", "past_the_end", "inverted", "layout", "no_layout_geometry",
+                                      "no_regions"]))
     d = _request_dict(0, session, layout, good, n)
     if what == "outside_pool":
         d["block_ids"] = good[:-1] + [draw(st.integers(nblocks, 2**31 - 1))]
@@ -403,6 +413,8 @@ def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
         key = draw(st.sampled_from(["num_blocks", "block_stride", "tokens_per_block", "base", "regions", "dtype",
                                     "head_dim", "kv_factor"]))
         d["layout"] = {**layout, key: draw(st.one_of(HOSTILE_VALUES, st.integers(2**40, 2**62)))}
+    elif what == "no_regions":  # the right addresses, but no memory to check them against
+        d["layout"] = {**layout, "regions": []}
     else:
         d["layout"] = {k: v for k, v in layout.items() if k not in ("base", "num_blocks")}
     return d, what
