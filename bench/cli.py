@@ -182,7 +182,7 @@ def _bench_sglang(args: argparse.Namespace) -> int:
         "kvbridge bench sglang",
         lambda say: bench_sglang(tokens=args.tokens, tp_tokens=args.tp_tokens, layers=args.layers, reps=reps,
                                  mc_tcp_max_queued=args.mc_tcp_max_queued, sweep=sweep, sweep_layers=sweep_layers,
-                                 progress=say),
+                                 progress=say, nixl_tls=args.nixl_tls),
         args.json, sglang_steps(reps, sweep),
     )
     _stash(args, "sglang", res)
@@ -193,15 +193,17 @@ def _bench_sglang(args: argparse.Namespace) -> int:
         return 0
     g = res["geometry"]
     print_table(
-        f"sglang: kvbridge vs SGLang's Mooncake backend, {g['tokens']} tokens (TP 2->1: {g['tp_tokens']}), "
+        f"sglang: kvbridge vs SGLang's Mooncake and NIXL backends, {g['tokens']} tokens (TP 2->1: {g['tp_tokens']}), "
         f"{g['layers']} layers x {g['heads']} heads x {g['head_dim']}, page {g['page_size']}, Mooncake TCP loopback",
         res,
-        ["kvbridge_gbps", "sglang_mooncake_gbps", "ratio", "kvbridge_segments_same_tp", "sglang_segments_same_tp",
+        ["kvbridge_gbps", "sglang_mooncake_gbps", "ratio", "sglang_nixl_gbps", "ratio_vs_nixl",
+         "kvbridge_segments_same_tp", "sglang_segments_same_tp",
          "kvbridge_segments_tp2to1", "sglang_segments_tp2to1", "segments_ratio_tp2to1", "kvbridge_plan_tp2to1",
          "kvbridge_gbps_tp2to1", "sglang_mooncake_gbps_tp2to1", "ratio_tp2to1", "verified"],
     )
     for p in res["per_length"]:
-        print(f"  {p['tokens']:>6} tokens: kvbridge {p['kvbridge_gbps']} GB/s, SGLang mooncake {p['sglang_mooncake_gbps']} GB/s")
+        print(f"  {p['tokens']:>6} tokens: kvbridge {p['kvbridge_gbps']} GB/s, SGLang mooncake {p['sglang_mooncake_gbps']} GB/s"
+              + (f", SGLang NIXL {p['sglang_nixl_gbps']} GB/s" if "sglang_nixl_gbps" in p else ""))
     for f in res.get("plots", []):
         print(f"chart: {f}")
     return 0 if all(res["verified"].values()) else 1
@@ -450,6 +452,9 @@ def add_commands(sub) -> None:
         b.add_argument("--layers", type=int, default=8, help="sglang: layers of the KV pools")
         b.add_argument("--mc-tcp-max-queued", type=int, default=None,
                        help="sglang: MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER for the worker processes (default: Mooncake's)")
+        b.add_argument("--nixl-tls", default="tcp",
+                       help="sglang: UCX_TLS for SGLang's NIXL backend (default tcp, as the Mooncake backends here; "
+                            "'' lets UCX choose, shared memory on one host)")
         _load_args(b)
         b.add_argument("--markdown", metavar="FILE", help="load: also write its section of the reliability report into FILE")
         b.set_defaults(func=_bench_all if name == "all" else BENCHES[name])

@@ -125,8 +125,8 @@ def plot_transfer(res: dict, out_dir: str, sglang: dict | None = None) -> list[s
 
 
 def plot_sglang(res: dict, out_dir: str) -> list[str]:
-    """From ``bench_sglang`` output with ``per_length``: both SGLang backends' effective
-    GB/s against prompt length."""
+    """From ``bench_sglang`` output with ``per_length``: every backend's effective GB/s
+    against prompt length."""
     os.makedirs(out_dir, exist_ok=True)
     pts = res["per_length"]
     sg = res["geometry"]
@@ -136,6 +136,9 @@ def plot_sglang(res: dict, out_dir: str) -> list[str]:
                [p.get("sglang_mooncake_gbps_range") for p in pts]),
               (f"kvbridge as SGLang backend, {pair}", "v:", sl, [p["kvbridge_gbps"] for p in pts],
                [p.get("kvbridge_gbps_range") for p in pts])]
+    if pts[0].get("sglang_nixl_gbps") is not None:
+        series.append((f"SGLang's own NIXL backend ({res['nixl']['transport']}), {pair}", "s--", sl,
+                       [p["sglang_nixl_gbps"] for p in pts], [p.get("sglang_nixl_gbps_range") for p in pts]))
     notes = [_where() + "; points: medians, bars: min..max over the runs.",
              f"{pts[0].get('layers', sg['layers'])} layers x {sg['heads']} x {sg['head_dim']}, {sg['dtype']}; real SGLang "
              f"pools and KVManager/Sender/Receiver; send_metadata -> Success on decode."]

@@ -1,5 +1,5 @@
 """``kvbridge bench sglang``: kvbridge's SGLang backend against SGLang's own Mooncake
-backend, side by side, in one run.
+backend and, where NIXL is installed, SGLang's own NIXL backend, side by side, in one run.
 
 Both backends are driven identically, by the same worker processes, in the call order
 of SGLang's schedulers (prefill.py / decode.py, sglang 0.5.23): real ``MHATokenToKVPool``
@@ -9,6 +9,13 @@ case and, over it, one manager of each backend (``KVBridgeKVManager`` and SGLang
 ``MooncakeKVManager`` with SGLang's shared transfer engine), so both move the very same
 bytes between the very same addresses. Transfers alternate between the backends (the
 order flips every rep), medians over ``reps``.
+
+SGLang's NIXL backend (``NixlKVManager``, UCX) runs over the same pools registered as host
+memory (``DRAM``), with UCX's transports limited by ``nixl_tls`` (default ``tcp``, the
+transport the Mooncake backends use here; ``""`` lets UCX choose, shared memory on one
+host). It runs the same-TP and sweep cases; TP 2 -> 1 into host memory SGLang refuses
+(``NotImplementedError`` "heterogeneous-TP direct-to-host KV transfer", sglang 0.5.23
+``disaggregation/nixl/conn.py``), so that case leaves it out and says so.
 
 Cases:
 
@@ -54,12 +61,23 @@ __all__ = ["bench_sglang", "sglang_steps"]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("kvbridge", "sglang_mooncake")
+BACKENDS = ("kvbridge", "sglang_mooncake", "sglang_nixl")
+NIXL_TP2TO1 = ("SGLang's NIXL backend refuses TP 2 -> 1 into host memory: NotImplementedError 'NIXL "
+               "heterogeneous-TP direct-to-host KV transfer is not implemented safely yet' (sglang 0.5.23 "
+               "disaggregation/nixl/conn.py)")
+
+
+def nixl_installed() -> bool:
+    """Whether the ``nixl`` package (its meta package and a backend wheel) can be found."""
+    import importlib.util
+
+    return importlib.util.find_spec("nixl") is not None
 ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",
     "MC_FORCE_TCP": "1",
     "MOONCAKE_PROTOCOL": "tcp",
     "MC_LOG_LEVEL": "WARNING",
+    "NIXL_LOG_LEVEL": "WARN",  # NIXL's Python logger writes to stdout, where `--json` prints
     "NO_PROXY": "127.0.0.1,localhost",
 }
 
@@ -126,8 +144,8 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
     dst_pages = list(range(1, npages + 1))
     want = [p.call("digest", src_pages, 1)[0] for p in pre]  # per prefill rank, its heads
     res = {b: {"seconds": [], "send_s": [], "ok": 0, "failed": 0, "verified": 0, "reasons": [], "pieces": None,
-               "record": None, "engine": []} for b in BACKENDS}
-    order = list(BACKENDS)
+               "record": None, "engine": []} for b in case["backends"]}
+    order = list(case["backends"])
     for i in range(reps + 1):  # rep 0 warms up connections; not timed
         for backend in order:
             room = next(room_ids)
@@ -157,7 +175,7 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
                 r["reasons"].append(f"room {room}: decode pages or metadata row differ from the prefill's")
             if backend == "sglang_mooncake":
                 r["pieces"] = [s["pieces"] for s in served]
-            else:
+            elif backend == "kvbridge":
                 r["record"] = pulled.get("record")
             if i > 0:
                 r["seconds"].append(pulled["seconds"])
@@ -165,7 +183,7 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
                 if backend == "sglang_mooncake":  # where SGLang's time went, per prefill rank
                     r["engine"].append([{"send_to_first_write_s": round(x["pieces"]["send_to_first_write_s"] or 0, 4),
                                          "engine_write_s": round(x["pieces"]["kv_write_s"] or 0, 4)} for x in served])
-                else:
+                elif backend == "kvbridge":
                     rec = pulled.get("record") or {}
                     r["engine"].append({"decode_scatter_s": round(rec.get("repack_s") or 0.0, 4)})
         order.reverse()
@@ -175,9 +193,10 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
     return res
 
 
-def sglang_steps(reps: int, sweep: tuple[int, ...] = ()) -> int:
+def sglang_steps(reps: int, sweep: tuple[int, ...] = (), nixl: bool | None = None) -> int:
     """How many times ``bench_sglang`` calls ``progress`` (for a progress bar)."""
-    return 1 + (2 + len(sweep)) * (reps + 1) * len(BACKENDS)
+    nixl = nixl_installed() if nixl is None else nixl
+    return 1 + (2 + len(sweep)) * (reps + 1) * 2 + (1 + len(sweep)) * (reps + 1) * int(nixl)
 
 
 def bench_sglang(
@@ -196,6 +215,8 @@ def bench_sglang(
     sweep_layers: int | None = None,
     progress: Callable[[str], None] | None = None,
     keep: dict | None = None,
+    nixl: bool | None = None,
+    nixl_tls: str = "tcp",
 ) -> dict:
     """Run the benchmark in three spawned worker processes; returns a JSON-ready dict.
     ``keep``: filled per (case name, backend) with the last transfer's token rows on each
@@ -206,7 +227,9 @@ def bench_sglang(
     larger ``tp_tokens``). It applies to the whole process, hence to both backends.
     ``sweep``: prompt lengths of the same-TP case measured again, one case each, with
     ``sweep_layers`` layers (default ``layers``; ``kvbridge bench all`` passes the transfer
-    suite's, so both sweeps move the same bytes per token)."""
+    suite's, so both sweeps move the same bytes per token).
+    ``nixl``: run SGLang's NIXL backend too (``None``: where the ``nixl`` package is
+    installed); ``nixl_tls``: UCX's ``UCX_TLS`` for it (``""``: UCX's own choice)."""
     if any(int(n) <= 0 for n in sweep):
         raise ValueError(f"sweep lengths must be positive, got {list(sweep)}")
     say = progress or (lambda _m: None)
@@ -220,24 +243,29 @@ def bench_sglang(
     env = {**ENV, "KVBRIDGE_RECV_STAGING_BYTES": str(staging)}
     if mc_tcp_max_queued:
         env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(int(mc_tcp_max_queued))
+    nixl = nixl_installed() if nixl is None else nixl
+    if nixl and nixl_tls:
+        env["UCX_TLS"] = nixl_tls
+    run_backends = BACKENDS if nixl else BACKENDS[:2]
     ctx = mp.get_context("spawn")
     say("starting workers (each imports SGLang)")
     peers = [_Peer(ctx, env, f"sglang-bench-{i}") for i in range(3)]
-    base = 20000 + random.randint(0, 4000) * 4
+    base = 20000 + random.randint(0, 2000) * 8
     rooms = iter(range(random.randint(1 << 20, 1 << 30), 1 << 31))
     try:
         import_s = [p.recv(300)[1] for p in peers]
         geom = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size)
 
-        def case(name, ntok, p_tp, port0, seed, **over):
+        def case(name, ntok, p_tp, port0, seed, backends=run_backends, **over):
             slots = (-(-ntok // page_size) + 2) * page_size
-            return dict(name=name, tokens=ntok, p_tp=p_tp, d_tp=1, slots=slots, seed=seed,
-                        ports={"kvbridge": port0, "sglang_mooncake": port0 + 1}, **{**geom, **over})
+            return dict(name=name, tokens=ntok, p_tp=p_tp, d_tp=1, slots=slots, seed=seed, backends=backends,
+                        ports={b: port0 + i for i, b in enumerate(BACKENDS)}, **{**geom, **over})
 
         same = _run_case([peers[0], peers[2]], case("same_tp", tokens, 1, base, 1), reps, timeout_s, say, rooms, keep)
-        tp21 = _run_case(peers, case("tp2to1", tp_tokens, 2, base + 2, 2), reps, timeout_s, say, rooms, keep)
+        tp21 = _run_case(peers, case("tp2to1", tp_tokens, 2, base + 3, 2, backends=BACKENDS[:2]), reps, timeout_s,
+                         say, rooms, keep)
         s_layers = sweep_layers or layers
-        swept = [(int(n), _run_case([peers[0], peers[2]], case(f"sweep {n} tokens", int(n), 1, base + 4 + 2 * i, 3 + i,
+        swept = [(int(n), _run_case([peers[0], peers[2]], case(f"sweep {n} tokens", int(n), 1, base + 6 + 3 * i, 3 + i,
                                                                layers=s_layers), reps, timeout_s, say, rooms))
                  for i, n in enumerate(sweep)]
     finally:
@@ -256,6 +284,8 @@ def bench_sglang(
     def summary(res: dict, nbytes: int) -> dict:
         out = {}
         for b in BACKENDS:
+            if b not in res:
+                continue
             r = res[b]
             out[b] = {"gbps": gbps(nbytes, r["seconds"]), "median_ms": round(_median(r["seconds"]) * 1e3, 2) if r["seconds"] else None,
                       "send_to_success_median_ms": round(_median(r["send_s"]) * 1e3, 2) if r["send_s"] else None,
@@ -268,8 +298,10 @@ def bench_sglang(
     tp_bytes = tp_tokens * token_bytes
     s_same, s_tp = summary(same, same_bytes), summary(tp21, tp_bytes)
 
-    def ratio(s):
-        a, b = s["kvbridge"]["gbps"], s["sglang_mooncake"]["gbps"]
+    def ratio(s, other="sglang_mooncake"):
+        if other not in s:
+            return None
+        a, b = s["kvbridge"]["gbps"], s[other]["gbps"]
         return round(a / b, 3) if a and b else None
 
     def kvb_segments(res):
@@ -283,25 +315,30 @@ def bench_sglang(
     tp_pages = -(-tp_tokens // page_size)
     sgl_expected = 2 * tp_pages * page_size * layers * 2  # send_kvcache_slice: per rank, token slot x layer x K/V
     kseg, sseg = kvb_segments(tp21), sgl_pieces(tp21)
-    verified = {b: all(c[b]["verified"] == reps + 1 for c in [same, tp21] + [r for _, r in swept]) for b in BACKENDS}
+    verified = {b: all(c[b]["verified"] == reps + 1 for c in [same, tp21] + [r for _, r in swept] if b in c) for b in run_backends}
     per_length = []
     sweep_token_bytes = token_bytes // layers * (sweep_layers or layers)
     for n, r in swept:
         sm = summary(r, n * sweep_token_bytes)
         per_length.append({"tokens": n, "bytes": n * sweep_token_bytes, "layers": sweep_layers or layers,
-                           **{f"{b}_gbps": sm[b]["gbps"] for b in BACKENDS},
-                           **{f"{b}_median_ms": sm[b]["median_ms"] for b in BACKENDS},
+                           **{f"{b}_gbps": sm[b]["gbps"] for b in run_backends},
+                           **{f"{b}_median_ms": sm[b]["median_ms"] for b in run_backends},
                            **{f"{b}_gbps_range": [round(n * sweep_token_bytes / max(r[b]["seconds"]) / 1e9, 4),
                                                   round(n * sweep_token_bytes / min(r[b]["seconds"]) / 1e9, 4)]
-                              if r[b]["seconds"] else None for b in BACKENDS},
+                              if r[b]["seconds"] else None for b in run_backends},
                            "runs": reps,
-                           "verified": {b: r[b]["verified"] == reps + 1 for b in BACKENDS}})
+                           "verified": {b: r[b]["verified"] == reps + 1 for b in run_backends}})
     return {
         "geometry": {**geom, "tokens": tokens, "tp_tokens": tp_tokens, "transport": "mooncake tcp 127.0.0.1",
                      "pages": "contiguous 1..N on both sides", "bytes_same_tp": same_bytes, "bytes_tp2to1": tp_bytes},
         "kvbridge_gbps": s_same["kvbridge"]["gbps"],
         "sglang_mooncake_gbps": s_same["sglang_mooncake"]["gbps"],
         "ratio": ratio(s_same),
+        "sglang_nixl_gbps": s_same["sglang_nixl"]["gbps"] if nixl else None,
+        "ratio_vs_nixl": ratio(s_same, "sglang_nixl"),
+        "nixl": {"ran": nixl, "transport": f"UCX, UCX_TLS={nixl_tls or '(UCX chooses)'}, host memory (DRAM)",
+                 "tp2to1": NIXL_TP2TO1} if nixl else
+                {"ran": False, "why": "the nixl package is not installed (it is pinned in requirements/sglang.txt)"},
         "kvbridge_segments_same_tp": kvb_segments(same),
         "kvbridge_plan_same_tp": (same["kvbridge"]["record"] or {}).get("plan"),
         "sglang_segments_same_tp": sgl_pieces(same),

@@ -2,7 +2,8 @@
 
 It plays one SGLang scheduler rank: real ``MHATokenToKVPool`` pools, ``KVArgs`` filled as
 ``_init_kv_manager`` fills them, SGLang's bootstrap server, and over one pool one manager
-of each backend (``KVBridgeKVManager`` and SGLang's ``MooncakeKVManager``). In this
+of each backend the case names (``KVBridgeKVManager``, SGLang's ``MooncakeKVManager`` and,
+where NIXL is installed, SGLang's ``NixlKVManager`` over host memory). In this
 process only, SGLang's transfer engine's ``batch_transfer_sync`` and its manager's aux
 sender are wrapped to count the pieces each backend writes (``_instrument_engine``,
 ``_instrument_aux``); nothing of SGLang is patched in the parent or in a serving process.
@@ -25,7 +26,7 @@ __all__ = ["SinglePPGroup", "failure_reason", "poll_until", "worker_main"]
 log = logging.getLogger(__name__)
 
 # aux (metadata) rows per backend, so the two never share one
-_AUX = {"kvbridge": 1, "sglang_mooncake": 2}
+_AUX = {"kvbridge": 1, "sglang_mooncake": 2, "sglang_nixl": 3}
 
 
 class SinglePPGroup:
@@ -167,6 +168,7 @@ class _Rank:
             setup_state_kv_args(a, self.pool, None, total_kv_layers=case["layers"])
             a.ib_device = None
             a.gpu_id = None
+            a.kv_data_mem_kinds = ["DRAM"] * len(a.kv_data_ptrs)  # host pools (decode.py 629-669 sets it the same way)
             return a
 
         def publish(backend: str, key: str) -> ServerArgs:
@@ -198,6 +200,17 @@ class _Rank:
             _instrument_aux(mgr)
             self.mgr["sglang_mooncake"] = mgr
             self.cls["sglang_mooncake"] = (MooncakeKVSender, MooncakeKVReceiver)
+            if "sglang_nixl" in case["backends"]:  # SGLang's NIXL backend (UCX), host memory on both sides
+                from sglang.srt.disaggregation.nixl.conn import (NixlKVBootstrapServer, NixlKVManager, NixlKVReceiver,
+                                                                 NixlKVSender)
+
+                sa = publish("nixl", "sglang_nixl")
+                if role == "prefill" and rank == 0:
+                    self.servers.append(NixlKVBootstrapServer(host="127.0.0.1", port=case["ports"]["sglang_nixl"]))
+                nargs = kv_args()
+                nargs.gpu_id = 0  # the scheduler's gpu_id on a CPU server; NIXL sends it as an integer
+                self.mgr["sglang_nixl"] = NixlKVManager(nargs, mode, sa, False)
+                self.cls["sglang_nixl"] = (NixlKVSender, NixlKVReceiver)
         except Exception:
             _ABANDONED.extend(self.close())
             raise
