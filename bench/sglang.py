@@ -1,7 +1,7 @@
 """``kvbridge bench sglang``: kvbridge's SGLang backend against SGLang's own Mooncake
 backend and, where NIXL is installed, SGLang's own NIXL backend, side by side, in one run.
 
-Both backends are driven identically, by the same worker processes, in the call order
+The backends are driven identically, in the call order
 of SGLang's schedulers (prefill.py / decode.py, sglang 0.5.23): real ``MHATokenToKVPool``
 pools, ``KVArgs`` filled as ``_init_kv_manager`` fills them, SGLang's bootstrap servers,
 the same page ids, Mooncake TCP on 127.0.0.1. Each worker process holds ONE pool per
@@ -10,12 +10,16 @@ case and, over it, one manager of each backend (``KVBridgeKVManager`` and SGLang
 bytes between the very same addresses. Transfers alternate between the backends (the
 order flips every rep), medians over ``reps``.
 
-SGLang's NIXL backend (``NixlKVManager``, UCX) runs over the same pools registered as host
-memory (``DRAM``), with UCX's transports limited by ``nixl_tls`` (default ``tcp``, the
-transport the Mooncake backends use here; ``""`` lets UCX choose, shared memory on one
-host). It runs the same-TP and sweep cases; TP 2 -> 1 into host memory SGLang refuses
-(``NotImplementedError`` "heterogeneous-TP direct-to-host KV transfer", sglang 0.5.23
-``disaggregation/nixl/conn.py``), so that case leaves it out and says so.
+SGLang's NIXL backend (``NixlKVManager``, UCX) runs in a pair of worker processes of its
+own, over pools of the same geometry and the same seeded bytes registered as host memory
+(``DRAM``), with UCX's transports limited by ``nixl_tls`` (default ``tcp``, the transport
+the Mooncake backends use here; ``""`` lets UCX choose: shared memory on one host). An
+idle UCX agent spins its progress thread (on this 2-core class it slowed a two-thread copy
+in another process 1.4-1.8x), so those two processes are stopped (SIGSTOP) while the other
+backends transfer, and resumed for NIXL's own transfers, which take their turn in the same
+alternation. It runs the same-TP and sweep cases; TP 2 -> 1 into host memory SGLang
+refuses (``NotImplementedError`` "heterogeneous-TP direct-to-host KV transfer", sglang
+0.5.23 ``disaggregation/nixl/conn.py``), so that case leaves it out and says so.
 
 Cases:
 
@@ -50,7 +54,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import random
+import signal
 import statistics
 import time
 from typing import Callable
@@ -126,28 +132,51 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, room_ids, keep: dict | None = None) -> dict:
+class _Group:
+    """The worker processes one or more backends run in: prefill ranks and one decode rank.
+    A group with ``paused`` set is held stopped (SIGSTOP) while other groups transfer."""
+
+    def __init__(self, backends: tuple[str, ...], pre: list[_Peer], dec: _Peer, paused: bool = False):
+        self.backends, self.pre, self.dec, self.paused = backends, pre, dec, paused
+
+    def signal(self, sig) -> None:
+        if self.paused:
+            for p in self.pre + [self.dec]:
+                os.kill(p.proc.pid, sig)
+            if sig == signal.SIGCONT:
+                time.sleep(0.05)  # its threads run again before the clock starts
+
+
+def _run_case(groups: list[_Group], case: dict, reps: int, timeout: float, say, room_ids, keep: dict | None = None) -> dict:
     """Set a case up on the workers, transfer (warm-up + ``reps`` per backend, alternating),
     verify every transfer, tear down. Returns per-backend samples and checks. ``keep``:
     per backend, the last successful transfer's rows (``rows``) of each prefill rank and of
     the decode, for a check outside the bench."""
     p_tp, d_tp, ps = case["p_tp"], case["d_tp"], case["page_size"]
-    pre, dec = peers[:p_tp], peers[p_tp:p_tp + d_tp]
     assert d_tp == 1, "the decode side is one rank here"
-    d = dec[0]
     setup_s = {}
-    for rank, p in enumerate(pre):  # rank 0 starts the bootstrap servers
-        setup_s[f"prefill{rank}"] = p.call("setup", "prefill", case, rank)
-    setup_s["decode"] = d.call("setup", "decode", case, 0)
     npages = -(-case["tokens"] // ps)
     src_pages = list(range(1, npages + 1))
     dst_pages = list(range(1, npages + 1))
-    want = [p.call("digest", src_pages, 1)[0] for p in pre]  # per prefill rank, its heads
+    want, group_of = {}, {}
+    for g in groups:
+        g.signal(signal.SIGCONT)
+        sub = {**case, "backends": g.backends}
+        for rank, p in enumerate(g.pre):  # rank 0 starts the bootstrap servers
+            setup_s[f"prefill{rank}" + ("" if not g.paused else "_" + "_".join(g.backends))] = p.call("setup", "prefill", sub, rank)
+        setup_s["decode" + ("" if not g.paused else "_" + "_".join(g.backends))] = g.dec.call("setup", "decode", sub, 0)
+        digests = [p.call("digest", src_pages, 1)[0] for p in g.pre]  # per prefill rank, its heads
+        g.signal(signal.SIGSTOP)
+        for b in g.backends:
+            want[b], group_of[b] = digests, g
     res = {b: {"seconds": [], "send_s": [], "ok": 0, "failed": 0, "verified": 0, "reasons": [], "pieces": None,
-               "record": None, "engine": []} for b in case["backends"]}
-    order = list(case["backends"])
+               "record": None, "engine": []} for b in group_of}
+    order = list(group_of)
     for i in range(reps + 1):  # rep 0 warms up connections; not timed
         for backend in order:
+            g = group_of[backend]
+            pre, d = g.pre, g.dec
+            g.signal(signal.SIGCONT)
             room = next(room_ids)
             say(f"{case['name']}: {backend} {'warm-up' if i == 0 else f'rep {i}/{reps}'}")
             d.call("zero", dst_pages)
@@ -163,13 +192,14 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
                 r["failed"] += 1
                 r["reasons"].append(pulled.get("reason") or next(s["reason"] for s in served if not s["ok"]))
                 log.warning("%s %s failed: %s", case["name"], backend, r["reasons"][-1])
+                g.signal(signal.SIGSTOP)
                 continue
             r["ok"] += 1
             if keep is not None:
                 keep[(case["name"], backend)] = {"prefill": [p.call("rows", src_pages) for p in pre],
                                                  "decode": d.call("rows", dst_pages), "tokens": case["tokens"]}
             got = d.call("digest", dst_pages, p_tp)
-            good = got == want and pulled["output_id"] == first
+            good = got == want[backend] and pulled["output_id"] == first
             r["verified"] += int(good)
             if not good:
                 r["reasons"].append(f"room {room}: decode pages or metadata row differ from the prefill's")
@@ -186,9 +216,13 @@ def _run_case(peers: list[_Peer], case: dict, reps: int, timeout: float, say, ro
                 elif backend == "kvbridge":
                     rec = pulled.get("record") or {}
                     r["engine"].append({"decode_scatter_s": round(rec.get("repack_s") or 0.0, 4)})
+            g.signal(signal.SIGSTOP)
         order.reverse()
-    for p in pre + [d]:
-        p.call("teardown")
+    for g in groups:
+        g.signal(signal.SIGCONT)
+        for p in g.pre + [g.dec]:
+            p.call("teardown")
+        g.signal(signal.SIGSTOP)
     res["setup_s"] = setup_s
     return res
 
@@ -218,7 +252,8 @@ def bench_sglang(
     nixl: bool | None = None,
     nixl_tls: str = "tcp",
 ) -> dict:
-    """Run the benchmark in three spawned worker processes; returns a JSON-ready dict.
+    """Run the benchmark in spawned worker processes (three, five with NIXL); returns a
+    JSON-ready dict.
     ``keep``: filled per (case name, backend) with the last transfer's token rows on each
     side (see ``_run_case``).
 
@@ -249,27 +284,37 @@ def bench_sglang(
     run_backends = BACKENDS if nixl else BACKENDS[:2]
     ctx = mp.get_context("spawn")
     say("starting workers (each imports SGLang)")
-    peers = [_Peer(ctx, env, f"sglang-bench-{i}") for i in range(3)]
+    # 0, 1: prefill ranks, 2: decode (kvbridge and SGLang's Mooncake backend); 3, 4: prefill and
+    # decode of SGLang's NIXL backend, stopped while the others transfer: an idle UCX agent
+    # spins its progress thread, which would take a core from them
+    peers = [_Peer(ctx, env, f"sglang-bench-{i}") for i in range(5 if nixl else 3)]
     base = 20000 + random.randint(0, 2000) * 8
     rooms = iter(range(random.randint(1 << 20, 1 << 30), 1 << 31))
     try:
         import_s = [p.recv(300)[1] for p in peers]
         geom = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size)
 
-        def case(name, ntok, p_tp, port0, seed, backends=run_backends, **over):
+        def case(name, ntok, p_tp, port0, seed, **over):
             slots = (-(-ntok // page_size) + 2) * page_size
-            return dict(name=name, tokens=ntok, p_tp=p_tp, d_tp=1, slots=slots, seed=seed, backends=backends,
+            return dict(name=name, tokens=ntok, p_tp=p_tp, d_tp=1, slots=slots, seed=seed,
                         ports={b: port0 + i for i, b in enumerate(BACKENDS)}, **{**geom, **over})
 
-        same = _run_case([peers[0], peers[2]], case("same_tp", tokens, 1, base, 1), reps, timeout_s, say, rooms, keep)
-        tp21 = _run_case(peers, case("tp2to1", tp_tokens, 2, base + 3, 2, backends=BACKENDS[:2]), reps, timeout_s,
-                         say, rooms, keep)
+        one_to_one = [_Group(BACKENDS[:2], [peers[0]], peers[2])]
+        if nixl:
+            one_to_one.append(_Group(BACKENDS[2:], [peers[3]], peers[4], paused=True))
+        same = _run_case(one_to_one, case("same_tp", tokens, 1, base, 1), reps, timeout_s, say, rooms, keep)
+        tp21 = _run_case([_Group(BACKENDS[:2], peers[:2], peers[2])], case("tp2to1", tp_tokens, 2, base + 3, 2),
+                         reps, timeout_s, say, rooms, keep)
         s_layers = sweep_layers or layers
-        swept = [(int(n), _run_case([peers[0], peers[2]], case(f"sweep {n} tokens", int(n), 1, base + 6 + 3 * i, 3 + i,
-                                                               layers=s_layers), reps, timeout_s, say, rooms))
+        swept = [(int(n), _run_case(one_to_one, case(f"sweep {n} tokens", int(n), 1, base + 6 + 3 * i, 3 + i,
+                                                     layers=s_layers), reps, timeout_s, say, rooms))
                  for i, n in enumerate(sweep)]
     finally:
         for p in peers:
+            try:
+                os.kill(p.proc.pid, signal.SIGCONT)  # a stopped worker cannot stop itself
+            except OSError:
+                pass
             try:
                 p.conn.send(("stop",))
             except (BrokenPipeError, OSError):

@@ -184,33 +184,33 @@ class _Rank:
         self.mgr: dict = {}
         self.cls: dict = {}
         try:
-            # kvbridge (CommonKVManager reads the bootstrap port from the published context)
-            sa = publish("kvbridge", "kvbridge")
-            if role == "prefill" and rank == 0:
-                self.servers.append(KVBridgeKVBootstrapServer(host="127.0.0.1", port=case["ports"]["kvbridge"]))
-            self.mgr["kvbridge"] = KVBridgeKVManager(kv_args(), mode, sa, False)
-            self.cls["kvbridge"] = (KVBridgeKVSender, KVBridgeKVReceiver)
-            # SGLang's Mooncake backend, with its shared transfer engine (instrumented)
-            sa = publish("mooncake", "sglang_mooncake")
-            maybe_init_shared_mooncake_transfer_engine(gpu_id=None)
-            _instrument_engine(get_mooncake_transfer_engine())
-            if role == "prefill" and rank == 0:
-                self.servers.append(MooncakeKVBootstrapServer(host="127.0.0.1", port=case["ports"]["sglang_mooncake"]))
-            mgr = MooncakeKVManager(kv_args(), mode, sa, False)
-            _instrument_aux(mgr)
-            self.mgr["sglang_mooncake"] = mgr
-            self.cls["sglang_mooncake"] = (MooncakeKVSender, MooncakeKVReceiver)
-            if "sglang_nixl" in case["backends"]:  # SGLang's NIXL backend (UCX), host memory on both sides
-                from sglang.srt.disaggregation.nixl.conn import (NixlKVBootstrapServer, NixlKVManager, NixlKVReceiver,
-                                                                 NixlKVSender)
+            for backend in case["backends"]:
+                args = kv_args()
+                if backend == "kvbridge":  # CommonKVManager reads the bootstrap port from the published context
+                    sa = publish("kvbridge", "kvbridge")
+                    server, manager = KVBridgeKVBootstrapServer, KVBridgeKVManager
+                    self.cls[backend] = (KVBridgeKVSender, KVBridgeKVReceiver)
+                elif backend == "sglang_mooncake":  # with SGLang's shared transfer engine (instrumented)
+                    sa = publish("mooncake", "sglang_mooncake")
+                    maybe_init_shared_mooncake_transfer_engine(gpu_id=None)
+                    _instrument_engine(get_mooncake_transfer_engine())
+                    server, manager = MooncakeKVBootstrapServer, MooncakeKVManager
+                    self.cls[backend] = (MooncakeKVSender, MooncakeKVReceiver)
+                elif backend == "sglang_nixl":  # SGLang's NIXL backend (UCX), host memory on both sides
+                    from sglang.srt.disaggregation.nixl.conn import (NixlKVBootstrapServer, NixlKVManager,
+                                                                     NixlKVReceiver, NixlKVSender)
 
-                sa = publish("nixl", "sglang_nixl")
+                    sa = publish("nixl", "sglang_nixl")
+                    args.gpu_id = 0  # the scheduler's gpu_id on a CPU server; NIXL sends it as an integer
+                    server, manager = NixlKVBootstrapServer, NixlKVManager
+                    self.cls[backend] = (NixlKVSender, NixlKVReceiver)
+                else:
+                    raise ValueError(f"unknown backend {backend!r}")
                 if role == "prefill" and rank == 0:
-                    self.servers.append(NixlKVBootstrapServer(host="127.0.0.1", port=case["ports"]["sglang_nixl"]))
-                nargs = kv_args()
-                nargs.gpu_id = 0  # the scheduler's gpu_id on a CPU server; NIXL sends it as an integer
-                self.mgr["sglang_nixl"] = NixlKVManager(nargs, mode, sa, False)
-                self.cls["sglang_nixl"] = (NixlKVSender, NixlKVReceiver)
+                    self.servers.append(server(host="127.0.0.1", port=case["ports"][backend]))
+                self.mgr[backend] = manager(args, mode, sa, False)
+                if backend == "sglang_mooncake":
+                    _instrument_aux(self.mgr[backend])
         except Exception:
             _ABANDONED.extend(self.close())
             raise
