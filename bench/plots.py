@@ -112,11 +112,14 @@ def plot_transfer(res: dict, out_dir: str, sglang: dict | None = None) -> list[s
                     [p["sglang_mooncake_gbps"] for p in pts], [p.get("sglang_mooncake_gbps_range") for p in pts]),
                    (f"kvbridge as SGLang backend, {pair} ({_mib(s_tok)}/token)", "v:", sl, [p["kvbridge_gbps"] for p in pts],
                     [p.get("kvbridge_gbps_range") for p in pts])]
+        if pts[0].get("sglang_nixl_gbps") is not None:
+            series.append((f"SGLang's own NIXL backend, {pair} ({_mib(s_tok)}/token)", "s--", sl,
+                           [p["sglang_nixl_gbps"] for p in pts], [p.get("sglang_nixl_gbps_range") for p in pts]))
         same = "same bytes per token" if abs(s_tok - per_tok) < 1 else f"{_mib(s_tok)} per token (differs!)"
         notes.append(f"SGLang curves: `bench sglang`, run after the transfer suite (not interleaved with it): real "
                      f"SGLang pools and KVManager/Sender/Receiver, {pts[0].get('layers', sg['layers'])} layers x "
                      f"{sg['heads']} x {sg['head_dim']} ({same}), timed from send_metadata to Success on decode; "
-                     f"the two SGLang backends alternate within that run.")
+                     f"the SGLang backends alternate within that run.")
     files = [_gbps_chart(os.path.join(out_dir, "transfer_gbps.png"), series,
                          "Effective bandwidth vs prompt length, one request at a time (measured)", notes)]
     files.append(_breakdown_chart(rows, os.path.join(out_dir, "transfer_breakdown.png"),
