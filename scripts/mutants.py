@@ -172,6 +172,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a reader trusts a rank record only as its seal carries it",
         ("tests/hostile/test_bootstrap_auth.py::test_a_reader_never_trusts_a_forged_or_altered_record",)),
     Mutation(
+        "wire-layout-regions", "common/protocol.py",
+        "Meta(min_length=1, max_length=1 << 16)]\n",
+        "Meta(max_length=1 << 16)]\n",
+        "a layout off the wire names the memory regions its addresses are checked against",
+        ("tests/hostile/test_hostile_input.py::test_a_layout_off_the_wire_names_its_memory",)),
+    Mutation(
         "bounded-peer-maps", "common/limits.py",
         "            while len(self) >= self.cap:\n",
         "            while False:\n",
