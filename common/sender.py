@@ -291,9 +291,11 @@ class KVSender(ControlSide):
 
     def _accept(self, peer: str, req: P.TransferRequest) -> None:
         cfg = self.config
+        # a refused room fails before the refusal goes out: the decode's answer to it (an
+        # engine's abort notice, on another channel) must find the room failed with this reason
         if cfg.model and req.model and req.model != cfg.model:
-            self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible")
             self._fail(req.room, f"decode peer runs model {req.model!r}", code="incompatible", notify=False)
+            self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible")
             return
         with self._lock:
             r = self._rooms.get(req.room)
@@ -327,8 +329,8 @@ class KVSender(ControlSide):
                 raise LayoutError(f"empty token range [{req.token_start}, {req.token_stop})")
         except (LayoutError, ValueError, TypeError, OverflowError) as e:  # whatever a hostile layout triggers
             reason = f"incompatible layouts: {e}"
-            self._refuse(peer, req.room, reason, "incompatible")
             self._fail(req.room, reason, code="incompatible", notify=True)
+            self._refuse(peer, req.room, reason, "incompatible")
             return
         with self._lock:
             r.targets[peer] = SendTarget(peer, req, remote, block_ranges(remote, blocks), blocks,

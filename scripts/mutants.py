@@ -172,6 +172,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a reader trusts a rank record only as its seal carries it",
         ("tests/hostile/test_bootstrap_auth.py::test_a_reader_never_trusts_a_forged_or_altered_record",)),
     Mutation(
+        "fail-before-refusal", "common/sender.py",
+        '            self._fail(req.room, reason, code="incompatible", notify=True)\n'
+        '            self._refuse(peer, req.room, reason, "incompatible")\n',
+        '            self._refuse(peer, req.room, reason, "incompatible")\n'
+        '            self._fail(req.room, reason, code="incompatible", notify=True)\n',
+        "a refused room has failed, with its reason, before the refusal goes out (an engine's abort notice "
+        "answering it cannot take the reason's place)",
+        ("tests/core/test_release_guards.py::test_a_refused_room_has_failed_before_its_refusal_goes_out",)),
+    Mutation(
         "wire-layout-regions", "common/protocol.py",
         "Meta(min_length=1, max_length=1 << 16)]\n",
         "Meta(max_length=1 << 16)]\n",

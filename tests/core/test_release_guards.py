@@ -6,6 +6,7 @@ between processes are in tests/faults/test_release_rule.py).
   then the peer may have given the room up, and no further piece goes.
 - The quiet check: a receiver whose sender failed without saying it is quiet keeps the
   room's blocks (quarantined); a quiet acknowledgement releases them, exactly once.
+- A refused room has failed, with its reason, before the refusal goes out.
 """
 
 from __future__ import annotations
@@ -74,3 +75,26 @@ def test_a_failed_sender_that_is_not_quiet_keeps_the_blocks(side):
     assert released == [([1, 2, 3, 4], False)] and recv.settled(7) and not recv.quarantine()
     recv._on_message(peer, P.TransferFailed(room=7, reason="settled", code="settled", quiet=True))
     assert len(released) == 1
+
+
+def test_a_refused_room_has_failed_before_its_refusal_goes_out(side, monkeypatch):
+    """A request the sender refuses (layouts that cannot pair) fails the room, with the
+    reason, before the refusal leaves: the decode's answer to it (SGLang's abort notice, on
+    another channel) then finds the room failed for that reason, not for the abort."""
+    sender = side(KVSender)
+    sender.add_room(11, [1, 2])
+    other = allocate_pool("sglang", layers=2, total_heads=2, head_dim=32, dtype="bf16", tokens_per_block=16,
+                          num_blocks=32, tp_size=1, tp_rank=0, seed=4)
+    req = P.TransferRequest(room=11, model="", layout=P.LayoutDescription.of(other), block_ids=[1, 2], first_token=0,
+                            token_start=0, token_stop=20, session="127.0.0.1:1", sent_at=time.time())
+    seen = []
+
+    def send(peer, msg):  # what the room looks like as each message leaves
+        seen.append((type(msg).__name__, getattr(msg, "code", ""), sender.poll(11), sender.failure_reason(11)))
+
+    monkeypatch.setattr(sender, "_send", send)
+    sender._accept("decode-peer", req)
+    refusal = [s for s in seen if s[:2] == ("TransferFailed", "incompatible")]
+    assert refusal, seen
+    state, reason = refusal[0][2:]
+    assert state is RoomState.FAILED and "head_dim" in reason, refusal
