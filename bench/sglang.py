@@ -78,6 +78,8 @@ def nixl_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("nixl") is not None
+
+
 ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",
     "MC_FORCE_TCP": "1",
@@ -162,9 +164,10 @@ def _run_case(groups: list[_Group], case: dict, reps: int, timeout: float, say, 
     for g in groups:
         g.signal(signal.SIGCONT)
         sub = {**case, "backends": g.backends}
+        tag = "_" + "_".join(g.backends) if g.paused else ""
         for rank, p in enumerate(g.pre):  # rank 0 starts the bootstrap servers
-            setup_s[f"prefill{rank}" + ("" if not g.paused else "_" + "_".join(g.backends))] = p.call("setup", "prefill", sub, rank)
-        setup_s["decode" + ("" if not g.paused else "_" + "_".join(g.backends))] = g.dec.call("setup", "decode", sub, 0)
+            setup_s[f"prefill{rank}{tag}"] = p.call("setup", "prefill", sub, rank)
+        setup_s[f"decode{tag}"] = g.dec.call("setup", "decode", sub, 0)
         digests = [p.call("digest", src_pages, 1)[0] for p in g.pre]  # per prefill rank, its heads
         g.signal(signal.SIGSTOP)
         for b in g.backends:
@@ -383,7 +386,8 @@ def bench_sglang(
         "ratio_vs_nixl": ratio(s_same, "sglang_nixl"),
         "nixl": {"ran": nixl, "transport": f"UCX, UCX_TLS={nixl_tls or '(UCX chooses)'}, host memory (DRAM)",
                  "tp2to1": NIXL_TP2TO1} if nixl else
-                {"ran": False, "why": "the nixl package is not installed (it is pinned in requirements/sglang.txt)"},
+                {"ran": False, "why": "left out (nixl=False)" if nixl_installed() else
+                 "the nixl package is not installed (it is pinned in requirements/sglang.txt)"},
         "kvbridge_segments_same_tp": kvb_segments(same),
         "kvbridge_plan_same_tp": (same["kvbridge"]["record"] or {}).get("plan"),
         "sglang_segments_same_tp": sgl_pieces(same),
