@@ -120,7 +120,8 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     for o, v in res.get("small_orders", {}).items():
         d = v["overhead_ms"]
         print(f"small request, {o}: overhead {d['median']} ms [{d['p10']}-{d['p90']}] over {d['n']} pairs "
-              f"(handoff {v['handoff_ms']['median']}, raw {v['raw_ms']['median']}): {v['what']}")
+              f"(handoff {v['handoff_ms']['median']}, raw {v['raw_ms']['median']}): {v['what']}; its path (medians): "
+              + ", ".join(f"{k} {t['median']}" for k, t in v.get("timeline_ms", {}).items()))
     if res.get("auth_cost"):
         a = res["auth_cost"]
         print(f"auth: small request sealed {a['sealed_ms']['median']} ms [{a['sealed_ms']['p10']}-{a['sealed_ms']['p90']}], "

@@ -77,12 +77,15 @@ def _bytes_per_token() -> int:
 def _timeline(recv: dict, send: dict) -> dict:
     """One handoff's critical path from both sides' records (``time.monotonic()`` is
     host-wide, so the two processes' marks compare), in seconds: ``request`` (the decode's
-    request call until the sender took it), ``first_write`` (accepting it, the send
-    worker, the plan and the first gather), ``writes`` (every part on the wire, later
-    gathers beside them), ``done`` (the TransferDone until the decode settled the room),
+    request call until its frame reached the sender: building, sealing, the control
+    channel), ``accept`` (opening and checking it until the sender took it), ``first_write``
+    (the send worker, the plan and the first gather), ``writes`` (every part on the wire,
+    later gathers beside them), ``done`` (the TransferDone handed to the control channel
+    until its frame reached the decode), ``settle`` (opening it until the room settled),
     ``wake`` (until the waiting thread ran)."""
-    return {"request": send["asked_at"] - recv["asked"], "first_write": send["wrote_at"] - send["asked_at"],
-            "writes": send["done_at"] - send["wrote_at"], "done": recv["settled"] - send["done_at"],
+    return {"request": send["heard_at"] - recv["asked"], "accept": send["asked_at"] - send["heard_at"],
+            "first_write": send["wrote_at"] - send["asked_at"], "writes": send["done_at"] - send["wrote_at"],
+            "done": recv["done_heard"] - send["done_at"], "settle": recv["settled"] - recv["done_heard"],
             "wake": recv["woke"] - recv["settled"]}
 
 
@@ -203,7 +206,7 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         reason = recv.failure_reason(room)  # before forget: after it the room is unknown
         recv.forget(room)
         return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}",
-                {"asked": rec.started, "settled": rec.finished or 0.0, "woke": woke})
+                {"asked": rec.started, "done_heard": rec.heard_at, "settled": rec.finished or 0.0, "woke": woke})
 
     def handle(cmd):
         if cmd[0] == "ask":  # SGLang's order: the request goes out before the prefill has the KV
@@ -480,14 +483,17 @@ def bench_transfer(
             big["small"].append(dt)
             small_parts.append((dt, sinfo))
         # the same request in the orders engines produce, each against the raw write just before it
-        ordered = {o: {"handoff": [], "raw": []} for o in ORDERS}
+        ordered = {o: {"handoff": [], "raw": [], "timeline": []} for o in ORDERS}
         for i in range(ORDER_PAIRS * reps):
             for o, got in ordered.items():
                 got["raw"].append(raw(small_tokens, shape=small_best))
-                got["handoff"].append(handoff(small_tokens, order=o)[0])
+                dt, oinfo = handoff(small_tokens, order=o)
+                got["handoff"].append(dt)
+                got["timeline"].append(oinfo["timeline"])
         small_orders = {o: {"overhead_ms": spread([(h - r) * 1e3 for h, r in zip(v["handoff"], v["raw"])], 0.0),
                             "handoff_ms": spread([h * 1e3 for h in v["handoff"]]),
-                            "raw_ms": spread([r * 1e3 for r in v["raw"]]), "what": ORDERS[o]}
+                            "raw_ms": spread([r * 1e3 for r in v["raw"]]), "what": ORDERS[o],
+                            "timeline_ms": {k: spread([t[k] * 1e3 for t in v["timeline"]]) for k in v["timeline"][0]}}
                         for o, v in ordered.items()}
         med = {k: statistics.median(v) for k, v in big.items()}
         # spreads: each ratio from the pair measured in the same repetition

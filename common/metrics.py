@@ -50,8 +50,11 @@ class HandoffRecord:
     digest_s: float = 0.0  # taking the content digest (sender) or taking and comparing it (receiver)
     copy_threads: int = 0  # the most threads one gather (sender) or scatter (receiver) copy ran on; 0: none ran
     # the handoff's timeline (time.monotonic(), host-wide; 0.0: not reached). Sender: the
-    # first decode request arrived, the first piece went to the transport, the last
-    # TransferDone was handed to the control channel. Receiver: ``started`` is its request.
+    # first decode request's frame arrived (``heard_at``), that request was accepted
+    # (``asked_at``), the first piece went to the transport, the last TransferDone was handed
+    # to the control channel. Receiver: ``started`` is its request, ``heard_at`` the last
+    # TransferDone's frame arriving, ``finished`` the room settled.
+    heard_at: float = 0.0
     asked_at: float = 0.0
     wrote_at: float = 0.0
     done_at: float = 0.0

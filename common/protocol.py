@@ -43,6 +43,7 @@ __all__ = [
     "decode",
     "encode",
     "pack",
+    "seal",
     "unpack",
 ]
 
@@ -355,7 +356,11 @@ CONTROL = b"control"  # the domain control frames are sealed for (kvbridge.commo
 
 def pack(msg: Message, keyring=None) -> bytes:
     """``msg`` encoded and, with a ``Keyring``, sealed: what goes on a control socket."""
-    data = encode(msg)
+    return seal(encode(msg), keyring)
+
+
+def seal(data: bytes, keyring=None) -> bytes:
+    """A message ``encode`` made, sealed with ``keyring`` (as is without one)."""
     return keyring.seal(data, CONTROL) if keyring is not None else data
 
 

@@ -159,8 +159,8 @@ class KVReceiver(ControlSide):
                 off, n = r.staging[ep]
                 msg = msgspec.structs.replace(base, staging_addr=self._staging.data_ptr() + off, staging_bytes=n)
             self._peers_seen[ep] = now  # a fresh request starts a fresh liveness window
-            if msg is base and self._keyring is None:
-                self.channel.send(ep, payload)
+            if msg is base:  # encoded and checked above: sealed, not encoded again
+                self._send_encoded(ep, payload)
             else:
                 self._send(ep, msg)
         with self._lock:
@@ -287,6 +287,7 @@ class KVReceiver(ControlSide):
                 log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
             return
         if isinstance(msg, P.TransferDone):
+            r.record.heard_at = self._frame_at
             if (msg.staged or r.verify) and r.closing_since is None:
                 with self._lock:
                     r.peers[peer] = PeerState.SCATTERING  # the sender is done writing; our scatter or check is not

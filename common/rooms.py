@@ -102,6 +102,7 @@ class ControlSide:
         # peer -> why its last frame was refused: a room that fails for its silence says so
         self._refusals = BoundedMap(MAX_PEERS, name="auth_refusals", on_evict=self._evicted, lru=True)
         self._answered = BoundedMap(MAX_PEERS, name="auth_answers", on_evict=self._evicted, lru=True)  # peer -> last refusal sent
+        self._frame_at = 0.0  # when the frame being handled arrived (I/O thread only)
         self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
                                       on_disconnect=self._on_disconnect if bind_host is None else None,
                                       name=f"kvbridge-{self.role}")
@@ -114,7 +115,12 @@ class ControlSide:
             msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
         self.channel.send(peer, P.pack(msg, self._keyring))
 
+    def _send_encoded(self, peer: str, data: bytes) -> None:
+        """Send a message already encoded (and checked) by ``P.encode``: sealed here, not encoded again."""
+        self.channel.send(peer, P.seal(data, self._keyring))
+
     def _on_frame(self, peer: str, payload: bytes) -> None:
+        self._frame_at = time.monotonic()
         try:
             msg = P.unpack(payload, self._keyring)
         except AuthError as e:

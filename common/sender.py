@@ -106,8 +106,8 @@ class KVSender(ControlSide):
             for peer in early:
                 self._refuse(peer, room, f"room {room} was declined by a decode rank", "room_failed")
             return
-        for peer, (req, _) in early.items():  # every decode rank that asked before the room existed
-            self._accept(peer, req)
+        for peer, (req, heard) in early.items():  # every decode rank that asked before the room existed
+            self._accept(peer, req, heard)
 
     def send_chunk(self, room: int, blocks, start: int, stop: int, *, last: bool, first_token: int = 0,
                    aux: dict | None = None, layers: tuple[int, int] | None = None) -> None:
@@ -230,7 +230,7 @@ class KVSender(ControlSide):
     # -- control plane (I/O thread) -----------------------------------------------------
     def _on_message(self, peer: str, msg) -> None:
         if isinstance(msg, P.TransferRequest):
-            self._accept(peer, msg)
+            self._accept(peer, msg, self._frame_at)
         elif isinstance(msg, P.Heartbeat):
             self._send(peer, P.Heartbeat(room=msg.room, sender=self.endpoint, incarnation=self.incarnation))
         elif isinstance(msg, P.Abort):
@@ -289,7 +289,8 @@ class KVSender(ControlSide):
                 return
         self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code="settled", quiet=True))
 
-    def _accept(self, peer: str, req: P.TransferRequest) -> None:
+    def _accept(self, peer: str, req: P.TransferRequest, heard: float) -> None:
+        """Take ``peer``'s request (its frame arrived at ``heard``), or refuse it."""
         cfg = self.config
         # a refused room fails before the refusal goes out: the decode's answer to it (an
         # engine's abort notice, on another channel) must find the room failed with this reason
@@ -309,7 +310,7 @@ class KVSender(ControlSide):
                     self._refuse(peer, req.room, f"room {req.room}: already {len(waiting)} decode ranks wait for it",
                                  "unknown_room")
                     return
-                waiting[peer] = (req, time.monotonic())
+                waiting[peer] = (req, heard)
                 return
             if r.state is RoomState.FAILED:
                 self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed", req.session)
@@ -336,7 +337,8 @@ class KVSender(ControlSide):
             r.targets[peer] = SendTarget(peer, req, remote, block_ranges(remote, blocks), blocks,
                                       layer_bytes=np.zeros(self.layout.num_layers, dtype=np.int64))
             r.expected = max(r.expected, req.receivers)
-            r.record.asked_at = r.record.asked_at or time.monotonic()
+            if not r.record.asked_at:
+                r.record.heard_at, r.record.asked_at = heard, time.monotonic()
             if r.state is RoomState.BOOTSTRAPPING:
                 r.state = RoomState.WAITING
         self._kick(r)

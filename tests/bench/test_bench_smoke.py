@@ -38,7 +38,7 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     assert set(st) == {"plan", "gather", "wire", "control"} and st["gather"] > 0 and st["wire"] > 0
     # and its critical path from both processes' records, in the order things happen
     tl = res["small_timeline_ms"]
-    assert list(tl) == ["request", "first_write", "writes", "done", "wake"], tl
+    assert list(tl) == ["request", "accept", "first_write", "writes", "done", "settle", "wake"], tl
     assert all(v["p10"] >= 0 for v in tl.values()), tl
     assert tl["writes"]["median"] > 0 and sum(v["median"] for v in tl.values()) <= 1.5 * res["small_handoff_ms"], tl
     # the same request in each engine's order, each handoff against the raw write before it
@@ -47,6 +47,7 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     for o in orders.values():
         assert o["overhead_ms"]["n"] == o["handoff_ms"]["n"] == o["raw_ms"]["n"] == 13, o
         assert o["handoff_ms"]["p10"] > 0 and o["raw_ms"]["p10"] > 0 and o["what"], o
+        assert list(o["timeline_ms"]) == list(tl) and all(v["p10"] >= 0 for v in o["timeline_ms"].values()), o
     # the machine's floor under the gather: one copy of the small request's bytes (64 tokens by
     # the geometry's bytes per token), and its warnings carried into the result's
     floor = res["copy_floor"]

@@ -93,7 +93,7 @@ def test_a_refused_room_has_failed_before_its_refusal_goes_out(side, monkeypatch
         seen.append((type(msg).__name__, getattr(msg, "code", ""), sender.poll(11), sender.failure_reason(11)))
 
     monkeypatch.setattr(sender, "_send", send)
-    sender._accept("decode-peer", req)
+    sender._accept("decode-peer", req, time.monotonic())
     refusal = [s for s in seen if s[:2] == ("TransferFailed", "incompatible")]
     assert refusal, seen
     state, reason = refusal[0][2:]
