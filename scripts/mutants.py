@@ -172,6 +172,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a reader trusts a rank record only as its seal carries it",
         ("tests/hostile/test_bootstrap_auth.py::test_a_reader_never_trusts_a_forged_or_altered_record",)),
     Mutation(
+        "request-sealed", "common/rooms.py",
+        "        self.channel.send(peer, P.seal(data, self._keyring))\n",
+        "        self.channel.send(peer, data)\n",
+        "a decode's request, sent from the encoding it already checked, is sealed like every other control frame",
+        ("tests/core/test_handoff.py::test_failures_end_on_both_sides_with_reasons_and_free_blocks",)),
+    Mutation(
         "fail-before-refusal", "common/sender.py",
         '            self._fail(req.room, reason, code="incompatible", notify=True)\n'
         '            self._refuse(peer, req.room, reason, "incompatible")\n',
