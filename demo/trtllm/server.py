@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 from typing import Any, Callable, Iterable, Sequence
 
@@ -32,6 +34,8 @@ from .versions import VERSIONS, site_dir
 
 __all__ = ["StandInServer", "StandInError", "run_until"]
 
+logger = logging.getLogger(__name__)
+
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -40,21 +44,42 @@ class StandInError(RuntimeError):
 
 
 def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):
-    """The connection of the rank process ``proc`` (StandInError if it dies first)."""
+    """The connection of the rank process ``proc`` (StandInError if it exits or does not
+    connect within ``timeout`` s).
+
+    A connection that fails the listener's handshake is dropped and the wait goes on: on a
+    busy host another process can reach the port (a client still reconnecting to a port the
+    OS has since handed out again), and the rank's own connection queues behind it."""
     import threading
 
     box: list = []
-    t = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not box and not stop.is_set():
+            try:
+                box.append(listener.accept())
+            except (AuthenticationError, EOFError, OSError) as e:
+                if not stop.is_set():
+                    logger.warning("stand-in: dropped a connection that failed the handshake (%s: %s)",
+                                   type(e).__name__, e)
+
+    t = threading.Thread(target=accept, daemon=True, name="standin-accept")
     t.start()
     end = time.monotonic() + timeout
-    while t.is_alive():
-        t.join(0.2)
-        if proc.poll() is not None and not box:
-            raise StandInError(f"rank process exited with {proc.returncode} before connecting")
-        if time.monotonic() > end:
-            proc.kill()
-            raise StandInError(f"rank process did not connect within {timeout:.0f} s")
-    return box[0]
+    try:
+        while not box:
+            t.join(0.2)
+            if box:
+                break
+            if proc.poll() is not None:
+                raise StandInError(f"rank process exited with {proc.returncode} before connecting")
+            if time.monotonic() > end:
+                proc.kill()
+                raise StandInError(f"rank process did not connect within {timeout:.0f} s")
+        return box[0]
+    finally:
+        stop.set()
 
 
 def _rank_env(env: dict, mode: str, rank: int) -> dict:

@@ -118,3 +118,33 @@ def test_no_transceiver_variant():
     assert not any("Transceiver" in name for name in dir(p))
     readme = (Path(p.__file__).parent / "README.md").read_text()
     assert "no cache transceiver" in readme.lower()
+
+
+def test_a_stranger_on_the_rank_port_does_not_end_the_start():
+    """A connection that reaches a rank's listener first and fails the handshake (another
+    process on the host reconnecting to a port the OS handed out again) is dropped; the
+    rank's own connection, queued behind it, is the one returned."""
+    import secrets
+    import socket
+    import struct
+    from multiprocessing.connection import Listener
+
+    from kvbridge.demo.trtllm.server import _accept
+
+    authkey = secrets.token_bytes(16)
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        host, port = listener.address
+        stranger = socket.create_connection((host, port))
+        stranger.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f")  # a ZMTP greeting
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        stranger.close()  # reset, before the rank is even started
+        code = ("import sys, time; from multiprocessing.connection import Client; "
+                f"c = Client(({host!r}, {port}), authkey=bytes.fromhex({authkey.hex()!r})); "
+                "c.send('rank'); time.sleep(60)")
+        rank = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            conn = _accept(listener, rank, 60.0)
+            assert conn.poll(30) and conn.recv() == "rank"
+        finally:
+            rank.kill()
+            rank.wait(5)
