@@ -77,7 +77,7 @@ def _bench_layout(args: argparse.Namespace) -> int:
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from kvbridge.bench.transfer import bench_transfer, transfer_steps
+    from kvbridge.bench.transfer import DATA_FIRST_GAP_S, bench_transfer, transfer_steps
 
     sweep = _lengths(args.sweep, "--sweep")
     reps = args.reps or 7  # loopback TCP here varies up to 2x between writes: medians of 7
@@ -122,6 +122,10 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         print(f"small request, {o}: overhead {d['median']} ms [{d['p10']}-{d['p90']}] over {d['n']} pairs "
               f"(handoff {v['handoff_ms']['median']}, raw {v['raw_ms']['median']}): {v['what']}; its path (medians): "
               + ", ".join(f"{k} {t['median']}" for k, t in v.get("timeline_ms", {}).items()))
+    if res.get("control_floor_ms"):
+        f = res["control_floor_ms"]
+        print(f"control floor: a bare ZMQ request and reply between the peers after {DATA_FIRST_GAP_S * 1e3:g} ms idle, "
+              f"{f['median']} ms [{f['p10']}-{f['p90']}] over {f['n']} (two of the small request's hops, no work)")
     if res.get("auth_cost"):
         a = res["auth_cost"]
         print(f"auth: small request sealed {a['sealed_ms']['median']} ms [{a['sealed_ms']['p10']}-{a['sealed_ms']['p90']}], "

@@ -109,6 +109,37 @@ def _pool(engine: str, tokens: int, scattered_room: bool, seed: int | None):
     return allocate_pool(engine, tokens_per_block=tpb, num_blocks=blocks, seed=seed, **GEOM)
 
 
+class _Echo:
+    """A bare ZMQ ROUTER on a thread of its own that answers each message at once: the far
+    end of ``control_floor_ms``, two one-way hops between the peers' processes with no work
+    on either side, as the control channel's I/O thread waits for frames."""
+
+    def __init__(self):
+        import threading
+
+        import zmq
+
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-echo", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(50):
+                    self._sock.send_multipart(self._sock.recv_multipart())
+        finally:
+            self._sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from kvbridge.common.handoff import KVSender
@@ -123,6 +154,7 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
     raw_src.random_(0, 255)
     transport.register_tensor(raw_src)
     conn.send(("ready", sender.endpoint))
+    echo: list = []
 
     def handle(cmd):
         if cmd[0] in ("serve", "serve_asked"):
@@ -162,6 +194,10 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
             t0 = time.perf_counter()
             transport.write(session, raw_src.data_ptr() + offs, dst + offs, np.full(n, size, dtype=np.int64), 60)
             return ("ok", time.perf_counter() - t0)
+        if cmd[0] == "echo":  # the control floor's far end (``_Echo``)
+            if not echo:
+                echo.append(_Echo())
+            return ("ok", echo[0].endpoint)
         if cmd[0] == "record":
             rec = sender.record(cmd[1])
             sender.forget(cmd[1])  # as an engine does once a room is over
@@ -169,6 +205,8 @@ def _prefill_peer(conn, tokens: int, cfg: dict) -> None:
         raise ValueError(cmd[0])
 
     _serve(conn, handle)
+    for e in echo:
+        e.close()
     sender.close()
     transport.close()
 
@@ -208,7 +246,26 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         return ("ok", state is RoomState.SUCCESS, dt, rec.bytes, rec.segments, rec.plan, f"{state}: {reason}",
                 {"asked": rec.started, "done_heard": rec.heard_at, "settled": rec.finished or 0.0, "woke": woke})
 
+    pingers: dict = {}  # echo endpoint -> DEALER
+
+    def ping(endpoint):
+        import zmq
+
+        sock = pingers.get(endpoint)
+        if sock is None:
+            sock = pingers[endpoint] = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sock.send(b"")  # connected and warm before the first timed ping
+            sock.recv()
+        t0 = time.perf_counter()
+        sock.send(b"")
+        sock.recv()
+        return ("ok", time.perf_counter() - t0)
+
     def handle(cmd):
+        if cmd[0] == "ping":
+            return ping(cmd[1])
         if cmd[0] == "ask":  # SGLang's order: the request goes out before the prefill has the KV
             ask(*cmd[1:])
             return ("ok",)
@@ -219,6 +276,8 @@ def _decode_peer(conn, tokens: int, cfg: dict) -> None:
         return wait(room)
 
     _serve(conn, handle)
+    for sock in pingers.values():
+        sock.close(0)
     for recv in receivers.values():
         recv.close()
     transport.close()
@@ -484,12 +543,16 @@ def bench_transfer(
             small_parts.append((dt, sinfo))
         # the same request in the orders engines produce, each against the raw write just before it
         ordered = {o: {"handoff": [], "raw": [], "timeline": []} for o in ORDERS}
+        echo = ask(pc, pre, ("echo",))[1]
+        control_floor = []  # two bare ZMQ hops between the peers after the data-first order's idle
         for i in range(ORDER_PAIRS * reps):
             for o, got in ordered.items():
                 got["raw"].append(raw(small_tokens, shape=small_best))
                 dt, oinfo = handoff(small_tokens, order=o)
                 got["handoff"].append(dt)
                 got["timeline"].append(oinfo["timeline"])
+            time.sleep(DATA_FIRST_GAP_S)
+            control_floor.append(ask(dc, dec, ("ping", echo))[1])
         small_orders = {o: {"overhead_ms": spread([(h - r) * 1e3 for h, r in zip(v["handoff"], v["raw"])], 0.0),
                             "handoff_ms": spread([h * 1e3 for h in v["handoff"]]),
                             "raw_ms": spread([r * 1e3 for r in v["raw"]]), "what": ORDERS[o],
@@ -598,6 +661,9 @@ def bench_transfer(
             "small_timeline_ms": small_timeline,
             "small_overhead_ms": round((med["small"] - med["small_raw"]) * 1e3, 3),
             "small_orders": small_orders,
+            # what any ZMQ control plane pays here before any work: a bare request and reply
+            # between the two peers' processes after the data-first order's idle (``_Echo``)
+            "control_floor_ms": spread([x * 1e3 for x in control_floor]),
             # the same from each handoff and the raw write just before it (drift cancels)
             "small_overhead_paired_ms": round(statistics.median(
                 h - r for h, r in zip(big["small"], big["small_raw"])) * 1e3, 3),

@@ -48,6 +48,10 @@ def test_bench_transfer_reports_its_keys(tmp_path):
         assert o["overhead_ms"]["n"] == o["handoff_ms"]["n"] == o["raw_ms"]["n"] == 13, o
         assert o["handoff_ms"]["p10"] > 0 and o["raw_ms"]["p10"] > 0 and o["what"], o
         assert list(o["timeline_ms"]) == list(tl) and all(v["p10"] >= 0 for v in o["timeline_ms"].values()), o
+    # the control floor: a bare request and reply between the peers, once per pair of orders,
+    # less than any handoff (which makes the same two hops and works besides)
+    cf = res["control_floor_ms"]
+    assert cf["n"] == 13 and 0 < cf["p10"] and cf["median"] < orders["data_first"]["handoff_ms"]["median"], cf
     # the machine's floor under the gather: one copy of the small request's bytes (64 tokens by
     # the geometry's bytes per token), and its warnings carried into the result's
     floor = res["copy_floor"]
