@@ -14,10 +14,12 @@ The host's figures come from ``calibrate`` (one thread against all of torch's th
 the same gather of the same bytes, interleaved) run once per host and cached as JSON
 under ``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the CPU model, the
 CPUs this process may use and torch's threads (one file per key); a cache that does not
-match is measured again. ``kvbridge doctor`` shows the figures (with the load they were taken at) and the
-choice per transport; ``kvbridge doctor --recalibrate`` measures again (a calibration taken
-while the host was busy keeps its choice until then). A ``gather_threads`` setting above
-0 overrides the choice.
+match is measured again. A calibration during which other processes kept more than
+``BUSY`` of the host's CPU time (``others_cpu``, from ``/proc/stat``) is used by the process
+that took it and not cached: the next process measures again, until one measures on a
+quiet host. ``kvbridge doctor`` shows the figures and the choice per transport;
+``kvbridge doctor --recalibrate`` measures again. A ``gather_threads`` setting above 0
+overrides the choice.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CopyChoice", "CACHE_ENV", "GAIN", "cache_path", "host_key", "calibrate", "host_calibration", "choose",
-           "copy_split", "threads_taken"]
+__all__ = ["CopyChoice", "CACHE_ENV", "GAIN", "BUSY", "cache_path", "host_key", "calibrate", "host_calibration", "choose",
+           "copy_split", "others_cpu", "threads_taken"]
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "KVBRIDGE_CACHE_DIR"  # where per-host measurements are kept (default ~/.cache/kvbridge)
 GAIN = 1.1  # all threads are chosen only when they copy at least this much faster than one
-CALIBRATION_VERSION = 1
+BUSY = 0.25  # others' share of the host's CPU time above which a calibration is not cached
+MIN_WINDOW_S = 0.3  # others' CPU time is counted over at least this long (/proc/stat ticks at 100 Hz)
+CALIBRATION_VERSION = 2  # 2: others_cpu counted, a busy calibration not cached (caches of 1 may hold one)
 CPU_FREE_PROTOCOLS = ("rdma", "nvlink")  # transports whose bytes do not go through the CPU
 
 
@@ -88,13 +92,37 @@ def host_key() -> dict[str, Any]:
             "native": native_tile_copy()}
 
 
+def _cpu_ticks() -> tuple[int, int, int] | None:
+    """(busy, total) clock ticks of every CPU since boot, and this process's own (user +
+    system, every thread); None where ``/proc/stat`` cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    return (sum(fields) - fields[3] - fields[4], sum(fields),
+            round((t.user + t.system) * os.sysconf("SC_CLK_TCK")))
+
+
+def others_cpu(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
+    """Other processes' share of the host's CPU time between two ``_cpu_ticks`` (steal
+    time, another guest's, counts as theirs); None when unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    busy = (after[0] - before[0]) - (after[2] - before[2])
+    return round(min(1.0, max(0.0, busy / (after[1] - before[1]))), 3)
+
+
 def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2, reps: int = 7,
               part_bytes: int = 16 << 20, ring_parts: int = 4) -> dict[str, Any]:
     """The sender's gather on one thread against the same gather over ``threads`` threads
     (default torch's): SGLang page 64 (NHD) -> TensorRT-LLM block 32 (HND), 8 KV heads x
     128 bf16, ``layers`` layers of ``tokens`` tokens (64 MiB at the defaults), part by
     part into a ring as the sender does; medians over ``reps`` interleaved repetitions
-    after one untimed. Returns GB/s of each and the measurement's date."""
+    after one untimed. Returns GB/s of each, the measurement's date, and ``others_cpu``:
+    other processes' share of the host's CPU time while it ran (over ``MIN_WINDOW_S`` at
+    least)."""
     import numpy as np
     import torch
 
@@ -128,6 +156,7 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
 
     one, all_ = [], []
     cases = [(one, None)] + ([(all_, split)] if split is not None else [])  # one thread: nothing else to measure
+    start, ticks = time.monotonic(), _cpu_ticks()
     try:
         for times, sp in cases:  # untimed: first touch, threads started
             run(sp)
@@ -138,6 +167,8 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
         if ex is not None:
             ex.shutdown()
     all_ = all_ or one
+    time.sleep(max(0.0, start + MIN_WINDOW_S - time.monotonic()))  # a window the tick counts can tell apart
+    others = others_cpu(ticks, _cpu_ticks())
     nbytes = plan.nbytes
     try:
         load = round(os.getloadavg()[0], 2)  # a busy host skews the figures: kept with them
@@ -145,15 +176,17 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
         load = None
     return {"one_gbps": round(nbytes / statistics.median(one) / 1e9, 3), "loadavg": load,
             "all_gbps": round(nbytes / statistics.median(all_) / 1e9, 3),
-            "threads": threads, "bytes": nbytes, "reps": reps,
+            "threads": threads, "bytes": nbytes, "reps": reps, "others_cpu": others,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def host_calibration(*, refresh: bool = False, path: Path | None = None,
                      measure: Callable[[], dict[str, Any]] = calibrate) -> dict[str, Any]:
     """This host's calibration: read from ``path`` (default ``cache_path()``) when it was
-    taken for this ``host_key()``, else measured (``measure``) and written there; a cache
-    that cannot be written is said once in the log, the figures still returned."""
+    taken for this ``host_key()``, else measured (``measure``) and written there unless
+    other processes kept more than ``BUSY`` of the CPU time while it ran (``others_cpu``);
+    either way the figures are returned (``cached``: the file, or "" with ``not_cached``
+    saying why)."""
     key = host_key()
     path = path or cache_path(key)
     if not refresh:
@@ -166,16 +199,21 @@ def host_calibration(*, refresh: bool = False, path: Path | None = None,
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("copy calibration %s unreadable (%s): measuring again", path, e)
     figures = measure()
+    busy = figures.get("others_cpu")
+    if busy is not None and busy > BUSY:
+        why = (f"taken while other processes used {busy:.0%} of the host's CPU time (over {BUSY:.0%}): "
+               "used by this process only, measured again by the next")
+        log.warning("copy calibration not cached: %s", why)
+        return {**figures, "cached": "", "not_cached": why}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"key": key, "figures": figures}))
         os.replace(tmp, path)
-        where = str(path)
     except OSError as e:
         log.warning("copy calibration not cached at %s: %s", path, e)
-        where = ""
-    return {**figures, "cached": where}
+        return {**figures, "cached": "", "not_cached": f"{path}: {e}"}
+    return {**figures, "cached": str(path)}
 
 
 def choose(protocol: str, setting: int = 0,

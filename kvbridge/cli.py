@@ -308,8 +308,11 @@ def _doctor(args: argparse.Namespace) -> int:
     gc = notes["gather_copy"]
     cal = gc["calibration"]
     print(f"gather copy, one thread {cal['one_gbps']} GB/s, {cal['threads']} thread(s) {cal['all_gbps']} GB/s "
-          f"(calibrated {cal.get('measured', '?')} at load {cal.get('loadavg', '?')}"
-          f"{', cached in ' + cal['cached'] if cal.get('cached') else ''}; `kvbridge doctor --recalibrate` measures again):")
+          f"(calibrated {cal.get('measured', '?')} at load {cal.get('loadavg', '?')}, other processes "
+          f"{cal.get('others_cpu', '?')} of the CPU time"
+          f"{', cached in ' + cal['cached'] if cal.get('cached') else ''}"
+          f"{'; not cached: ' + cal['not_cached'] if cal.get('not_cached') else ''}; "
+          "`kvbridge doctor --recalibrate` measures again):")
     for proto, c in gc["choice"].items():
         print(f"  {proto}: {c['threads']} thread{'s' if c['threads'] > 1 else ''} ({c['reason']})")
     for w in notes["warnings"]:

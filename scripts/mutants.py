@@ -461,6 +461,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "beside a transport whose copies need the CPU (TCP), the gather keeps to one thread",
         ("tests/core/test_copy_choice.py::test_one_thread_beside_tcp_all_where_rdma_or_nvlink_leave_the_cpu_and_it_measured_faster",)),
     Mutation(
+        "calibration-busy-cached", "common/copy_choice.py",
+        "    if busy is not None and busy > BUSY:\n",
+        "    if False:\n",
+        "a copy calibration taken while other processes kept the CPUs busy is not cached for the host",
+        ("tests/core/test_copy_choice.py::test_a_calibration_taken_beside_a_busy_process_is_used_but_not_cached",)),
+    Mutation(
         "copy-split-wired", "common/send_pipeline.py",
         "                    gather.run(region, rows=(a, b), split=self._split)\n",
         "                    gather.run(region, rows=(a, b))\n",

@@ -56,9 +56,9 @@ def test_the_host_calibration_is_measured_once_and_cached(cache):
     a cache of another host, or one that cannot be parsed, is measured again."""
     measured = []
 
-    def small():
+    def small():  # taken as on a quiet host (what a busy one does: the test below)
         measured.append(1)
-        return cc.calibrate(tokens=512, reps=1)
+        return {**cc.calibrate(tokens=512, reps=1), "others_cpu": 0.0}
 
     first = cc.host_calibration(measure=small)
     assert first["one_gbps"] > 0 and first["all_gbps"] > 0 and first["cached"] == str(cache)
@@ -74,12 +74,54 @@ def test_the_host_calibration_is_measured_once_and_cached(cache):
     assert len(measured) == 3 and json.loads(cache.read_text())["key"] == cc.host_key()
 
 
+def test_a_calibration_taken_beside_a_busy_process_is_used_but_not_cached(cache):
+    """Measured for real beside another process spinning a core: other processes' share of
+    the CPU time is counted from /proc/stat (over the whole window), the figures are given
+    to the caller and nothing is written; the next call measures again. The same rule on
+    reported figures: over ``BUSY`` is not cached, under it is."""
+    import subprocess
+    import sys
+    import time
+
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"])
+    try:
+        time.sleep(0.3)  # spinning before the window opens
+        busy = cc.host_calibration(measure=lambda: cc.calibrate(tokens=512, reps=1))
+    finally:
+        hog.kill()
+        hog.wait(5)
+    assert busy["others_cpu"] is not None and busy["others_cpu"] > cc.BUSY, busy
+    assert busy["one_gbps"] > 0 and busy["cached"] == "" and "other processes" in busy["not_cached"], busy
+    assert not cache.exists()
+    measured = []
+
+    def reported(share):
+        def measure():
+            measured.append(share)
+            return {**_figures(10.0, 17.0)(), "others_cpu": share}
+        return measure
+
+    assert cc.host_calibration(measure=reported(0.6))["cached"] == "" and not cache.exists()
+    assert cc.host_calibration(measure=reported(0.05))["cached"] == str(cache)
+    assert cc.host_calibration(measure=reported(0.6))["others_cpu"] == 0.05 and measured == [0.6, 0.05]
+
+
+def test_others_cpu_counts_the_host_less_this_process():
+    """(busy, total, own) tick counts: others' share is the busy ticks less this process's,
+    over all ticks; steal counts as busy; an unknown or empty window is None."""
+    assert cc.others_cpu((100, 1000, 10), (250, 1200, 60)) == 0.5
+    assert cc.others_cpu((100, 1000, 10), (150, 1200, 60)) == 0.0  # all of it ours
+    assert cc.others_cpu(None, (1, 2, 0)) is None and cc.others_cpu((1, 2, 0), (1, 2, 0)) is None
+    before = cc._cpu_ticks()
+    assert before is not None and 0 <= before[2] and before[0] <= before[1]
+
+
 def test_a_cache_that_cannot_be_written_still_gives_the_figures(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(cc.CACHE_ENV, str(blocker / "sub"))  # a directory under a file: cannot be made
     got = cc.host_calibration(measure=_figures(1.0, 2.0))
-    assert got["all_gbps"] == 2.0 and got["cached"] == ""
+    assert got["all_gbps"] == 2.0 and got["cached"] == "" and "sub" in got["not_cached"]
 
 
 def test_the_setting_reaches_every_handoff_config(cache, monkeypatch):
@@ -96,8 +138,11 @@ def test_the_setting_reaches_every_handoff_config(cache, monkeypatch):
         BridgeSettings(gather_threads=-1)
 
 
-def test_doctor_shows_the_choice_per_transport(cache, capsys):
+def test_doctor_shows_the_choice_per_transport(cache, capsys, monkeypatch):
     from kvbridge.cli import main
+
+    ticks = iter(range(0, 1 << 30, 1000))
+    monkeypatch.setattr(cc, "_cpu_ticks", lambda: (0, next(ticks), 0))  # a quiet host, whatever this one does
 
     cache.write_text(json.dumps({"key": cc.host_key(), "figures": _figures(5.0, 20.0)()}))
     assert main(["doctor", "--json"]) == 0
@@ -112,7 +157,7 @@ def test_doctor_shows_the_choice_per_transport(cache, capsys):
     # --recalibrate measures again (for real, here) and replaces the cached figures
     assert main(["doctor", "--json", "--recalibrate"]) == 0
     cal = json.loads(capsys.readouterr().out)["gather_copy"]["calibration"]
-    assert cal["all_gbps"] != 20.0 and cal["one_gbps"] > 0 and "loadavg" in cal
+    assert cal["all_gbps"] != 20.0 and cal["one_gbps"] > 0 and "loadavg" in cal and cal["others_cpu"] == 0.0
     assert json.loads(cache.read_text())["figures"]["all_gbps"] == cal["all_gbps"]
 
 
