@@ -15,7 +15,7 @@ the same gather of the same bytes, interleaved) run once per host and cached as 
 under ``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the CPU model, the
 CPUs this process may use and torch's threads (one file per key); a cache that does not
 match is measured again. A calibration during which other processes kept more than
-``BUSY`` of the host's CPU time (``others_cpu``, from ``/proc/stat``) is used by the process
+``BUSY`` of the CPU time of the CPUs it may run on (``others_cpu``, from ``/proc/stat``) is used by the process
 that took it and not cached: the next process measures again, until one measures on a
 quiet host. ``kvbridge doctor`` shows the figures and the choice per transport;
 ``kvbridge doctor --recalibrate`` measures again. A ``gather_threads`` setting above 0
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "KVBRIDGE_CACHE_DIR"  # where per-host measurements are kept (default ~/.cache/kvbridge)
 GAIN = 1.1  # all threads are chosen only when they copy at least this much faster than one
-BUSY = 0.25  # others' share of the host's CPU time above which a calibration is not cached
+BUSY = 0.25  # others' share of this process's CPUs' time above which a calibration is not cached
 MIN_WINDOW_S = 0.3  # others' CPU time is counted over at least this long (/proc/stat ticks at 100 Hz)
 CALIBRATION_VERSION = 2  # 2: others_cpu counted, a busy calibration not cached (caches of 1 may hold one)
 CPU_FREE_PROTOCOLS = ("rdma", "nvlink")  # transports whose bytes do not go through the CPU
@@ -93,21 +93,38 @@ def host_key() -> dict[str, Any]:
 
 
 def _cpu_ticks() -> tuple[int, int, int] | None:
-    """(busy, total) clock ticks of every CPU since boot, and this process's own (user +
+    """(busy, total) clock ticks since boot of the CPUs this process may run on (its
+    affinity: a pinned engine's copies compete only there), and this process's own (user +
     system, every thread); None where ``/proc/stat`` cannot be read."""
     try:
+        mine = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        mine = None
+    busy = total = 0
+    try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if name == "cpu":  # every CPU together: the per-CPU lines follow
+                    continue
+                if not name.startswith("cpu"):
+                    break
+                if mine is not None and int(name[3:]) not in mine:
+                    continue
+                fields = [int(x) for x in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+                busy += sum(fields) - fields[3] - fields[4]
+                total += sum(fields)
     except (OSError, ValueError):
         return None
+    if not total:
+        return None
     t = os.times()
-    return (sum(fields) - fields[3] - fields[4], sum(fields),
-            round((t.user + t.system) * os.sysconf("SC_CLK_TCK")))
+    return busy, total, round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
 
 
 def others_cpu(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
-    """Other processes' share of the host's CPU time between two ``_cpu_ticks`` (steal
-    time, another guest's, counts as theirs); None when unknown."""
+    """Other processes' share of the CPU time of this process's CPUs between two
+    ``_cpu_ticks`` (steal time, another guest's, counts as theirs); None when unknown."""
     if before is None or after is None or after[1] <= before[1]:
         return None
     busy = (after[0] - before[0]) - (after[2] - before[2])
@@ -121,8 +138,8 @@ def calibrate(threads: int | None = None, *, tokens: int = 8192, layers: int = 2
     128 bf16, ``layers`` layers of ``tokens`` tokens (64 MiB at the defaults), part by
     part into a ring as the sender does; medians over ``reps`` interleaved repetitions
     after one untimed. Returns GB/s of each, the measurement's date, and ``others_cpu``:
-    other processes' share of the host's CPU time while it ran (over ``MIN_WINDOW_S`` at
-    least)."""
+    other processes' share of this process's CPUs' time while it ran (over ``MIN_WINDOW_S``
+    at least)."""
     import numpy as np
     import torch
 
@@ -201,7 +218,7 @@ def host_calibration(*, refresh: bool = False, path: Path | None = None,
     figures = measure()
     busy = figures.get("others_cpu")
     if busy is not None and busy > BUSY:
-        why = (f"taken while other processes used {busy:.0%} of the host's CPU time (over {BUSY:.0%}): "
+        why = (f"taken while other processes used {busy:.0%} of its CPUs' time (over {BUSY:.0%}): "
                "used by this process only, measured again by the next")
         log.warning("copy calibration not cached: %s", why)
         return {**figures, "cached": "", "not_cached": why}

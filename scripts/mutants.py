@@ -467,6 +467,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a copy calibration taken while other processes kept the CPUs busy is not cached for the host",
         ("tests/core/test_copy_choice.py::test_a_calibration_taken_beside_a_busy_process_is_used_but_not_cached",)),
     Mutation(
+        "calibration-affinity", "common/copy_choice.py",
+        "                if mine is not None and int(name[3:]) not in mine:\n",
+        "                if False:\n",
+        "a calibration's contention is counted on the CPUs its process may run on, not the whole host",
+        ("tests/core/test_copy_choice.py::test_others_cpu_counts_only_the_cpus_this_process_may_run_on",)),
+    Mutation(
         "copy-split-wired", "common/send_pipeline.py",
         "                    gather.run(region, rows=(a, b), split=self._split)\n",
         "                    gather.run(region, rows=(a, b))\n",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import doctest
 import json
+import os
+import time
 
 import pytest
 
@@ -81,7 +83,6 @@ def test_a_calibration_taken_beside_a_busy_process_is_used_but_not_cached(cache)
     reported figures: over ``BUSY`` is not cached, under it is."""
     import subprocess
     import sys
-    import time
 
     hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"])
     try:
@@ -114,6 +115,31 @@ def test_others_cpu_counts_the_host_less_this_process():
     assert cc.others_cpu(None, (1, 2, 0)) is None and cc.others_cpu((1, 2, 0), (1, 2, 0)) is None
     before = cc._cpu_ticks()
     assert before is not None and 0 <= before[2] and before[0] <= before[1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin apart")
+def test_others_cpu_counts_only_the_cpus_this_process_may_run_on():
+    """A process pinned to one CPU: another process spinning on a second CPU is not its
+    contention (under ``BUSY``); the same process spinning on its CPU is (over it)."""
+    import subprocess
+    import sys
+
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    measure = ("import os, time; os.sched_setaffinity(0, {%d}); from kvbridge.common import copy_choice as cc; "
+               "t = cc._cpu_ticks(); time.sleep(0.6); print(cc.others_cpu(t, cc._cpu_ticks()))")
+    spin = "import os, time; os.sched_setaffinity(0, {%d}); end = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+    got = {}
+    for where in (b, a):
+        hog = subprocess.Popen([sys.executable, "-c", spin % where])
+        try:
+            time.sleep(0.3)
+            out = subprocess.run([sys.executable, "-c", measure % a], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr[-2000:]
+            got[where] = float(out.stdout.strip())
+        finally:
+            hog.kill()
+            hog.wait(5)
+    assert got[b] < cc.BUSY < got[a], got
 
 
 def test_a_cache_that_cannot_be_written_still_gives_the_figures(tmp_path, monkeypatch):
