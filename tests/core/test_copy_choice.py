@@ -8,7 +8,6 @@ from __future__ import annotations
 import doctest
 import json
 import os
-import time
 
 import pytest
 
@@ -76,6 +75,10 @@ def test_the_host_calibration_is_measured_once_and_cached(cache):
     assert len(measured) == 3 and json.loads(cache.read_text())["key"] == cc.host_key()
 
 
+# a process that spins one core for up to 60 s, saying so first (after the statement it is given)
+SPIN = "import os, sys, time\n%s\nprint('spinning', flush=True)\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
+
+
 def test_a_calibration_taken_beside_a_busy_process_is_used_but_not_cached(cache):
     """Measured for real beside another process spinning a core: other processes' share of
     the CPU time is counted from /proc/stat (over the whole window), the figures are given
@@ -84,9 +87,9 @@ def test_a_calibration_taken_beside_a_busy_process_is_used_but_not_cached(cache)
     import subprocess
     import sys
 
-    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"])
+    hog = subprocess.Popen([sys.executable, "-c", SPIN % ""], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)  # spinning before the window opens
+        assert hog.stdout.readline() == "spinning\n"  # before the window opens
         busy = cc.host_calibration(measure=lambda: cc.calibrate(tokens=512, reps=1))
     finally:
         hog.kill()
@@ -127,12 +130,12 @@ def test_others_cpu_counts_only_the_cpus_this_process_may_run_on():
     a, b = sorted(os.sched_getaffinity(0))[:2]
     measure = ("import os, time; os.sched_setaffinity(0, {%d}); from kvbridge.common import copy_choice as cc; "
                "t = cc._cpu_ticks(); time.sleep(0.6); print(cc.others_cpu(t, cc._cpu_ticks()))")
-    spin = "import os, time; os.sched_setaffinity(0, {%d}); end = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
     got = {}
     for where in (b, a):
-        hog = subprocess.Popen([sys.executable, "-c", spin % where])
+        hog = subprocess.Popen([sys.executable, "-c", SPIN % f"os.sched_setaffinity(0, {{{where}}})"],
+                               stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(0.3)
+            assert hog.stdout.readline() == "spinning\n"  # pinned and about to spin
             out = subprocess.run([sys.executable, "-c", measure % a], capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr[-2000:]
             got[where] = float(out.stdout.strip())
