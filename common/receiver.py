@@ -420,7 +420,7 @@ class KVReceiver(ControlSide):
                                       part.unit_tokens)
                     if grid.units != len(part.values):
                         raise LayoutError(f"a digest part has {len(part.values)} values for its {grid.units} units")
-                    got = kv_digest(self.layout, r.lease.blocks, r.first_token, grid)
+                    got = kv_digest(self.layout, r.lease.blocks, r.first_token, grid, split=self._split)
                     diff = first_difference(grid, np.asarray(part.values, dtype=np.int64).view(np.uint64), got)
                     if diff:
                         result = "mismatch"

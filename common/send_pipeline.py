@@ -362,7 +362,7 @@ class SendPipeline:
         hm = HeadMap.between(lay, remote)
         share = max(1, MAX_UNITS * lay.num_layers // self.layout.num_layers)
         grid = grid_for(lay, heads=(hm.global_start, hm.count), tokens=(start, stop), max_units=share)
-        values = kv_digest(lay, c.blocks, c.first_token, grid)
+        values = kv_digest(lay, c.blocks, c.first_token, grid, split=self._split)  # the gather's threads
         rec.digest_s += time.perf_counter() - t0
         return P.DigestPart(layers=list(grid.layers), heads=list(grid.heads), tokens=[start, stop],
                             unit_tokens=grid.unit_tokens, values=values.view(np.int64).tolist())

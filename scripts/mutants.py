@@ -231,6 +231,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "layout holds them",
         ("tests/layout/test_digest.py::test_both_sides_digest_the_same_content_and_name_a_flipped_byte",)),
     Mutation(
+        "digest-runs-contiguous", "layout/digest.py",
+        "        cut[1:] |= tok[1:] != tok[:-1] + layout.head_bytes\n",
+        "",
+        "a host pool's content digest hashes each unit's rows where they lie, a run of rows back to back "
+        "at a time: never bytes between them",
+        ("tests/layout/test_digest.py::test_both_sides_digest_the_same_content_and_name_a_flipped_byte",)),
+    Mutation(
+        "digest-split-layers", "layout/digest.py",
+        "            out[a:b] = _hash_grid(layout, bases[a:b], head, *runs[0], per_row, seeds[a:b])",
+        "            out[a:b] = _hash_grid(layout, bases[:b - a], head, *runs[0], per_row, seeds[a:b])",
+        "a content digest spread over several threads hashes each thread's own layers",
+        ("tests/layout/test_digest.py::test_both_sides_digest_the_same_content_and_name_a_flipped_byte",)),
+    Mutation(
         "digest-fp8-scales", "layout/digest.py",
         "    return np.where(s == 1.0, 0, s.view(np.uint32)).astype(np.uint64)\n",
         "    return np.zeros(s.shape, dtype=np.uint64)\n",

@@ -361,28 +361,31 @@ def test_receiver_staging_cuts_segments_for_split_rows(peers):
 def test_gather_and_scatter_over_two_threads_move_the_same_bytes(peers):
     """``gather_threads=2`` (the choice beside RDMA / NVLink) on TCP: a staged send whose
     2 MiB parts are each gathered on two threads, and a staged_recv room whose decode
-    scatters each 8 MiB chunk on two: every byte verified, both records say two threads."""
+    scatters each 8 MiB chunk on two: every byte verified, both records say two threads.
+    Both decodes check content digests, which each side takes on the same two threads."""
     ps = spec("sglang", layers=4, total_heads=8, head_dim=64, tpb=64, blocks=20, seed=5)
     ds = spec("trtllm", layers=4, total_heads=8, head_dim=64, tpb=32, blocks=80, seed=6)
     cfg = {"chunk_bytes": 16 << 20, "first_part_bytes": 2 << 20, "part_bytes": 8 << 20, "prestage_slots": 0,
            "gather_threads": 2}
-    pre, dec = peers("prefill", ps, cfg), peers("decode", ds)
+    pre, dec = peers("prefill", ps, cfg), peers("decode", ds, {"integrity": "on", "gather_threads": 2})
     blocks = pre.call_raw("serve", 5, 1024, 1024)[1]
     res = pull(dec, 5, [pre], 0, 1024, [(ps, blocks)], scattered=True)
     w = pre.call_raw("wait", 5, 30)
     check_ok(res, [w])
     assert res["record"]["plan"] == "staged_send" and w[3]["copy_threads"] == 2 and w[3]["chunks"] == 4, w[3]
+    assert w[3]["digest_s"] > 0 and res["record"]["digest_s"] > 0, (w[3], res["record"])
 
     total = 4
     pres = [peers("prefill", spec("sglang", layers=4, total_heads=total, head_dim=128, tp=2, rank=r, tpb=16, blocks=140,
                                   seed=60 + r), {"chunk_bytes": 8 << 20}) for r in range(2)]
     dec = peers("decode", spec("sglang", layers=4, total_heads=total, head_dim=128, tpb=16, blocks=140, seed=62),
-                {"recv_staging_bytes": 32 << 20, "gather_threads": 2})
+                {"recv_staging_bytes": 32 << 20, "gather_threads": 2, "integrity": "on"})
     served = [p.call_raw("serve", 3, 2048, 2048)[1] for p in pres]
     res = pull(dec, 3, pres, 0, 2048, [(p.spec, b) for p, b in zip(pres, served)])
     waits = [p.call_raw("wait", 3, 30) for p in pres]
     check_ok(res, waits)
     assert res["record"]["plan"] == "staged_recv" and res["record"]["copy_threads"] == 2, res["record"]
+    assert res["record"]["digest_s"] > 0, res["record"]
 
 
 @pytest.mark.parametrize("src, dst, kind", [

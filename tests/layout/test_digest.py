@@ -5,10 +5,15 @@ TensorRT-LLM's pool geometry, MHA/GQA/MLA, page sizes, TP both ways, fp8 to fp32
 digest each side takes of its own pool equals one computed here from the bytes each
 engine's own indexing rule reads (tests/helpers/engine_kv.py, not ``KVLayout``), after
 any plan kind moved them; and one byte flipped in the destination (again through the
-engine's own indexing) changes the digest at exactly that (layer, K/V, head, token).
+engine's own indexing) changes the digest at exactly that (layer, K/V, head, token). Each
+of the digest's three ways of reading a pool (``PATHS``) is held to the same reference.
 """
 
 from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +24,26 @@ from hypothesis import HealthCheck, given, settings
 from kvbridge.layout import DigestGrid, HeadMap, LayoutError, PlanKind, first_difference, grid_for, kv_digest, plan_transfer
 from tests.helpers.kvhelpers import fill_random
 from tests.layout.test_layout_properties import engine_kv_of, make_pair, run_plan, scenarios
+
+
+# how kv_digest reads a pool: the C walk over a host pool where its rows lie (what a CPU engine
+# gets), the same walk in Python (where _runhash was not built), rows gathered first (a CUDA pool)
+PATHS = ("walk", "python", "gathered")
+
+
+@contextlib.contextmanager
+def digest_path(path: str):
+    """``kv_digest`` forced down one of ``PATHS``; "walk" checks that the C loop is there."""
+    from kvbridge.layout import digest
+
+    with contextlib.ExitStack() as stack:
+        if path == "walk":
+            assert digest.xxh3_functions() is not None, "kvbridge.layout._runhash did not load (built without gcc?)"
+        elif path == "python":
+            stack.enter_context(mock.patch.object(digest, "xxh3_functions", lambda: None))
+        else:
+            stack.enter_context(mock.patch.object(digest, "in_place", lambda layout, device: False))
+        yield
 
 
 def reference_digest(kv_bytes: torch.Tensor, grid: DigestGrid) -> np.ndarray:
@@ -48,6 +73,21 @@ def flip_byte(kind: str, pool, blocks, tpb: int, head_dim: int, layer: int, kv: 
     row.view(torch.uint8)[j] ^= 0x5A
 
 
+def digests(lay, blocks, grid) -> dict:
+    """``kv_digest`` of ``lay``'s ``blocks`` read each of the ``PATHS`` ways, and the walk
+    with its layers spread over two threads (a ``CopySplit``, as the sender's and the
+    receiver's copy choice gives it on hosts where the copies take every thread)."""
+    from kvbridge.layout.tiles import CopySplit
+
+    out = {}
+    for path in PATHS:
+        with digest_path(path):
+            out[path] = kv_digest(lay, blocks, 0, grid)
+    with ThreadPoolExecutor(1) as ex:
+        out["walk, two threads"] = kv_digest(lay, blocks, 0, grid, split=CopySplit(2, ex, min_bytes=1))
+    return out
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_both_sides_digest_the_same_content_and_name_a_flipped_byte(sglang_pools, sc):
@@ -61,23 +101,24 @@ def test_both_sides_digest_the_same_content_and_name_a_flipped_byte(sglang_pools
                     max_units=[4, 64, 1024][sc["seed"] % 3])
     want = reference_digest(engine_kv_of(sc["pair"][0], spool, sblocks, sc["src_tpb"], tokens,
                                          range(heads.src_start, heads.src_start + heads.count), sc["head_dim"]), grid)
-    assert np.array_equal(kv_digest(src, sblocks, 0, grid), want), "the sender's digest differs from the engine's bytes'"
+    for path, got in digests(src, sblocks, grid).items():
+        assert np.array_equal(got, want), f"{path}: the sender's digest differs from the engine's bytes'"
     kind = list(PlanKind)[sc["seed"] % len(PlanKind)]
     run_plan(plan_transfer(src, sblocks, dst, dblocks, (sc["start"], sc["stop"]), kinds=tuple(PlanKind), force=kind))
-    got = kv_digest(dst, dblocks, 0, grid)
-    assert np.array_equal(got, want), f"{kind.value}: the receiver's digest differs after a correct move"
-    assert first_difference(grid, want, got) == ""
+    for path, got in digests(dst, dblocks, grid).items():
+        assert np.array_equal(got, want), f"{path}, {kind.value}: the receiver's digest differs after a correct move"
+        assert first_difference(grid, want, got) == ""
 
     layer, kv = int(rng.integers(sc["layers"])), int(rng.integers(src.kv_factor))
     t, i = int(rng.integers(sc["start"], sc["stop"])), int(rng.integers(heads.count))
     j = int(rng.integers(dst.head_bytes))
     flip_byte(sc["pair"][1], dpool, dblocks, sc["dst_tpb"], sc["head_dim"], layer, kv, t, heads.dst_start + i, j)
-    bad = kv_digest(dst, dblocks, 0, grid)
-    where = first_difference(grid, want, bad)
     a = sc["start"] + (t - sc["start"]) // grid.unit_tokens * grid.unit_tokens
     what = "latent" if src.kv_factor == 1 else "KV"[kv]
-    assert where.startswith(f"first at layer {layer} {what} head {heads.global_start + i} tokens [{a}, "), where
-    assert int((bad != want).sum()) == 1
+    for path, bad in digests(dst, dblocks, grid).items():
+        where = first_difference(grid, want, bad)
+        assert where.startswith(f"first at layer {layer} {what} head {heads.global_start + i} tokens [{a}, "), (path, where)
+        assert int((bad != want).sum()) == 1, path
 
 
 def test_grids_are_bounded_and_checked():
@@ -122,39 +163,35 @@ def test_vllm_cpu_cache_digests_as_its_own_indexing_reads_it():
     assert np.array_equal(kv_digest(trt, range(5), 0, grid), want)
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["runs-in-place", "gathered"])
-def test_head_major_blocks_digest_as_the_engines_indexing_reads_them(monkeypatch, in_place):
+@pytest.mark.parametrize("path", PATHS)
+def test_head_major_blocks_digest_as_the_engines_indexing_reads_them(path):
     """A TensorRT-LLM pool (a head's tokens back to back in a block) is hashed run by run
     where it lies, or gathered first (``SPAN_MIN_BYTES`` out of reach): both equal the digest
     of the bytes TensorRT-LLM's own indexing reads, over scattered blocks, a token range
     that starts and stops inside a block and units that cross block edges."""
-    from kvbridge.layout import digest, trtllm_pool_layout
+    from kvbridge.layout import trtllm_pool_layout
 
-    if not in_place:
-        monkeypatch.setattr(digest, "SPAN_MIN_BYTES", 1 << 40)
     torch.manual_seed(3)
     nb, layers, heads, tpb, hd = 9, 3, 4, 32, 64
     pool = torch.randn(nb, layers, 2, heads * tpb * hd, dtype=torch.bfloat16)
     lay = trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype="bfloat16")
-    assert (lay.tokens_per_block * lay.head_bytes >= digest.SPAN_MIN_BYTES) is in_place
     blocks, t0, t1 = [7, 2, 5, 0], 5, 117
     grid = grid_for(lay, heads=(1, 3), tokens=(t0, t1), max_units=3 * 2 * 3 * 5)  # 23-token units
     assert grid.unit_tokens % tpb and grid.per_row > 1
     kv = torch.stack([torch.stack([torch.stack([pool[blocks[t // tpb], lay_, k].view(heads, tpb, hd)[1:4, t % tpb]
                                                 for t in range(t0, t1)]) for k in range(2)]) for lay_ in range(layers)])
     want = reference_digest(kv.view(torch.uint8), grid)
-    assert np.array_equal(kv_digest(lay, blocks, 0, grid), want)
+    with digest_path(path):
+        assert np.array_equal(kv_digest(lay, blocks, 0, grid), want)
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["runs-in-place", "gathered"])
-def test_fp8_scales_seed_the_units_they_scale(monkeypatch, in_place):
+@pytest.mark.parametrize("path", PATHS)
+def test_fp8_scales_seed_the_units_they_scale(path):
     """An fp8 unit's hash is seeded by its (layer, K/V, head)'s scale as float32 bits: equal
     bytes under another scale differ exactly in that head's units (named), a scale kept as
     float32 by one side and float64 by the other agrees, and 1.0 digests as no scale."""
-    from kvbridge.layout import digest, trtllm_pool_layout
+    from kvbridge.layout import trtllm_pool_layout
 
-    if not in_place:
-        monkeypatch.setattr(digest, "SPAN_MIN_BYTES", 1 << 40)
     nb, layers, heads, tpb, hd = 4, 2, 3, 32, 64
     pool = torch.randint(0, 255, (nb, layers, 2, heads * tpb * hd), dtype=torch.uint8).view(torch.float8_e4m3fn)
     lay = trtllm_pool_layout(pool, tokens_per_block=tpb, num_kv_heads=heads, dtype="float8_e4m3fn")
@@ -162,18 +199,19 @@ def test_fp8_scales_seed_the_units_they_scale(monkeypatch, in_place):
     kv = pool.view(torch.uint8).view(nb, layers, 2, heads, tpb, hd)[blocks].permute(1, 2, 0, 4, 3, 5)
     kv_bytes = kv.reshape(layers, 2, 2 * tpb, heads, hd)[:, :, 3:50]
     plain = reference_digest(kv_bytes, grid)
-    assert np.array_equal(kv_digest(lay, blocks, 0, grid), plain)
-    assert np.array_equal(kv_digest(lay.with_scales(1.0), blocks, 0, grid), plain)
+    with digest_path(path):
+        assert np.array_equal(kv_digest(lay, blocks, 0, grid), plain)
+        assert np.array_equal(kv_digest(lay.with_scales(1.0), blocks, 0, grid), plain)
 
-    scales = np.full((layers, 2, heads), 0.1, dtype=np.float32)
-    scales[1, 1, 2] = 0.5
-    got32 = kv_digest(lay.with_scales(scales), blocks, 0, grid)
-    assert np.array_equal(got32, kv_digest(lay.with_scales(scales.astype(np.float64) * (1 + 1e-12)), blocks, 0, grid))
-    for u in range(grid.units):  # the engine's bytes, each unit's hash seeded with its scale's float32 bits
-        layer, kvi, h, (a, b) = grid.unit(u)
-        seed = int(np.float32(scales[layer, kvi, h]).view(np.uint32))
-        assert got32[u] == xxhash.xxh3_64_intdigest(kv_bytes[layer, kvi, a - 3:b - 3, h].contiguous().numpy().tobytes(), seed)
-    other = scales.copy()
-    other[1, 1, 2] = 0.25
-    where = first_difference(grid, got32, kv_digest(lay.with_scales(other), blocks, 0, grid))
-    assert where.startswith(f"first at layer 1 V head 2 tokens [3, ") and f"({grid.per_row} of {grid.units} units" in where, where
+        scales = np.full((layers, 2, heads), 0.1, dtype=np.float32)
+        scales[1, 1, 2] = 0.5
+        got32 = kv_digest(lay.with_scales(scales), blocks, 0, grid)
+        assert np.array_equal(got32, kv_digest(lay.with_scales(scales.astype(np.float64) * (1 + 1e-12)), blocks, 0, grid))
+        for u in range(grid.units):  # the engine's bytes, each unit's hash seeded with its scale's float32 bits
+            layer, kvi, h, (a, b) = grid.unit(u)
+            seed = int(np.float32(scales[layer, kvi, h]).view(np.uint32))
+            assert got32[u] == xxhash.xxh3_64_intdigest(kv_bytes[layer, kvi, a - 3:b - 3, h].contiguous().numpy().tobytes(), seed)
+        other = scales.copy()
+        other[1, 1, 2] = 0.25
+        where = first_difference(grid, got32, kv_digest(lay.with_scales(other), blocks, 0, grid))
+        assert where.startswith(f"first at layer 1 V head 2 tokens [3, ") and f"({grid.per_row} of {grid.units} units" in where, where

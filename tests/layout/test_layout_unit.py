@@ -257,6 +257,8 @@ def test_wheel_contains_every_subpackage(tmp_path):
         assert mod in names, mod
     # the C tile copy, built for this interpreter (the gather's CPU path; kvbridge.layout.repack)
     assert [n for n in names if n.startswith("kvbridge/layout/_tilecopy") and n.endswith(".so")], sorted(names)[:20]
+    # and the content digest's hash loop (kvbridge.layout.digest)
+    assert [n for n in names if n.startswith("kvbridge/layout/_runhash") and n.endswith(".so")], sorted(names)[:20]
     core = [n for n in names if n.startswith(("kvbridge/common/", "kvbridge/layout/", "kvbridge/adapters/"))]
     assert core and not [n for n in core if any(w in n.rsplit("/", 1)[-1] for w in ("bench", "report", "plot"))]
 
