@@ -68,6 +68,9 @@ def _bench_layout(args: argparse.Namespace) -> int:
          "repack_rows_ratio_spread", "repack_cold_ratio_spread", "warmup_reps", "threads"],
     )
     print(res["plan_reason"])
+    d = res["digest"]
+    print(f"content digest ({d['hash']}), GB/s:",
+          ", ".join(f"{k} {v['median']} [{v['p10']}-{v['p90']}]" for k, v in d["gbps"].items()))
     v = res["vllm_cpu"]
     print_table(f"vLLM CPU caches per ISA: {v['geometry']}", v, [k for k in v if k.endswith(("_gbps", "_spread"))]
                 + ["amx_to_vec_plan", "amx_to_vec_bytes_verified"])

@@ -9,7 +9,9 @@ parts into the same ring; a gather spread over every core: torch's copy on all o
 interleaved in the same run (the order rotated each repetition, after ``warmup_reps``
 untimed ones): every ratio is the median of per-repetition ratios, with its p10-p90. The
 cold ratio: a plan's gathers built on the spot into a staging ring never touched, against
-a memcpy of the same bytes into such a ring. What the machine imposes (THP policy, CPUs,
+a memcpy of the same bytes into such a ring. The content digest (``digest``: integrity on)
+of the same tokens in the SGLang pool and in a TensorRT-LLM pool, on one thread and on
+every thread, in GB/s. What the machine imposes (THP policy, CPUs,
 governor, threads, load, the share of the memory bandwidth one thread gets) is in
 ``machine`` and the JSON; the ``warnings`` name it, and any ratio whose spread is wider
 than its effect.
@@ -175,6 +177,7 @@ def bench_layout(
         for k, fn in ((("memcpy", cold_copy), ("repack", cold_repack)) if i % 2 == 0 else
                       (("repack", cold_repack), ("memcpy", cold_copy))):
             t_cold[k].append(_timed(fn))
+    digest = _bench_digest(rsrc, rsb, layers, heads, head_dim, dtype, dst_tokens_per_block, repack_tokens, reps, split)
     copy_s, rep_s, whole_s = (statistics.median(t[k]) for k in ("memcpy", "repack", "repack_whole"))
     inline_s, rows_s = statistics.median(t["repack_inline"]), statistics.median(t["repack_rows"])
     # each gather against a memcpy by as many threads: the sender's (one thread) and the inline
@@ -276,6 +279,7 @@ def bench_layout(
                  "as the sender's), against a one-thread memcpy of the same bytes part by part into a ring of the "
                  "same size never touched"),
         "repack_prepare_ms": round(prepare_s * 1e3, 2),
+        "digest": digest,
         "reps": reps,
         "warmup_reps": warmup,
         "cold_reps": cold_reps,
@@ -340,6 +344,38 @@ def bench_vllm_cpu(*, layers: int = 8, heads: int = 8, head_dim: int = 128, bloc
         "amx_to_vec_bytes_verified": same,
         "reps": reps,
     }
+
+
+def _bench_digest(src, src_pages, layers: int, heads: int, head_dim: int, dtype: str, dst_tpb: int, tokens: int,
+                  reps: int, split) -> dict:
+    """The content digest (``kv_digest``, integrity on) of the repack's tokens in the SGLang
+    pool (NHD: one row per run) and in a TensorRT-LLM pool of the same geometry (HND: a
+    block's tokens of one head per run), on one thread and on the split's, interleaved:
+    GB/s medians with p10-p90."""
+    from kvbridge.layout import allocate_pool, grid_for, kv_digest
+    from kvbridge.layout.digest import xxh3_functions
+
+    nblk = -(-tokens // dst_tpb)
+    dst = allocate_pool("trtllm", layers=layers, total_heads=heads, head_dim=head_dim, dtype=dtype,
+                        tokens_per_block=dst_tpb, num_blocks=nblk, seed=1)
+    pools = {"sglang": (src, src_pages), "trtllm": (dst, np.arange(nblk))}
+    grid = grid_for(src, heads=(0, heads), tokens=(0, tokens))
+    nbytes = tokens * layers * 2 * heads * head_dim * dtype_itemsize(dtype)
+    cases = {f"{name}{tag}": (lambda lay=lay, b=b, sp=sp: kv_digest(lay, b, 0, grid, split=sp))
+             for name, (lay, b) in pools.items() for tag, sp in (("", None), ("_split", split)) if tag == "" or sp}
+    for fn in cases.values():  # warm: first touch of the new pool's pages
+        fn()
+    t = {k: [] for k in cases}
+    names = list(cases)
+    for i in range(reps):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            t[k].append(_timed(cases[k]))
+    return {"gbps": {k: spread([nbytes / x / 1e9 for x in v]) for k, v in t.items()}, "bytes": nbytes,
+            "hash": "XXH3-64 (xxhash), " + ("C walk in the pool's address order" if xxh3_functions() else "Python loop"),
+            "split_threads": split.threads if split else 1,
+            "what": (f"kv_digest of {tokens} tokens x {layers} layers x K/V x {heads} heads, grid of {grid.units} units "
+                     f"of {grid.unit_tokens} tokens, in the SGLang pool and a TensorRT-LLM pool (block {dst_tpb}); "
+                     "_split: the layers over every thread (the copy choice beside RDMA / NVLink)")}
 
 
 def _check_gather(plan, staging: torch.Tensor) -> bool:
