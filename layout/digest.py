@@ -5,7 +5,7 @@ The content of a handoff is a set of *rows*: one head of one token of one (layer
 head, token), the same rows are the same bytes whatever the engine, page size, block ids,
 tensor-parallel split or head-major/token-major layout that holds them. A digest cuts that
 sequence into *units* (one layer, one K/V, one head, ``unit_tokens`` consecutive tokens)
-and hashes each unit with xxHash's XXH3-64 (``xxhash``: 25-30 GB/s on one core here, 4.5x
+and hashes each unit with xxHash's XXH3-64 (``xxhash``: 25-30 GB/s on one core here, about 7x
 zlib's CRC-32; a checksum against corruption, not a MAC: the control plane's seal is what
 authenticates). Sender and receiver each digest their own side of the same rows; equal
 lists mean equal content, and the first unequal unit names where they differ. An fp8
@@ -17,8 +17,9 @@ so a unit whose bytes or scale differ differs; a scale of 1.0 seeds 0, as other 
 per (layer, K/V, head)). ``kv_digest(layout, blocks, first_token, grid)`` reads the grid's
 rows out of a local pool and returns one ``uint64`` per unit. A host pool is hashed where
 its rows lie, by a C loop (``_runhash``) around the xxhash package's own functions that
-walks the pool in its address order (a unit's rows still in token order): 1 GiB of a
-TensorRT-LLM pool in ~40 ms, of an SGLang one in ~80 ms, on one core of the 2-core CI host.
+walks the pool in its address order (a unit's rows still in token order): about 27 GB/s in
+a TensorRT-LLM pool, 11 in an SGLang one, on one core of the 2-core CI host (``kvbridge
+bench layout``, ``digest``).
 A CUDA pool's rows are gathered and hashed on the host.
 
 Example (two pools with different page sizes holding the same 5 tokens)::
