@@ -297,6 +297,7 @@ def _doctor(args: argparse.Namespace) -> int:
     notes["warnings"] = notes["warnings"] + floor["warnings"]
     notes["quarantine"] = _quarantine(args.metrics, notes["warnings"])
     notes["gather_copy"] = _gather_copy(args.recalibrate)
+    notes["native"] = _native(notes["warnings"])
     if args.json:
         print(json.dumps(notes))
         return 0
@@ -315,6 +316,9 @@ def _doctor(args: argparse.Namespace) -> int:
           "`kvbridge doctor --recalibrate` measures again):")
     for proto, c in gc["choice"].items():
         print(f"  {proto}: {c['threads']} thread{'s' if c['threads'] > 1 else ''} ({c['reason']})")
+    nat = notes["native"]
+    print(f"C kernels: tile copy {'built' if nat['tile_copy'] else 'NOT built'}; content digest loop "
+          f"{'built' if nat['digest_loop'] else 'NOT built'} (xxhash {nat['xxhash']})")
     for w in notes["warnings"]:
         print(f"note: {w}")
     if not notes["warnings"]:
@@ -331,6 +335,26 @@ def _gather_copy(refresh: bool = False) -> dict:
     cal = host_calibration(refresh=refresh)
     return {"calibration": cal,
             "choice": {p: vars(choose(p, 0, lambda: cal)) for p in ("tcp", *CPU_FREE_PROTOCOLS)}}
+
+
+def _native(warnings: list) -> dict:
+    """For ``kvbridge doctor``: whether the package's C kernels were built and load (the
+    gather's tile copy, the content digest's loop around xxhash's functions), with a
+    warning for each that is missing."""
+    import xxhash
+
+    from kvbridge.layout.digest import xxh3_functions
+    from kvbridge.layout.tiles import native_tile_copy
+
+    out = {"tile_copy": native_tile_copy(), "digest_loop": xxh3_functions() is not None, "xxhash": xxhash.VERSION}
+    if not out["tile_copy"]:
+        warnings.append("kvbridge.layout._tilecopy is not built (no C compiler at install?): the gather and "
+                        "scatter use torch's copies, slower on one thread")
+    if not out["digest_loop"]:
+        warnings.append("the content digest's C loop is not there (kvbridge.layout._runhash not built, or the "
+                        "xxhash package's library does not give XXH3's functions): with integrity on, digests "
+                        "hash in Python, several times slower")
+    return out
 
 
 def _quarantine(urls, warnings: list) -> dict:

@@ -297,6 +297,7 @@ def xxh3_functions() -> tuple[int, ...] | None:
     built, the library does not export them, or a check against the package's own
     ``xxh3_64_intdigest`` disagrees; ``kv_digest`` then hashes in Python."""
     if _runhash is None:
+        log.warning("content digests hash in Python: kvbridge.layout._runhash was not built (no C compiler at install?)")
         return None
     import ctypes
 

@@ -63,7 +63,12 @@ def test_doctor_reports_the_machine_as_the_kernel_does():
     assert cal["threads"] == 1 and cal["one_gbps"] > 0 and cal["cached"].startswith(env["KVBRIDGE_CACHE_DIR"])
     assert lines[3].startswith("gather copy, one thread ") and "cached in" in lines[3]
     assert lines[4:7] == [f"  {p}: 1 thread (torch has one thread here)" for p in ("tcp", "rdma", "nvlink")]
-    assert all(line.startswith("note: ") for line in lines[7:]) or lines[7:] == ["nothing here bounds kvbridge's copies"]
+    # the package's C kernels, built by `make install` here: both load
+    import xxhash
+
+    assert notes["native"] == {"tile_copy": True, "digest_loop": True, "xxhash": xxhash.VERSION}
+    assert lines[7] == f"C kernels: tile copy built; content digest loop built (xxhash {xxhash.VERSION})"
+    assert all(line.startswith("note: ") for line in lines[8:]) or lines[8:] == ["nothing here bounds kvbridge's copies"]
 
 
 def test_doctor_warns_where_one_thread_gets_too_little_of_the_copy_rate():
@@ -104,3 +109,17 @@ def test_doctor_reads_the_quarantine_of_a_serving_process():
                                                          "reason": "aborted", "blocks": 12}]}
     assert "error" in notes["quarantine"]["http://127.0.0.1:9/metrics"]
     assert any("12 block(s) quarantined" in w and "10.0.0.7" in w for w in notes["warnings"])
+
+
+def test_doctor_warns_where_a_c_kernel_is_missing(monkeypatch):
+    """A package installed without a C compiler: doctor names each kernel that is missing
+    and what runs instead."""
+    from kvbridge.cli import _native
+    from kvbridge.layout import digest, tiles
+
+    monkeypatch.setattr(digest, "xxh3_functions", lambda: None)
+    monkeypatch.setattr(tiles, "native_tile_copy", lambda: False)
+    warnings: list = []
+    got = _native(warnings)
+    assert not got["tile_copy"] and not got["digest_loop"]
+    assert len(warnings) == 2 and "torch's copies" in warnings[0] and "hash in Python" in warnings[1]
