@@ -291,7 +291,7 @@ def _hash_grid(layout: KVLayout, bases: np.ndarray, head: np.ndarray, offs: np.n
 
 @functools.cache
 def xxh3_functions() -> tuple[int, ...] | None:
-    """The addresses ``_runhash.hash_rows`` calls: XXH3-64's one-shot (seeded), state,
+    """The addresses ``_runhash.hash_grid`` calls: XXH3-64's one-shot (seeded), state,
     reset, update and digest functions, from the xxhash package's own library (the
     CPU-dispatched one-shot and update where it has them). None where ``_runhash`` was not
     built, the library does not export them, or a check against the package's own
@@ -328,6 +328,9 @@ def xxh3_functions() -> tuple[int, ...] | None:
     want = [xxhash.xxh3_64_intdigest(b"".join(data[d + o:d + o + n].tobytes() for o, n in runs), int(s))
             for (d, s) in zip((0, 7, 1000, 1007), seeds.tolist())
             for runs in (list(zip(offs[:3].tolist(), lens[:3].tolist())), [(40, 2000)])]
+    if got.tolist() != want:
+        log.warning("content digests hash in Python: the C loop over the xxhash package's functions disagrees with it")
+        return None
     return fns
 
 

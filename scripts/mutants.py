@@ -244,6 +244,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a content digest spread over several threads hashes each thread's own layers",
         ("tests/layout/test_digest.py::test_both_sides_digest_the_same_content_and_name_a_flipped_byte",)),
     Mutation(
+        "digest-c-loop-checked", "layout/digest.py",
+        "    if got.tolist() != want:\n",
+        "    if False:\n",
+        "the content digest's C loop is used only where it computes the xxhash package's own values",
+        ("tests/layout/test_digest.py::test_the_c_loop_is_used_only_where_it_agrees_with_the_xxhash_package",)),
+    Mutation(
         "digest-fp8-scales", "layout/digest.py",
         "    return np.where(s == 1.0, 0, s.view(np.uint32)).astype(np.uint64)\n",
         "    return np.zeros(s.shape, dtype=np.uint64)\n",

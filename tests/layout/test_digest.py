@@ -215,3 +215,15 @@ def test_fp8_scales_seed_the_units_they_scale(path):
         other[1, 1, 2] = 0.25
         where = first_difference(grid, got32, kv_digest(lay.with_scales(other), blocks, 0, grid))
         assert where.startswith(f"first at layer 1 V head 2 tokens [3, ") and f"({grid.per_row} of {grid.units} units" in where, where
+
+
+def test_the_c_loop_is_used_only_where_it_agrees_with_the_xxhash_package(monkeypatch):
+    """``xxh3_functions`` checks the C loop against the package's own ``xxh3_64_intdigest``
+    before ``kv_digest`` uses it: here they agree; where they would not (the package's value
+    made to differ), the digest falls back to Python rather than hash other numbers."""
+    from kvbridge.layout import digest
+
+    assert digest.xxh3_functions() is not None
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data, seed=0: 0)
+    assert digest.xxh3_functions.__wrapped__() is None
+
