@@ -56,6 +56,17 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _interleaved(cases: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Each case timed ``reps`` times, interleaved: every repetition runs every case, in an
+    order rotated by one each repetition. Seconds per case."""
+    t: dict[str, list[float]] = {k: [] for k in cases}
+    names = list(cases)
+    for i in range(reps):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            t[k].append(_timed(cases[k]))
+    return t
+
+
 def bench_layout(
     *,
     layers: int = 32,
@@ -157,11 +168,8 @@ def bench_layout(
     for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
         for fn in cases.values():
             fn()
-    t = {k: [] for k in cases}
+    t = _interleaved(cases, reps)
     names = list(cases)
-    for i in range(reps):  # interleaved, the order rotated each repetition
-        for k in names[i % len(names):] + names[: i % len(names)]:
-            t[k].append(_timed(cases[k]))
 
     # cold: a plan's gathers built on the spot into a staging ring never touched, against a
     # memcpy into a buffer never touched (both pay first-touch faults), interleaved
@@ -324,13 +332,9 @@ def bench_vllm_cpu(*, layers: int = 8, heads: int = 8, head_dim: int = 128, bloc
     work = {k: (lambda op=op: op.run(a)) for k, op in ops.items()}
     work["amx_to_vec_both"] = lambda: (g_both.run(a), b.copy_(a), s_both.run(b))  # the wire as a copy
     work["memcpy"] = lambda: b.copy_(a)
-    t: dict[str, list[float]] = {k: [] for k in work}
-    names = list(work)
-    for i in range(reps + 1):  # the first, untimed: warm-up
-        for k in names[i % len(names):] + names[:i % len(names)]:
-            dt = _timed(work[k])
-            if i:
-                t[k].append(dt)
+    for fn in work.values():  # warm-up, untimed
+        fn()
+    t = _interleaved(work, reps)
     grid = grid_for(amx, heads=(0, heads), tokens=(0, tokens))
     same = bool(np.array_equal(kv_digest(amx, vb["amx"], 0, grid), kv_digest(vec, vb["dst"], 0, grid)))
     return {
@@ -365,11 +369,7 @@ def _bench_digest(src, src_pages, layers: int, heads: int, head_dim: int, dtype:
              for name, (lay, b) in pools.items() for tag, sp in (("", None), ("_split", split)) if tag == "" or sp}
     for fn in cases.values():  # warm: first touch of the new pool's pages
         fn()
-    t = {k: [] for k in cases}
-    names = list(cases)
-    for i in range(reps):
-        for k in names[i % len(names):] + names[: i % len(names)]:
-            t[k].append(_timed(cases[k]))
+    t = _interleaved(cases, reps)
     return {"gbps": {k: spread([nbytes / x / 1e9 for x in v]) for k, v in t.items()}, "bytes": nbytes,
             "hash": "XXH3-64 (xxhash), " + ("C walk in the pool's address order" if xxh3_functions() else "Python loop"),
             "split_threads": split.threads if split else 1,
