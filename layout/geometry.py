@@ -12,7 +12,7 @@ these numbers. Nothing here touches an engine or a network.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from functools import cached_property
 from typing import Any, Sequence
 
@@ -88,6 +88,26 @@ def dtype_itemsize(dtype: Any) -> int:
     return _DTYPES[canonical_dtype(dtype)]
 
 
+def _lattices_meet(e: np.ndarray, axes: list[tuple[int, int]], width: int) -> np.ndarray:
+    """For each offset ``e >= 0``: does a set of rows ``width`` bytes wide at every point
+    ``sum(a_k * stride_k)`` (``0 <= a_k < count_k``; ``axes`` outermost first, each stride
+    at least the extent of the axes inside it) share a byte with itself shifted by ``e``?"""
+    n = e.size
+    which = np.arange(n)
+    for count, stride in axes:
+        if count <= 1 or not which.size:
+            continue
+        k = np.minimum(e // stride, count - 1)
+        lo = e - k * stride
+        up = (k + 1) * stride - e
+        more = k + 1 < count
+        e = np.concatenate([lo, up[more]])
+        which = np.concatenate([which, which[more]])
+    met = np.zeros(n, dtype=bool)
+    met[which[e < width]] = True
+    return met
+
+
 @dataclass(frozen=True)
 class Region:
     """One contiguous piece of memory that holds KV: what a transport registers."""
@@ -156,8 +176,9 @@ class KVLayout:
     tensors: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     row_strides: tuple[tuple[Dims, Dims], ...] = ()
     kv_scales: np.ndarray | None = field(default=None, repr=False)
+    part_of_checked: InitVar[bool] = False  # a subset of a layout already found to own its bytes
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, part_of_checked: bool) -> None:
         base = np.ascontiguousarray(self.base, dtype=np.int64)
         region_of = np.ascontiguousarray(self.region_of, dtype=np.int64)
         object.__setattr__(self, "base", base)
@@ -170,7 +191,7 @@ class KVLayout:
                               f"((count, stride), ...) lists: {e}") from None
         object.__setattr__(self, "row_strides", rows)
         object.__setattr__(self, "kv_scales", self._scales_array(self.kv_scales))
-        self._check()
+        self._check(disjoint=not part_of_checked)
 
     def _scales_array(self, given: Any) -> np.ndarray | None:
         """``kv_scales`` as float64 ``[num_layers, kv_factor, num_heads]`` (None: all 1.0)."""
@@ -277,7 +298,7 @@ class KVLayout:
         """Device of the local tensors, or None for a peer's layout."""
         return self.tensors[0].device if self.tensors else None
 
-    def _check(self) -> None:
+    def _check(self, disjoint: bool = True) -> None:
         bad = []
         if self.kv_factor not in (1, 2):
             bad.append(f"kv_factor must be 1 or 2, got {self.kv_factor}")
@@ -332,6 +353,55 @@ class KVLayout:
                 f"{self.engine} layout: {self.num_blocks} blocks of {self.block_stride} B do not fit "
                 "inside the memory regions given"
             )
+        if disjoint:
+            self._check_disjoint()
+
+    def _check_disjoint(self) -> None:
+        """Raise LayoutError unless the slots the map names own their bytes.
+
+        The regions lie apart; the block, token and head axes nest in stride order, each
+        stepping over everything inside it (HND, NHD, vLLM's orders with heads or tokens
+        outside blocks); and no head row of one (layer, kv) meets a head row of another in any
+        pair of blocks (vLLM's K and V share each row's bytes side by side, TensorRT-LLM's
+        layers share each block's). Element-strided rows (vLLM CPU) interleave K and V element
+        by element: there a block is its extent, and only blocks of the same K/V are compared.
+        """
+        where = f"{self.engine} layout"
+        addr = np.array([r.addr for r in self.regions], dtype=np.int64)
+        size = np.array([r.nbytes for r in self.regions], dtype=np.int64)
+        order = np.argsort(addr, kind="stable")
+        if ((addr[order] + size[order])[:-1] > addr[order][1:]).any():
+            raise LayoutError(f"{where}: its memory regions overlap")
+        if self.rows_contiguous:  # the block, token and head axes nest in stride order, whatever it is
+            axes, inner = [], self.head_bytes
+            for count, stride, name in sorted(((self.num_blocks, self.block_stride, "block_stride"),
+                                               (self.tokens_per_block, self.token_stride, "token_stride"),
+                                               (self.num_heads, self.head_stride, "head_stride")), key=lambda a: a[1]):
+                if count > 1:
+                    axes.insert(0, (count, stride, inner, name))
+                    inner += (count - 1) * stride
+            width = self.head_bytes
+        else:  # mixed-radix rows: a block is its extent
+            width = int(self._tile_extents().max())
+            axes = [(self.num_blocks, self.block_stride, width, "block_stride")]
+        for count, stride, inner, name in axes:
+            if count > 1 and stride < inner:
+                raise LayoutError(f"{where}: {name}={stride} B does not step over the {inner} B inside it, so "
+                                  "rows or blocks would share bytes (each axis must nest the ones inside it)")
+        base, reg = self.base.ravel(), self.region_of.ravel()
+        kv = np.tile(np.arange(self.kv_factor), self.num_layers)
+        i, j = np.triu_indices(base.size, k=1)
+        keep = reg[i] == reg[j]
+        if not self.rows_contiguous:
+            keep &= kv[i] == kv[j]
+        i, j = i[keep], j[keep]
+        # rows of i and j (j at e bytes from i) meet iff e - (p - q) lies within a row of 0 for
+        # points p, q of the nested lattice; per axis only the two multiples bracketing e can
+        hit = _lattices_meet(np.abs(base[j] - base[i]), [(c, s) for c, s, _, _ in axes], width)
+        if hit.any():
+            a, b = int(i[hit][0]), int(j[hit][0])
+            raise LayoutError(f"{where}: layer {a // self.kv_factor} kv {a % self.kv_factor} and layer "
+                              f"{b // self.kv_factor} kv {b % self.kv_factor} put rows on the same bytes")
 
     @property
     def block_bytes(self) -> int:
@@ -361,7 +431,7 @@ class KVLayout:
             return self
         return replace(self, num_layers=stop - start, layer_offset=self.layer_offset + start,
                        base=self.base[start:stop], region_of=self.region_of[start:stop],
-                       kv_scales=None if self.kv_scales is None else self.kv_scales[start:stop])
+                       kv_scales=None if self.kv_scales is None else self.kv_scales[start:stop], part_of_checked=True)
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> "KVLayout":
         """The same layout with local tensors attached (their addresses must match)."""

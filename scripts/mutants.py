@@ -418,6 +418,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/layout/test_layout_unit.py::test_fp8_scales_must_agree_on_every_head_both_hold",
          "tests/core/test_handoff.py::test_fp8_scales_that_differ_fail_the_room_naming_both")),
     Mutation(
+        "layout-slots-disjoint", "layout/geometry.py",
+        "        if disjoint:\n            self._check_disjoint()\n",
+        "",
+        "a layout (a peer's or an adapter's) whose slots or blocks would share bytes is refused by name",
+        ("tests/layout/test_layout_unit.py::test_a_layout_whose_slots_share_bytes_is_refused",
+         "tests/layout/test_layout_unit.py::test_the_overlap_check_agrees_with_enumerating_every_row",
+         "tests/hostile/test_hostile_input.py::test_trusted_but_wrong_requests_are_refused_before_any_byte_moves")),
+    Mutation(
         "sglang-carries-fp8-scales", "adapters/sglang/manager.py",
         "        return lay.with_scales(scales)\n",
         "        return lay\n",

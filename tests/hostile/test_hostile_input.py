@@ -32,7 +32,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import hostile_peers
@@ -392,6 +392,20 @@ def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
     assert dec.call("free")[1:] == (dfree0, 0)
 
 
+def _still_describes_the_pool(layout: dict, key: str, value, blocks: list[int], n: int) -> bool:
+    """Whether ``layout`` with ``key`` set to ``value`` is still a true (if partial) account of the
+    decode pool for ``n`` tokens in ``blocks``: a smaller pool that still holds the blocks, or
+    smaller blocks (padded inside each head's 32 slots) that still hold the tokens. Such a request
+    is right, not wrong, and is served."""
+    if type(value) is not int:
+        return value == layout[key] and type(value) is type(layout[key])
+    if key == "num_blocks":  # the blocks named still exist, and the pool still fits its memory
+        return max(blocks) < value <= layout["regions"][0][1] // layout["block_stride"]
+    if key == "tokens_per_block":  # rows still inside a head's span, enough blocks for the tokens
+        return 1 <= value <= layout["head_stride"] // layout["token_stride"] and -(-n // value) <= len(blocks)
+    return value == layout[key]
+
+
 @st.composite
 def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
     """A request signed with the right secret (a peer we trust to hold it) that is still wrong."""
@@ -409,10 +423,12 @@ def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
         d["token_stop"] = draw(st.integers(need * tpb + 1, 2**31 - 1))
     elif what == "inverted":
         d["token_start"], d["token_stop"] = n, draw(st.integers(0, n - 1))
-    elif what == "layout":  # geometry that does not fit its own regions, or nonsense
+    elif what == "layout":  # geometry that does not fit its own regions, overlaps itself, or nonsense
         key = draw(st.sampled_from(["num_blocks", "block_stride", "tokens_per_block", "base", "regions", "dtype",
                                     "head_dim", "kv_factor"]))
-        d["layout"] = {**layout, key: draw(st.one_of(HOSTILE_VALUES, st.integers(2**40, 2**62)))}
+        value = draw(st.one_of(HOSTILE_VALUES, st.integers(2**40, 2**62)))
+        assume(not _still_describes_the_pool(layout, key, value, good, n))
+        d["layout"] = {**layout, key: value}
     elif what == "no_regions":  # the right addresses, but no memory to check them against
         d["layout"] = {**layout, "regions": []}
     else:
@@ -430,9 +446,16 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
     dec.call("snap", "trusted")
     hostile = Hostile(endpoint)
     rooms = itertools.count(9000)
+    sure = [  # every run tries these, besides what it draws: blocks half apart (they overlap), and a
+        # pool too small for the block named
+        (_request_dict(0, session, {**layout, "block_stride": layout["block_stride"] // 2}, [1], 32), "layout"),
+        (_request_dict(0, session, {**layout, "num_blocks": 3}, [3], 32), "layout"),
+    ]
     try:
         @PEER_FUZZ
         @given(bad_signed_requests(session, layout, 0, 64, 32))
+        @example(sure[0])
+        @example(sure[1])
         def attack(case):
             d, what = case
             room = next(rooms)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import zipfile
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvbridge.layout import (
@@ -465,3 +468,108 @@ def test_fp8_scales_cross_the_wire_and_bad_ones_are_refused():
     assert bf16.with_scales(1.0).kv_scales is None
     with pytest.raises(LayoutError, match="carries no scales"):
         bf16.with_scales(0.5)
+
+
+def _with(desc, **over):
+    return {**desc, **over}
+
+
+TRT = fake_trtllm().describe()  # block = 2 layers x K/V x 2 heads x 32 tokens x 16 B: tiles of 1 KiB, 4 KiB apart
+SGL = fake_sglang().describe()  # one tensor per (layer, kv): rows of 16 B, token_stride 32 B (2 heads)
+BIG = [[r[0], 1 << 14] for r in SGL["regions"]]  # room for blocks of 1 KiB
+
+
+@pytest.mark.parametrize(
+    "desc, match",
+    [
+        # half the block stride: layer 0's K in block 1 lands on layer 1's K in block 0
+        (_with(TRT, block_stride=2048), "layer 0 kv 0 and layer 1 kv 0 put rows on the same bytes"),
+        (_with(TRT, block_stride=512), "(block|head)_stride=512 B does not step over"),  # blocks on heads
+        (_with(TRT, base=[[TRT["base"][0][0]] * 2, TRT["base"][1]]), "layer 0 kv 0 and layer 0 kv 1"),
+        (_with(TRT, head_stride=256), "head_stride=256 B does not step over the 512 B"),  # 32 tokens x 16 B
+        (_with(SGL, token_stride=16), "head_stride=16 B does not step over the 256 B"),  # two heads of 16 B
+        # head 1's rows apart from head 0's but between them (odd and even 16 B steps): not nested
+        (_with(SGL, head_stride=48, block_stride=1024, regions=BIG), "head_stride=48 B does not step over the 496 B"),
+        (_with(SGL, head_stride=0), "head_stride=0 B does not step over the 16 B"),
+        # V's rows half a row after K's: they share bytes (a whole row after, as vLLM puts them, is fine)
+        (_with(SGL, base=[[b, b + 8] for b, _ in SGL["base"]], region_of=[[0, 0], [1, 1]],
+               regions=BIG[:2], token_stride=64, head_stride=32, block_stride=1024), "kv 0 and layer 0 kv 1 put rows"),
+        (_with(SGL, regions=[[r[0], r[1] + (1 << 24)] for r in SGL["regions"]]), "regions overlap"),
+    ],
+)
+def test_a_layout_whose_slots_share_bytes_is_refused(desc, match):
+    """Geometry that would make two slots (or two blocks) write the same bytes is refused by name,
+    whoever describes it: a peer's request or an adapter with a wrong stride."""
+    with pytest.raises(LayoutError, match=match):
+        KVLayout.from_description(desc)
+    KVLayout.from_description(TRT), KVLayout.from_description(SGL)  # as the engines lay them out: accepted
+    # vLLM's rows: K then V side by side in one row of 2 x 16 B
+    KVLayout.from_description(_with(SGL, base=[[b, b + 16] for b, _ in SGL["base"]], region_of=[[0, 0], [1, 1]],
+                                    regions=BIG[:2], token_stride=64, head_stride=32, block_stride=1024))
+
+
+@st.composite
+def small_geometries(draw):
+    """A small layout description over one region: the block, token and head axes in any order,
+    strides tight for that order or drawn near and far from it, (layer, kv) offsets as the
+    engines place them or anywhere."""
+    item = draw(st.sampled_from([1, 2]))
+    layers, kvf, heads, hd, tpb, blocks = (draw(st.integers(1, n)) for n in (2, 2, 3, 3, 4, 4))
+    row = hd * item
+    kv_rows = draw(st.sampled_from([1, kvf]))  # vLLM: K and V side by side in one row
+    strides, step = {}, kv_rows * row
+    for axis, count in draw(st.permutations([("block", blocks), ("token", tpb), ("head", heads)])):  # inner first
+        strides[axis] = draw(st.one_of(st.just(step), st.just(0), st.just(row),
+                                       st.integers(0, 4 * step + 8).map(lambda x: x // item * item)))
+        step *= count
+    tile = layers * kvf * heads * tpb * row
+    offsets = draw(st.one_of(
+        st.just([i * heads * tpb * row for i in range(layers * kvf)]),  # TRT-like: tiles side by side in a block
+        st.just([i * blocks * tile for i in range(layers * kvf)]),      # one tensor per (layer, kv)
+        st.just([(i // kvf) * blocks * tile + (i % kvf) * row for i in range(layers * kvf)]),  # vLLM: K|V rows
+        st.lists(st.integers(0, 2 * blocks * tile // item), min_size=layers * kvf, max_size=layers * kvf)
+        .map(lambda xs: [x * item for x in xs]),
+    ))
+    region = 1 << 20
+    return dict(engine="trtllm", num_layers=layers, kv_factor=kvf, num_heads=heads, head_offset=0, total_heads=heads,
+                head_dim=hd, dtype="bfloat16" if item == 2 else "fp8_e4m3", tokens_per_block=tpb, num_blocks=blocks,
+                first_block=0, block_stride=strides["block"], token_stride=strides["token"],
+                head_stride=strides["head"], base=[[region + offsets[l * kvf + k] for k in range(kvf)]
+                                                   for l in range(layers)],
+                region_of=[[0] * kvf for _ in range(layers)], regions=[[region, region]], layer_offset=0)
+
+
+def _apart(spans) -> bool:
+    """Whether half-open byte spans ``(start, end)`` share no byte."""
+    spans = sorted(spans)
+    return all(b[0] >= a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _owns_its_bytes(d) -> bool:
+    """By enumeration: the axes nest (order them by stride; with the outer ones' indices fixed,
+    the spans of one axis's steps, each over every index inside it, lie apart), and no two head
+    rows of the whole map share a byte."""
+    row = d["head_dim"] * (2 if d["dtype"] == "bfloat16" else 1)
+    axes = sorted(((c, s) for c, s in ((d["num_blocks"], d["block_stride"]), (d["tokens_per_block"], d["token_stride"]),
+                                       (d["num_heads"], d["head_stride"])) if c > 1), key=lambda a: -a[1])
+    rows = []
+    for base in (b for per_layer in d["base"] for b in per_layer):
+        at = {idx: base + sum(i * s for i, (_, s) in zip(idx, axes))
+              for idx in itertools.product(*(range(c) for c, _ in axes))}
+        for k in range(len(axes)):
+            for outer in itertools.product(*(range(c) for c, _ in axes[:k])):
+                steps = [[a for idx, a in at.items() if idx[:k] == outer and idx[k] == x] for x in range(axes[k][0])]
+                if not _apart([(min(x), max(x) + row) for x in steps]):
+                    return False
+        rows += [(a, a + row) for a in at.values()]
+    return _apart(rows)
+
+
+@settings(max_examples=400, deadline=None)
+@given(small_geometries())
+def test_the_overlap_check_agrees_with_enumerating_every_row(desc):
+    if _owns_its_bytes(desc):
+        KVLayout.from_description(desc)
+    else:
+        with pytest.raises(LayoutError, match="does not step over|same bytes"):
+            KVLayout.from_description(desc)
