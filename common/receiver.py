@@ -385,7 +385,7 @@ class KVReceiver(ControlSide):
         off, size = r.staging[peer]
         if msg.src_layout is None:
             raise LayoutError("staged chunks without the sender's layout (src_layout)")
-        src = msg.src_layout.to_layout()
+        src = self._peer_layout(peer, msg.src_layout)
         t0 = time.perf_counter()
         for ch in msg.staged:
             s_lay, d_lay = src, self.layout

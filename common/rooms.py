@@ -11,6 +11,7 @@ import enum
 import logging
 import threading
 import time
+from typing import Callable
 
 import msgspec
 
@@ -53,6 +54,7 @@ class PeerState(str, enum.Enum):
 
 
 MAX_PEERS = 1 << 16  # peers one side keeps liveness (and refusal notes) for; the least recently heard goes first
+MAX_PEER_LAYOUTS = 256  # peers whose parsed layout one side keeps; the least recently described goes first
 
 _METRICS: KVBridgeMetrics | None = None
 _METRICS_LOCK = threading.Lock()
@@ -76,8 +78,9 @@ class ControlSide:
 
     Threads: the control channel's I/O thread runs ``_on_frame`` / ``_on_message`` and
     ``_on_tick``; engine threads call the public methods; ``_lock`` guards the rooms and
-    their state. ``_peers_seen`` (peer -> when it last spoke) is written by the I/O thread
-    only; other threads read it (a float per key: a stale read only delays a timeout)."""
+    their state, and ``_peer_layouts``. ``_peers_seen`` (peer -> when it last spoke) is
+    written by the I/O thread only; other threads read it (a float per key: a stale read
+    only delays a timeout)."""
 
     role = ""
 
@@ -103,9 +106,27 @@ class ControlSide:
         self._refusals = BoundedMap(MAX_PEERS, name="auth_refusals", on_evict=self._evicted, lru=True)
         self._answered = BoundedMap(MAX_PEERS, name="auth_answers", on_evict=self._evicted, lru=True)  # peer -> last refusal sent
         self._frame_at = 0.0  # when the frame being handled arrived (I/O thread only)
+        # peer -> (its last layout description, the layout parsed and checked from it)
+        self._peer_layouts = BoundedMap(MAX_PEER_LAYOUTS, name="peer_layouts", lru=True)
         self.channel = ControlChannel(self._on_frame, self._on_tick, bind_host=bind_host,
                                       on_disconnect=self._on_disconnect if bind_host is None else None,
                                       name=f"kvbridge-{self.role}")
+
+    def _peer_layout(self, peer: str, desc: P.LayoutDescription,
+                     check: Callable[[KVLayout], None] | None = None) -> KVLayout:
+        """``peer``'s layout from its description: parsed (and ``check``ed) the first time,
+        reused while the peer describes the same layout. Raises LayoutError (or what
+        ``check`` raises) naming what does not hold; nothing is kept then."""
+        with self._lock:
+            known = self._peer_layouts.get(peer)
+        if known is not None and known[0] == desc:
+            return known[1]
+        layout = desc.to_layout()
+        if check is not None:
+            check(layout)
+        with self._lock:
+            self._peer_layouts[peer] = (desc, layout)
+        return layout
 
     def _count_blocks(self, n: int) -> None:
         self.metrics.child(self.metrics.blocks_held, self.role).inc(n)

@@ -43,7 +43,6 @@ __all__ = ["KVSender"]
 log = logging.getLogger(__name__)
 
 MAX_EARLY_ROOMS = 4096  # requests for rooms a sender has not registered yet, at most (then refused)
-MAX_PEER_LAYOUTS = 256  # decode peers whose parsed layout a sender keeps
 MAX_EARLY_PEERS = 1024  # decode ranks whose early request for one room a sender keeps (then refused)
 MAX_DECLINED = 1 << 14  # rooms declined before the prefill added them, remembered until their deadline at most
 
@@ -73,7 +72,6 @@ class KVSender(ControlSide):
         self._early: dict[int, dict[str, tuple[P.TransferRequest, float]]] = {}  # room -> peer -> (request, when)
         self._declined: dict[int, tuple[str, float]] = BoundedMap(  # room -> (reason, when): declined before add_room
             MAX_DECLINED, name="declined", on_evict=self._evicted)
-        self._peer_layouts: dict[str, tuple[P.LayoutDescription, KVLayout]] = {}  # peer -> its last layout (described, parsed)
         self.incarnation = uuid.uuid4().hex[:16]  # this process's sender: a restart behind the same endpoint changes it
         super().__init__(layout, transport, config, metrics, bind_host=host)
         for t in layout.tensors or ():
@@ -346,17 +344,7 @@ class KVSender(ControlSide):
     def _remote_layout(self, peer: str, desc: P.LayoutDescription) -> KVLayout:
         """The decode peer's layout, checked against ours; a warm peer's is reused while it
         describes the same layout (raises LayoutError naming the mismatch)."""
-        known = self._peer_layouts.get(peer)
-        if known is not None and known[0] == desc:
-            return known[1]
-        remote = desc.to_layout()
-        check_compatible(self.layout, remote)
-        with self._lock:
-            self._peer_layouts.pop(peer, None)
-            self._peer_layouts[peer] = (desc, remote)
-            while len(self._peer_layouts) > MAX_PEER_LAYOUTS:
-                self._peer_layouts.pop(next(iter(self._peer_layouts)))
-        return remote
+        return self._peer_layout(peer, desc, check=lambda remote: check_compatible(self.layout, remote))
 
     def _on_tick(self) -> None:
         now = time.monotonic()
