@@ -56,9 +56,13 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(cases: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Each case timed ``reps`` times, interleaved: every repetition runs every case, in an
-    order rotated by one each repetition. Seconds per case."""
+def _interleaved(cases: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Each case run ``warmup`` times untimed (first touch of every page, caches and thread
+    pools warm), then timed ``reps`` times, interleaved: every repetition runs every case,
+    in an order rotated by one each repetition. Seconds per case."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
     t: dict[str, list[float]] = {k: [] for k in cases}
     names = list(cases)
     for i in range(reps):
@@ -164,11 +168,8 @@ def bench_layout(
              "repack_rows": lambda: chunked(ps=rows_only),
              "repack_torch": lambda: chunked(ps=torch_tiles),
              "repack_inline": lambda: chunked(inline=True), "repack_whole": lambda: whole.run(whole_stage)}
-    warmup = max(1, reps // 5)
-    for _ in range(warmup):  # first touch of every page, caches and thread pools warm: reported, not timed
-        for fn in cases.values():
-            fn()
-    t = _interleaved(cases, reps)
+    warmup = max(1, reps // 5)  # reported, not timed
+    t = _interleaved(cases, reps, warmup)
     names = list(cases)
 
     # cold: a plan's gathers built on the spot into a staging ring never touched, against a
@@ -332,8 +333,6 @@ def bench_vllm_cpu(*, layers: int = 8, heads: int = 8, head_dim: int = 128, bloc
     work = {k: (lambda op=op: op.run(a)) for k, op in ops.items()}
     work["amx_to_vec_both"] = lambda: (g_both.run(a), b.copy_(a), s_both.run(b))  # the wire as a copy
     work["memcpy"] = lambda: b.copy_(a)
-    for fn in work.values():  # warm-up, untimed
-        fn()
     t = _interleaved(work, reps)
     grid = grid_for(amx, heads=(0, heads), tokens=(0, tokens))
     same = bool(np.array_equal(kv_digest(amx, vb["amx"], 0, grid), kv_digest(vec, vb["dst"], 0, grid)))
@@ -367,8 +366,6 @@ def _bench_digest(src, src_pages, layers: int, heads: int, head_dim: int, dtype:
     nbytes = tokens * layers * 2 * heads * head_dim * dtype_itemsize(dtype)
     cases = {f"{name}{tag}": (lambda lay=lay, b=b, sp=sp: kv_digest(lay, b, 0, grid, split=sp))
              for name, (lay, b) in pools.items() for tag, sp in (("", None), ("_split", split)) if tag == "" or sp}
-    for fn in cases.values():  # warm: first touch of the new pool's pages
-        fn()
     t = _interleaved(cases, reps)
     return {"gbps": {k: spread([nbytes / x / 1e9 for x in v]) for k, v in t.items()}, "bytes": nbytes,
             "hash": "XXH3-64 (xxhash), " + ("C walk in the pool's address order" if xxh3_functions() else "Python loop"),

@@ -226,4 +226,3 @@ def test_the_c_loop_is_used_only_where_it_agrees_with_the_xxhash_package(monkeyp
     assert digest.xxh3_functions() is not None
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data, seed=0: 0)
     assert digest.xxh3_functions.__wrapped__() is None
-

@@ -10,9 +10,9 @@ import zipfile
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from kvbridge.layout import (
     HeadMap,
@@ -502,8 +502,13 @@ def test_a_layout_whose_slots_share_bytes_is_refused(desc, match):
     whoever describes it: a peer's request or an adapter with a wrong stride."""
     with pytest.raises(LayoutError, match=match):
         KVLayout.from_description(desc)
-    KVLayout.from_description(TRT), KVLayout.from_description(SGL)  # as the engines lay them out: accepted
-    # vLLM's rows: K then V side by side in one row of 2 x 16 B
+
+
+def test_the_engines_own_layouts_own_their_bytes():
+    """The same geometry as the engines lay it out is accepted, vLLM's K and V side by side
+    in one row of 2 x 16 B included."""
+    KVLayout.from_description(TRT)
+    KVLayout.from_description(SGL)
     KVLayout.from_description(_with(SGL, base=[[b, b + 16] for b, _ in SGL["base"]], region_of=[[0, 0], [1, 1]],
                                     regions=BIG[:2], token_stride=64, head_stride=32, block_stride=1024))
 
