@@ -163,7 +163,10 @@ def _bench_link(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(args, "link", res)
     else:
-        print_table("link: Mooncake TCP on 127.0.0.1 (measured)", res["link"], list(res["link"]))
+        lk = res["link"]
+        print_table("link: Mooncake TCP on 127.0.0.1 (measured)", lk, [k for k in lk if k != "samples"])
+        for k, v in lk.get("samples", {}).items():
+            print(f"  {k}: median {v['median']} [p10 {v['p10']}, p90 {v['p90']}] over {v['n']} pairs")
         if args.out:
             print(f"written to {args.out}; use it with `kvbridge plan --link {args.out}`")
     return 0

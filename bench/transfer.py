@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kvbridge.bench.machine import copy_floor, machine_notes, spread
+from kvbridge.common.settings import HandoffConfig
 from kvbridge.layout.plan import PlanCosts
 
 __all__ = ["bench_transfer", "transfer_steps"]
@@ -54,6 +55,13 @@ SRC_PAGE, DST_BLOCK = 64, 32
 RAW_SEGMENTS = (1 << 20, 4 << 20, 16 << 20, 64 << 20)  # bytes per segment of a raw write
 RAW_DEPTHS = (0, 1, 2, 4, 8)  # writes in flight, one segment each; 0: every segment in one batch write
 ONE_BATCH = (4 << 20, 0)
+LINK_PAIRS = 25  # pairs behind each of the link's setup and repack_overlap (their medians)
+OVERLAP_TOKENS = 2048  # the staged handoffs that measure repack_overlap (apart from the check's 1024)
+CHECK_OVERLAP_PAIRS = 2  # of those, per repetition of the cost model's check
+# the raw writes behind the cost model's wire: shaped as a staged send writes (parts of
+# part_bytes, ring_parts in flight), so that its bandwidth is the handoff's own wire and no
+# shape difference is left for repack_overlap or setup to absorb
+WIRE_SHAPE = (HandoffConfig.part_bytes, HandoffConfig.ring_parts)
 RAW_PICK_ROUNDS = 3  # rounds of every shape that pick the fastest, before the repetitions
 
 
@@ -468,31 +476,52 @@ def bench_transfer(
         # -- the link: bandwidth, per-segment cost, setup, repack ---------------------
         say("measuring the link")
         link_tokens = min(cap, 4096)
-        t_bw = statistics.median(raw(link_tokens) for _ in range(max(5, reps)))  # loopback TCP varies 2x run to run
+        t_bw = statistics.median(raw(link_tokens, shape=WIRE_SHAPE) for _ in range(max(5, reps)))  # loopback TCP varies 2x run to run
         bw = link_tokens * bytes_per_token / t_bw
         n_small = 2000
         t_seg = statistics.median(raw_pieces(n_small, 4096) for _ in range(reps))
         per_seg = max(0.0, (t_seg - n_small * 4096 / bw) / n_small)
-        small = [handoff(small_tokens) for _ in range(reps)]
-        small_raw = [raw(small_tokens) for _ in range(reps)]
-        setup = max(0.0, statistics.median(s[0] for s in small) - statistics.median(small_raw))
-        # the gather's rate, and how much of it the wire hides: staged handoffs of link_tokens,
-        # each beside a raw write of the same bytes (interleaved), against repack + wire
-        # unhidden (PlanCosts.seconds: hidden = overlap x PlanCosts.hideable_s)
-        hidden, rates = [], []
-        for _ in range(max(3, reps)):
-            dt, big_info = handoff(link_tokens)
-            wire_s = raw(link_tokens)
-            rep_s = big_info["repack_s"]
-            if rep_s > 0:
-                rates.append(big_info["bytes"] / rep_s)
-                hidden.append((rep_s + wire_s + setup - dt) / PlanCosts.hideable_s(rep_s, wire_s))
+        # setup: each small handoff against the raw write of its bytes just before it (the
+        # link drifts over seconds; a pair's difference does not)
+        setups = []
+        for _ in range(max(LINK_PAIRS, reps)):
+            r0 = raw(small_tokens, shape=WIRE_SHAPE)
+            setups.append(handoff(small_tokens)[0] - r0)
+        setup = max(0.0, statistics.median(setups))
+        # the gather's rate, and how much of it the wire hides: staged handoffs of
+        # overlap_tokens, each between two raw writes of the same bytes (their mean is the
+        # wire beside it), against repack + wire unhidden (PlanCosts.seconds: hidden = overlap
+        # x PlanCosts.hideable_s). One sample varies by about +-1 here (the hideable part is a
+        # quarter of the wire, which varies +-15% write to write), hence many pairs; and the
+        # median of one stretch of seconds differs from the next by up to 1, so the cost
+        # model's check measures it again beside its own handoffs
+        overlap_tokens = min(cap, OVERLAP_TOKENS)
+
+        def overlap_pairs(k: int) -> tuple[list[float], list[float]]:
+            """``k`` samples of the overlap (unclamped) and of the gather's rate (bytes/s)."""
+            hid, rate = [], []
+            after = raw(overlap_tokens, shape=WIRE_SHAPE)
+            for _ in range(k):
+                before = after
+                dt, hinfo = handoff(overlap_tokens)
+                after = raw(overlap_tokens, shape=WIRE_SHAPE)
+                wire_s, rep_s = (before + after) / 2, hinfo["repack_s"]
+                if rep_s > 0:
+                    rate.append(hinfo["bytes"] / rep_s)
+                    hid.append((rep_s + wire_s + setup - dt) / PlanCosts.hideable_s(rep_s, wire_s))
+            return hid, rate
+
+        handoff(overlap_tokens)  # untimed: the first handoff of this size meets its pages cold
+        hidden, rates = overlap_pairs(max(LINK_PAIRS, reps))
         repack_bps = statistics.median(rates) if rates else 8e9
         overlap = min(1.0, max(0.0, statistics.median(hidden))) if hidden else 1.0
         link = LinkProfile("mooncake-tcp-loopback", bw, per_seg, setup, repack_bps, source="measured",
                            repack_overlap=overlap)
         link_fig = {"name": link.name, "bandwidth_bytes_per_s": bw, "per_segment_s": per_seg, "setup_s": setup,
                     "repack_bytes_per_s": repack_bps, "repack_overlap": round(overlap, 3),
+                    # each estimate's samples (medians above): setup ms; overlap, unclamped
+                    "samples": {"setup_ms": spread([x * 1e3 for x in setups]),
+                                "repack_overlap": spread(hidden)},
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if link_only:
             return {"link": link_fig}
@@ -595,22 +624,35 @@ def bench_transfer(
         per_len = []
         for n in sweep:
             say(f"cost model check: {n} tokens")
-            runs, raws = [], []
+            runs, raws, hid_now = [], [], []
             for _ in range(reps):  # interleaved: the link drifts up to 2x over seconds on loopback
                 runs.append(handoff(n))
-                raws.append(raw(n))
+                raws.append(raw(n, shape=WIRE_SHAPE))
+                hid_now += overlap_pairs(CHECK_OVERLAP_PAIRS)[0]
             mid = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
             measured, parts = mid
             # the link as it is now (loopback bandwidth drifts up to 2x over a run): the raw
-            # writes of this length, taken beside its handoffs, give the bandwidth
-            now = dataclasses.replace(link, bandwidth_bytes_per_s=n * bytes_per_token / statistics.median(raws))
+            # writes of this length, taken beside its handoffs, give the bandwidth, and the
+            # staged handoffs of overlap_tokens between them the overlap
+            overlap_now = min(1.0, max(0.0, statistics.median(hid_now))) if hid_now else link.repack_overlap
+            now = dataclasses.replace(link, bandwidth_bytes_per_s=n * bytes_per_token / statistics.median(raws),
+                                      repack_overlap=overlap_now)
             pred = predict_handoff_s(parts["bytes"], parts["segments"], now,
                                      staged=parts["plan"] == "staged_send")
             # the sender's own time: plan, the repack not overlapped... the rest is control and notify
             wire = parts["transfer_s"]
+            # which term is off: the share of the gather the wire would have had to hide for
+            # the prediction to be exact, against the link's repack_overlap
+            rep_n = parts["bytes"] / link.repack_bytes_per_s
+            implied = ((pred.setup_s + pred.wire_s + pred.segments_s + rep_n - measured)
+                       / PlanCosts.hideable_s(rep_n, pred.wire_s + pred.segments_s))
             per_len.append({"tokens": n, "bytes": parts["bytes"], "measured_ms": round(measured * 1e3, 2),
                             "predicted_ms": round(pred.total_s * 1e3, 2),
                             "error": round(abs(pred.total_s - measured) / measured, 3),
+                            "terms_ms": {k: round(getattr(pred, k) * 1e3, 2)
+                                         for k in ("setup_s", "wire_s", "segments_s", "repack_s")},
+                            "repack_overlap": {**spread(hid_now), "used": round(overlap_now, 3)},
+                            "implied_overlap": round(implied, 3) if parts["plan"] == "staged_send" else None,
                             "handoff_gbps": round(parts["bytes"] / measured / 1e9, 3),
                             "raw_gbps": round(parts["bytes"] / statistics.median(raws) / 1e9, 3),
                             "handoff_gbps_range": [round(parts["bytes"] / max(r[0] for r in runs) / 1e9, 3),

@@ -31,8 +31,13 @@ def test_bench_transfer_reports_its_keys(tmp_path):
     assert res["best_raw_shape"] == {"segment_mib": best["segment_mib"], "depth": best["depth"]}
     assert len(res["samples_s"]["best_raw"]) == len(res["samples_s"]["handoff"]) == 1
     assert res["spread"]["ratio"]["n"] == res["spread"]["one_batch_ratio"]["n"] == 1
+    # the link's setup and overlap are medians of paired samples, reported with their spread
+    assert {k: v["n"] for k, v in res["link"]["samples"].items()} == {"setup_ms": 25, "repack_overlap": 25}
     for p in res["model_check"]:
         assert set(p["breakdown_ms"]) == {"plan", "repack", "transfer", "notify"}
+        # the prediction's terms add up to it, and the overlap that would have made it exact is named
+        assert abs(sum(p["terms_ms"].values()) - p["predicted_ms"]) <= 0.05, p
+        assert isinstance(p["implied_overlap"], float), p
     # the small request stage by stage: the sender's own figures, and the rest of the decode's time
     st = res["small_breakdown_ms"]
     assert set(st) == {"plan", "gather", "wire", "control"} and st["gather"] > 0 and st["wire"] > 0
