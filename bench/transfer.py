@@ -511,10 +511,14 @@ def bench_transfer(
                     hid.append((rep_s + wire_s + setup - dt) / PlanCosts.hideable_s(rep_s, wire_s))
             return hid, rate
 
+        def overlap_of(hid: list[float], default: float) -> float:
+            """The overlap from its samples: their median, held within [0, 1] as PlanCosts takes it."""
+            return min(1.0, max(0.0, statistics.median(hid))) if hid else default
+
         handoff(overlap_tokens)  # untimed: the first handoff of this size meets its pages cold
         hidden, rates = overlap_pairs(max(LINK_PAIRS, reps))
         repack_bps = statistics.median(rates) if rates else 8e9
-        overlap = min(1.0, max(0.0, statistics.median(hidden))) if hidden else 1.0
+        overlap = overlap_of(hidden, 1.0)
         link = LinkProfile("mooncake-tcp-loopback", bw, per_seg, setup, repack_bps, source="measured",
                            repack_overlap=overlap)
         link_fig = {"name": link.name, "bandwidth_bytes_per_s": bw, "per_segment_s": per_seg, "setup_s": setup,
@@ -634,7 +638,7 @@ def bench_transfer(
             # the link as it is now (loopback bandwidth drifts up to 2x over a run): the raw
             # writes of this length, taken beside its handoffs, give the bandwidth, and the
             # staged handoffs of overlap_tokens between them the overlap
-            overlap_now = min(1.0, max(0.0, statistics.median(hid_now))) if hid_now else link.repack_overlap
+            overlap_now = overlap_of(hid_now, link.repack_overlap)
             now = dataclasses.replace(link, bandwidth_bytes_per_s=n * bytes_per_token / statistics.median(raws),
                                       repack_overlap=overlap_now)
             pred = predict_handoff_s(parts["bytes"], parts["segments"], now,
@@ -642,17 +646,19 @@ def bench_transfer(
             # the sender's own time: plan, the repack not overlapped... the rest is control and notify
             wire = parts["transfer_s"]
             # which term is off: the share of the gather the wire would have had to hide for
-            # the prediction to be exact, against the link's repack_overlap
-            rep_n = parts["bytes"] / link.repack_bytes_per_s
-            implied = ((pred.setup_s + pred.wire_s + pred.segments_s + rep_n - measured)
-                       / PlanCosts.hideable_s(rep_n, pred.wire_s + pred.segments_s))
+            # the prediction to be exact, against the overlap used (overlap_now); staged plans only
+            implied = None
+            if parts["plan"] == "staged_send":
+                rep_n = parts["bytes"] / link.repack_bytes_per_s
+                implied = round((pred.setup_s + pred.wire_s + pred.segments_s + rep_n - measured)
+                                / PlanCosts.hideable_s(rep_n, pred.wire_s + pred.segments_s), 3)
             per_len.append({"tokens": n, "bytes": parts["bytes"], "measured_ms": round(measured * 1e3, 2),
                             "predicted_ms": round(pred.total_s * 1e3, 2),
                             "error": round(abs(pred.total_s - measured) / measured, 3),
                             "terms_ms": {k: round(getattr(pred, k) * 1e3, 2)
                                          for k in ("setup_s", "wire_s", "segments_s", "repack_s")},
                             "repack_overlap": {**spread(hid_now), "used": round(overlap_now, 3)},
-                            "implied_overlap": round(implied, 3) if parts["plan"] == "staged_send" else None,
+                            "implied_overlap": implied,
                             "handoff_gbps": round(parts["bytes"] / measured / 1e9, 3),
                             "raw_gbps": round(parts["bytes"] / statistics.median(raws) / 1e9, 3),
                             "handoff_gbps_range": [round(parts["bytes"] / max(r[0] for r in runs) / 1e9, 3),
