@@ -355,7 +355,7 @@ def _bench_digest(src, src_pages, layers: int, heads: int, head_dim: int, dtype:
     pool (NHD: one row per run) and in a TensorRT-LLM pool of the same geometry (HND: a
     block's tokens of one head per run), on one thread and on the split's, interleaved:
     GB/s medians with p10-p90."""
-    from kvbridge.layout import allocate_pool, grid_for, kv_digest
+    from kvbridge.layout import TORCH_DIGEST_ALGORITHM, allocate_pool, grid_for, kv_digest
     from kvbridge.layout.digest import xxh3_functions
 
     nblk = -(-tokens // dst_tpb)
@@ -366,13 +366,17 @@ def _bench_digest(src, src_pages, layers: int, heads: int, head_dim: int, dtype:
     nbytes = tokens * layers * 2 * heads * head_dim * dtype_itemsize(dtype)
     cases = {f"{name}{tag}": (lambda lay=lay, b=b, sp=sp: kv_digest(lay, b, 0, grid, split=sp))
              for name, (lay, b) in pools.items() for tag, sp in (("", None), ("_split", split)) if tag == "" or sp}
+    # the torch reduction a GPU's pool is digested by, here on the host (what a host sender pays
+    # for a receiver that asks for it: integrity_hash "torch")
+    cases["trtllm_torch"] = lambda: kv_digest(dst, np.arange(nblk), 0, grid, algorithm=TORCH_DIGEST_ALGORITHM)
     t = _interleaved(cases, reps)
     return {"gbps": {k: spread([nbytes / x / 1e9 for x in v]) for k, v in t.items()}, "bytes": nbytes,
             "hash": "XXH3-64 (xxhash), " + ("C walk in the pool's address order" if xxh3_functions() else "Python loop"),
             "split_threads": split.threads if split else 1,
             "what": (f"kv_digest of {tokens} tokens x {layers} layers x K/V x {heads} heads, grid of {grid.units} units "
                      f"of {grid.unit_tokens} tokens, in the SGLang pool and a TensorRT-LLM pool (block {dst_tpb}); "
-                     "_split: the layers over every thread (the copy choice beside RDMA / NVLink)")}
+                     "_split: the layers over every thread (the copy choice beside RDMA / NVLink); trtllm_torch: "
+                     "the torch reduction (integrity_hash torch, a GPU pool's digest) on the host")}
 
 
 def _check_gather(plan, staging: torch.Tensor) -> bool:

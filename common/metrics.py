@@ -48,6 +48,7 @@ class HandoffRecord:
     repack_s: float = 0.0
     transfer_s: float = 0.0
     digest_s: float = 0.0  # taking the content digest (sender) or taking and comparing it (receiver)
+    digest_algorithm: str = ""  # the content digest's algorithm (kvbridge.layout.digest), where one was taken
     copy_threads: int = 0  # the most threads one gather (sender) or scatter (receiver) copy ran on; 0: none ran
     # the handoff's timeline (time.monotonic(), host-wide; 0.0: not reached). Sender: the
     # first decode request's frame arrived (``heard_at``), that request was accepted

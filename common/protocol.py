@@ -47,7 +47,8 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 4  # 3: auth moved to the frame (kvbridge.common.auth); 4: content digests (TransferDone.digest)
+PROTOCOL_VERSION = 5  # 3: auth moved to the frame (kvbridge.common.auth); 4: content digests (TransferDone.digest);
+# 5: the receiver names the digest algorithms it accepts (TransferRequest.digest_algorithms)
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_BLOCK_IDS = 1 << 24
 MAX_LAYERS = 1 << 12
@@ -178,6 +179,8 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
     staging_bytes: Count = 0
     sent_at: Seconds
     digest: bool = False  # the receiver verifies this room's content: send a digest with the Done
+    # the digest algorithms it accepts, preferred first (kvbridge.layout.accepted_algorithms)
+    digest_algorithms: Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=4)] = []
 
     def __post_init__(self) -> None:
         # Runs on construction and on decode (where msgspec reports it as a validation error).
@@ -223,8 +226,9 @@ class StagedChunk(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class DigestPart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The content digest of one piece the sender moved (``kvbridge.layout.digest``):
     global layers ``[layers[0], layers[1])``, global heads ``heads[0] ..`` (``heads[1]``
-    of them), tokens ``[tokens[0], tokens[1])``, one XXH3-64 per unit of ``unit_tokens``
-    tokens, in the canonical order (layer, K/V, head, token)."""
+    of them), tokens ``[tokens[0], tokens[1])``, one value per unit of ``unit_tokens``
+    tokens (by ``TransferDone.digest_algorithm``), in the canonical order (layer, K/V,
+    head, token)."""
 
     layers: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_LAYERS)]], Meta(min_length=2, max_length=2)]
     heads: Annotated[list[Annotated[int, Meta(ge=0, le=1 << 16)]], Meta(min_length=2, max_length=2)]

@@ -31,7 +31,8 @@ import msgspec
 import numpy as np
 import torch
 
-from kvbridge.layout import DIGEST_ALGORITHM, CopySpec, DigestGrid, KVLayout, LayoutError, first_difference, kv_digest
+from kvbridge.layout import (CopySpec, DigestGrid, KVLayout, LayoutError, accepted_algorithms, first_difference,
+                             kv_digest)
 from kvbridge.layout.repack import Scatter
 
 from . import protocol as P
@@ -95,6 +96,7 @@ class KVReceiver(ControlSide):
         self._incarnation: dict[str, str] = {}  # prefill endpoint -> the incarnation its heartbeats carry
         self._layout_desc = P.LayoutDescription.of(layout)  # what every request carries (the layout never changes)
         super().__init__(layout, transport, config, metrics, bind_host=None)
+        self._digest_algorithms = accepted_algorithms(layout, self.config.integrity_hash)  # asked for where it verifies
         for t in layout.tensors or ():
             transport.register_tensor(t)
         n = self.config.recv_staging_bytes
@@ -127,6 +129,7 @@ class KVReceiver(ControlSide):
                 room=room, model=self.config.model, layout=self._layout_desc, block_ids=ids.tolist(),
                 first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
                 sent_at=time.time(), receivers=receivers, digest=self.config.verifies(room),
+                digest_algorithms=self._digest_algorithms if self.config.verifies(room) else [],
             )
             payload = P.encode(base)  # checked as the peer will check it; sent as is where nothing changes
         except P.ProtocolError as e:
@@ -410,17 +413,18 @@ class KVReceiver(ControlSide):
             elif not msg.digest:
                 result, why = "missing", (f"prefill {peer} sent no content digest (integrity is on here; does it run "
                                           "a kvbridge without digests?)")
-            elif msg.digest_algorithm != DIGEST_ALGORITHM:
-                result, why = "missing", (f"prefill {peer} digests with {msg.digest_algorithm!r}, this side with "
-                                          f"{DIGEST_ALGORITHM!r}")
+            elif msg.digest_algorithm not in self._digest_algorithms:
+                result, why = "missing", (f"prefill {peer} digests with {msg.digest_algorithm!r}, this side accepts "
+                                          f"{', '.join(map(repr, self._digest_algorithms))}")
             else:
-                covered = 0
+                covered, r.record.digest_algorithm = 0, msg.digest_algorithm
                 for part in msg.digest:
                     grid = DigestGrid(tuple(part.layers), self.layout.kv_factor, tuple(part.heads), tuple(part.tokens),
                                       part.unit_tokens)
                     if grid.units != len(part.values):
                         raise LayoutError(f"a digest part has {len(part.values)} values for its {grid.units} units")
-                    got = kv_digest(self.layout, r.lease.blocks, r.first_token, grid, split=self._split)
+                    got = kv_digest(self.layout, r.lease.blocks, r.first_token, grid, split=self._split,
+                                    algorithm=msg.digest_algorithm)
                     diff = first_difference(grid, np.asarray(part.values, dtype=np.int64).view(np.uint64), got)
                     if diff:
                         result = "mismatch"

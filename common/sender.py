@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvbridge.layout import KVLayout, LayoutError, block_ranges, check_compatible
+from kvbridge.layout import KVLayout, LayoutError, block_ranges, check_compatible, digest_algorithm_for
 
 from . import protocol as P
 from .blocks import BlockLease
@@ -326,6 +326,8 @@ class KVSender(ControlSide):
                 raise LayoutError("receiver block ids outside its own pool")
             if not 0 <= req.token_start < req.token_stop:
                 raise LayoutError(f"empty token range [{req.token_start}, {req.token_stop})")
+            if req.digest:
+                digest_algorithm_for(self.layout, req.digest_algorithms)  # one this side computes, or refused
         except (LayoutError, ValueError, TypeError, OverflowError) as e:  # whatever a hostile layout triggers
             reason = f"incompatible layouts: {e}"
             self._fail(req.room, reason, code="incompatible", notify=True)

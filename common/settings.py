@@ -23,12 +23,12 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from kvbridge.layout import PlanCosts, PlanKind
+from kvbridge.layout import DIGEST_HASHES, PlanCosts, PlanKind
 
 from .costmodel import LinkProfile, load_link
 from .transport import P2PHANDSHAKE
 
-__all__ = ["BridgeSettings", "HandoffConfig", "INTEGRITY_MODES", "ConfigError", "CONFIG_ENV", "ENV_PREFIX", "LAYERWISE_AUTO", "handoff_config",
+__all__ = ["BridgeSettings", "HandoffConfig", "INTEGRITY_HASHES", "INTEGRITY_MODES", "ConfigError", "CONFIG_ENV", "ENV_PREFIX", "LAYERWISE_AUTO", "handoff_config",
            "parse_layerwise"]
 
 T = TypeVar("T", bound="BridgeSettings")
@@ -93,6 +93,7 @@ class HandoffConfig:
     recv_staging_bytes: int  # 0 on a sender
     integrity: str
     integrity_sample: float
+    integrity_hash: str
     costs: PlanCosts  # the plan chooser's figures, from the link (LinkProfile.plan_costs)
     gather_threads: int  # threads of the gather / scatter's C tile copy (BridgeSettings.copy_choice)
     # the transfer core's own
@@ -121,6 +122,7 @@ class HandoffConfig:
 
 
 INTEGRITY_MODES = ("on", "off", "sample")
+INTEGRITY_HASHES = ("auto", *DIGEST_HASHES)  # auto: kvbridge.layout.accepted_algorithms
 
 
 def sampled(room: int, fraction: float) -> bool:
@@ -154,6 +156,10 @@ class BridgeSettings:
     rank over what landed) before the room is admitted, "sample" does so for a fraction
     ``integrity_sample`` of the rooms, "off" for none; a mismatch fails the room
     (``code="integrity"``), which the plugin's failure policy then handles.
+    ``integrity_hash``, the digest this rank asks its senders for: "xxh3" (XXH3-64, the
+    rows hashed where they lie in host memory), "torch" (a torch reduction on the pool's
+    device), "auto" (XXH3-64 on a host pool; on a GPU pool the torch reduction where the
+    sender's pool is on a GPU too, else XXH3-64).
     Link: ``link``, a preset (``tcp``, ``rdma``, ``nvlink``, ``pcie5``, ``ib400``) or a
     ``kvbridge bench link --out`` file; empty: the preset of ``protocol``. It sets both
     the plan chooser's costs (``HandoffConfig.costs``) and the cost gate's figures.
@@ -197,6 +203,7 @@ class BridgeSettings:
     recv_staging_bytes: int = 0  # receiver: staging it offers senders (staged_recv plans); 0: none
     integrity: str = "off"  # receiver: "on" verifies every room's content digest, "sample" a fraction, "off" none
     integrity_sample: float = 0.1  # the fraction of rooms "sample" verifies (chosen by room id)
+    integrity_hash: str = "auto"  # receiver: the digest it asks for: "xxh3", "torch", "auto" (torch where its pool is on a GPU)
     link: str = ""
     gather_threads: int = 0  # threads of the gather / scatter copy; 0: this host's choice for the protocol
     sglang_page_size: int = 1
@@ -232,6 +239,8 @@ class BridgeSettings:
             raise ConfigError(str(e)) from None
         if self.integrity not in INTEGRITY_MODES:
             raise ConfigError(f"integrity must be one of {', '.join(INTEGRITY_MODES)}, got {self.integrity!r}")
+        if self.integrity_hash not in INTEGRITY_HASHES:
+            raise ConfigError(f"integrity_hash must be one of {', '.join(INTEGRITY_HASHES)}, got {self.integrity_hash!r}")
         if not 0.0 <= self.integrity_sample <= 1.0:
             raise ConfigError(f"integrity_sample must be within [0, 1], got {self.integrity_sample}")
         if self.accepted_secrets and not self.secret:
@@ -289,7 +298,7 @@ class BridgeSettings:
                              chunk_bytes=self.chunk_bytes, secret=self.secret, model=self.model,
                              accepted_secrets=self.accepted_list, replay_window_s=self.replay_window_s,
                              allow_insecure=self.allow_insecure, integrity=self.integrity,
-                             integrity_sample=self.integrity_sample,
+                             integrity_sample=self.integrity_sample, integrity_hash=self.integrity_hash,
                              recv_staging_bytes=self.recv_staging_bytes if receiver else 0,
                              costs=self.link_profile().plan_costs(), gather_threads=self.copy_choice().threads, **extra)
 
@@ -394,7 +403,7 @@ def handoff_config(values: Mapping[str, Any], *, receiver: bool = False) -> Hand
 # the HandoffConfig fields BridgeSettings.handoff() fills from the settings
 _FROM_SETTINGS = frozenset({"deadline_s", "heartbeat_s", "peer_timeout_s", "quiesce_s", "chunk_bytes", "secret", "model",
                             "accepted_secrets", "replay_window_s", "allow_insecure", "integrity", "integrity_sample",
-                            "recv_staging_bytes", "costs", "gather_threads"})
+                            "integrity_hash", "recv_staging_bytes", "costs", "gather_threads"})
 
 
 def _typed(name: str, v: Any, default: Any, parse: Any = None) -> Any:

@@ -5,7 +5,8 @@ network, no globals.
 """
 
 from .copyspec import CopySpec, TokenRuns
-from .digest import DIGEST_ALGORITHM, MAX_UNITS, DigestGrid, first_difference, grid_for, kv_digest
+from .digest import (DIGEST_ALGORITHM, DIGEST_HASHES, MAX_UNITS, TORCH_DIGEST_ALGORITHM, DigestGrid, accepted_algorithms,
+                     digest_algorithm_for, first_difference, grid_for, kv_digest)
 from .geometry import (SCALED_DTYPES, KVLayout, LayoutError, LayoutMismatchError, Region, canonical_dtype,
                        check_compatible, dtype_itemsize, scale_mismatches)
 from .heads import HeadMap, tp_head_slice
@@ -20,6 +21,10 @@ from .vllm_pool import (VLLM_CPU_ISAS, vllm_cpu_layout, vllm_cpu_layout_from_geo
 
 __all__ = [
     "DIGEST_ALGORITHM",
+    "DIGEST_HASHES",
+    "TORCH_DIGEST_ALGORITHM",
+    "accepted_algorithms",
+    "digest_algorithm_for",
     "MAX_UNITS",
     "DigestGrid",
     "first_difference",

@@ -20,7 +20,10 @@ its rows lie, by a C loop (``_runhash``) around the xxhash package's own functio
 walks the pool in its address order (a unit's rows still in token order): about 27 GB/s in
 a TensorRT-LLM pool, 11 in an SGLang one, on one core of the 2-core CI host (``kvbridge
 bench layout``, ``digest``).
-A CUDA pool's rows are gathered and hashed on the host.
+``TORCH_DIGEST_ALGORITHM`` digests the same units by a torch reduction on the pool's device
+(``_wsum_units``: integer arithmetic, the same bits on a GPU and on the host), so a GPU's
+pool is not copied to the host; ``accepted_algorithms`` (receiver) and
+``digest_algorithm_for`` (sender) pick between the two.
 
 Example (two pools with different page sizes holding the same 5 tokens)::
 
@@ -64,9 +67,19 @@ except ImportError:  # built with the package where a C compiler was there (opti
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIGEST_ALGORITHM", "MAX_UNITS", "DigestGrid", "grid_for", "kv_digest", "first_difference"]
+__all__ = ["DIGEST_ALGORITHM", "DIGEST_HASHES", "MAX_UNITS", "TORCH_DIGEST_ALGORITHM", "DigestGrid", "accepted_algorithms",
+           "digest_algorithm_for", "grid_for", "kv_digest", "first_difference"]
 
 DIGEST_ALGORITHM = "xxh3_64/lkht/s32"  # the hash, the canonical order (layer, K/V, head, token), fp8 scale seeds
+# the same units, hashed by a torch reduction where the pool lies (a GPU's pool: no copy to the host)
+TORCH_DIGEST_ALGORITHM = "wsum31x2/lkht/s32"
+DIGEST_HASHES = {"xxh3": DIGEST_ALGORITHM, "torch": TORCH_DIGEST_ALGORITHM}  # the integrity_hash setting's names
+_P = (1 << 31) - 1  # the torch reduction's modulus (a prime)
+_CHUNK = 2048  # 16-bit words per exact partial sum: 2048 x 2**15 x 2**31 < 2**63
+# chunks widened to int64 at a time, whatever the room's size: on the host few enough that the
+# temporaries stay in cache (512 KiB each: 5x the rate of one pass), on a GPU enough for few
+# launches (32 MiB each)
+_CHUNK_ROWS = {"cpu": 32}  # elsewhere 2048
 MAX_UNITS = 1024  # units a grid_for grid has at most (unless there are more (layer, K/V, head) than that)
 
 
@@ -140,21 +153,26 @@ def _seeds(layout: KVLayout, grid: DigestGrid) -> np.ndarray:
 
 
 def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid, *,
-              split: "CopySplit | None" = None) -> np.ndarray:
-    """XXH3-64 of each unit of ``grid``, read from ``layout``'s local pool: ``blocks``
-    (block ids in token order, entry 0 holding token ``first_token``) hold the grid's
-    tokens. uint64 ``[grid.units]``. LayoutError when the grid asks for layers, heads or
-    tokens this pool or block list does not hold.
+              split: "CopySplit | None" = None, algorithm: str = DIGEST_ALGORITHM) -> np.ndarray:
+    """The hash ``algorithm`` names (``DIGEST_HASHES``) of each unit of ``grid``, read from
+    ``layout``'s local pool: ``blocks`` (block ids in token order, entry 0 holding token
+    ``first_token``) hold the grid's tokens. uint64 ``[grid.units]``. LayoutError when the
+    grid asks for layers, heads or tokens this pool or block list does not hold, or the
+    algorithm is not one of ``DIGEST_HASHES``.
 
-    Rows of contiguous bytes in host memory are hashed where they lie (``_run_digest``; with
-    ``split``, its layers spread over the split's threads, as a copy's boxes are).
-    Others (a CUDA pool, element-strided rows) are gathered in the canonical order one
-    (layer, K/V) at a time (one indexed copy over the pool's row view, as the repack kernels
-    do) into one reused buffer, then hashed on the host."""
+    XXH3-64: rows of contiguous bytes in host memory are hashed where they lie
+    (``_run_digest``; with ``split``, its layers spread over the split's threads, as a
+    copy's boxes are). Others (a CUDA pool, element-strided rows) are gathered in the
+    canonical order one (layer, K/V) at a time (one indexed copy over the pool's row view,
+    as the repack kernels do) into one reused buffer, then hashed on the host. The torch
+    reduction (``_wsum_units``) gathers the same way and reduces on the pool's device."""
     import xxhash
 
     from .copyspec import as_block_ids
 
+    if algorithm not in DIGEST_HASHES.values():
+        raise LayoutError(f"unknown content digest algorithm {algorithm!r}: this side knows "
+                          f"{', '.join(DIGEST_HASHES.values())}")
     blocks = as_block_ids(blocks, "blocks")
     (l0, l1), (h0, hn), (t0, t1) = grid.layers, grid.heads, grid.tokens
     if grid.kv_factor != layout.kv_factor:
@@ -178,15 +196,19 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid, *,
     head = (np.arange(h0, h0 + hn, dtype=np.int64) - layout.head_offset) * layout.head_stride
     n = hn * (t1 - t0)
     row_bytes = layout.head_bytes
-    if in_place(layout, dev):
+    if algorithm == DIGEST_ALGORITHM and in_place(layout, dev):
         return _run_digest(layout, blk, slot, head, grid, split)
     buf = torch.empty((n, row_bytes // space.unit), dtype=space.rows.dtype, device=dev)  # one (layer, K/V), reused
-    host = buf if dev.type == "cpu" else torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-    mv = memoryview(host.view(torch.uint8).numpy().reshape(-1))
-    seeds = _seeds(layout, grid).tolist()
-    out = np.empty(grid.units, dtype=np.uint64)
     span, step = (t1 - t0) * row_bytes, grid.unit_tokens * row_bytes
-    k = 0
+    if algorithm == TORCH_DIGEST_ALGORITHM:
+        torch_seeds, units = torch.from_numpy(_seeds(layout, grid).astype(np.int64)).to(dev), []
+    else:  # XXH3-64 over a host copy of each (layer, K/V)'s rows
+        torch_seeds = None
+        host = buf if dev.type == "cpu" else torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        mv = memoryview(host.view(torch.uint8).numpy().reshape(-1))
+        seeds = _seeds(layout, grid).tolist()
+        out = np.empty(grid.units, dtype=np.uint64)
+        k = 0
     for layer in range(l0 - layout.layer_offset, l1 - layout.layer_offset):
         for kv in range(layout.kv_factor):
             tok = blk * layout.block_stride + layout.token_offsets[kv][slot]
@@ -196,6 +218,10 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid, *,
                 torch.index_select(space.rows, 0, idx, out=buf)
             else:
                 buf.copy_(space.read(kv, idx))
+            if torch_seeds is not None:
+                units.append(_wsum_units(buf.view(torch.uint8).view(hn, span), grid.per_row, step,
+                                         torch_seeds[layer - (l0 - layout.layer_offset), kv]))
+                continue
             if host is not buf:
                 host.copy_(buf)
             for h in range(hn):
@@ -203,7 +229,88 @@ def kv_digest(layout: KVLayout, blocks, first_token: int, grid: DigestGrid, *,
                 for a in range(h * span, (h + 1) * span, step):
                     out[k] = xxhash.xxh3_64_intdigest(mv[a:min(a + step, (h + 1) * span)], seed)
                     k += 1
+    if torch_seeds is not None:  # one copy to the host, of the values alone
+        return torch.cat(units).cpu().numpy().view(np.uint64)
     return out
+
+
+def _native(layout: KVLayout) -> str:
+    """The algorithm cheapest where ``layout``'s pool lies: XXH3-64 in host memory, the
+    torch reduction on a GPU (no copy of the rows to the host)."""
+    return DIGEST_ALGORITHM if _rows_of(layout).rows.device.type == "cpu" else TORCH_DIGEST_ALGORITHM
+
+
+def accepted_algorithms(layout: KVLayout, hash: str = "auto") -> list[str]:
+    """The digest algorithms a receiver holding ``layout`` accepts, preferred first, under
+    the ``integrity_hash`` setting ``hash``: "xxh3" or "torch" (``DIGEST_HASHES``) that one
+    alone; "auto" XXH3-64 on a host pool, the torch reduction then XXH3-64 on a GPU's (so
+    two GPU pools reduce where they lie, and a host side never reduces in torch)."""
+    if hash == "auto":
+        return [DIGEST_ALGORITHM] if _native(layout) == DIGEST_ALGORITHM else [TORCH_DIGEST_ALGORITHM, DIGEST_ALGORITHM]
+    if hash not in DIGEST_HASHES:
+        raise LayoutError(f"integrity hash {hash!r} is not one of auto, {', '.join(DIGEST_HASHES)}")
+    return [DIGEST_HASHES[hash]]
+
+
+def digest_algorithm_for(layout: KVLayout, accepted) -> str:
+    """The algorithm a sender holding ``layout`` digests with for a receiver that accepts
+    ``accepted`` (preferred first; a receiver that names none: XXH3-64 alone):
+    the one cheapest where its own pool lies if accepted, else the first it knows.
+    LayoutError naming them when it knows none."""
+    accepted = list(accepted) or [DIGEST_ALGORITHM]
+    if _native(layout) in accepted:
+        return _native(layout)
+    for name in accepted:
+        if name in DIGEST_HASHES.values():
+            return name
+    raise LayoutError(f"the receiver accepts content digests by {', '.join(map(repr, accepted))}; this side "
+                      f"computes {', '.join(DIGEST_HASHES.values())}")
+
+
+@functools.lru_cache(maxsize=32)
+def _weights(n: int, lane: int, device: str) -> torch.Tensor:
+    """int64 ``[n]`` within [1, P): SplitMix64 of (lane, index), computed on the host, so
+    every device reduces with the same numbers (entry i does not depend on ``n``)."""
+    z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(lane << 56)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return torch.from_numpy((z % np.uint64(_P - 1) + np.uint64(1)).astype(np.int64)).to(device)
+
+
+def _wsum_units(rows: torch.Tensor, per_row: int, unit_bytes: int, seeds: torch.Tensor) -> torch.Tensor:
+    """The torch reduction (``TORCH_DIGEST_ALGORITHM``) of each unit of each head: int64
+    ``[heads * per_row]`` (uint64 bits), on ``rows``' device.
+
+    ``rows``: uint8 ``[heads, tokens * row_bytes]``, each head's rows in token order (one
+    (layer, K/V) of a grid, canonical order); a unit is ``unit_bytes`` of them (the last
+    shorter), ``seeds``: int64 ``[heads]`` (``_seeds``). A unit is read as little-endian
+    16-bit words (zero-padded to chunks of ``_CHUNK``); each of two lanes sums word x weight
+    exactly per chunk, takes it mod P = 2**31 - 1, weighs the chunks' sums mod P and adds
+    the seed (lane 0: seed, lane 1: seed >> 1, mod P); the value is lane 0 << 32 | lane 1.
+    Integer arithmetic only, so every device gives the same bits. A change to one word
+    changes both lanes (P is prime and above every word's change and every weight)."""
+    heads, span = rows.shape
+    if span < per_row * unit_bytes:
+        rows = torch.nn.functional.pad(rows, (0, per_row * unit_bytes - span))
+    x = rows.reshape(heads, per_row, unit_bytes)
+    padded = -(-unit_bytes // (2 * _CHUNK)) * 2 * _CHUNK
+    if padded != unit_bytes:
+        x = torch.nn.functional.pad(x, (0, padded - unit_bytes))
+    words = x.contiguous().view(torch.int16).view(-1, _CHUNK)  # every chunk of every unit
+    dev, chunks = str(rows.device), padded // (2 * _CHUNK)
+    part = torch.empty((2, words.shape[0]), dtype=torch.int64, device=rows.device)
+    step = _CHUNK_ROWS.get(rows.device.type, 2048)
+    for a in range(0, words.shape[0], step):  # int64 temporaries of `step` chunks at most
+        w = words[a:a + step].to(torch.int64)
+        for lane in (0, 1):
+            torch.sum(w * _weights(_CHUNK, lane, dev), -1, out=part[lane, a:a + step])
+    part = torch.remainder(part, _P).view(2, heads, per_row, chunks)
+    lanes = []
+    for lane, seed in ((0, seeds), (1, seeds >> 1)):
+        h = torch.remainder(part[lane] * _weights(chunks, lane + 2, dev), _P).sum(-1)
+        lanes.append(torch.remainder(h + torch.remainder(seed, _P)[:, None], _P))
+    return ((lanes[0] << 32) | lanes[1]).reshape(-1)
 
 
 def in_place(layout: KVLayout, device: torch.device) -> bool:

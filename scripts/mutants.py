@@ -256,6 +256,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         "an fp8 unit's content digest covers its scale: equal bytes under another scale differ",
         ("tests/layout/test_digest.py::test_fp8_scales_seed_the_units_they_scale",)),
     Mutation(
+        "digest-torch-exact", "layout/digest.py",
+        "        h = torch.remainder(part[lane] * _weights(chunks, lane + 2, dev), _P).sum(-1)\n",
+        "        h = part[lane].sum(-1)\n",
+        "the torch reduction (a GPU pool's content digest) weighs each chunk of a unit, so a change "
+        "anywhere in the unit, or chunks in another order, changes its value",
+        ("tests/layout/test_digest.py::test_the_torch_reduction_sees_every_single_word_change_and_every_scale",)),
+    Mutation(
+        "digest-torch-seeded", "layout/digest.py",
+        "    for lane, seed in ((0, seeds), (1, seeds >> 1)):\n",
+        "    for lane, seed in ((0, seeds * 0), (1, seeds * 0)):\n",
+        "the torch reduction covers an fp8 unit's scale, as XXH3-64 does",
+        ("tests/layout/test_digest.py::test_the_torch_reduction_sees_every_single_word_change_and_every_scale",)),
+    Mutation(
+        "digest-algorithm-asked", "common/send_pipeline.py",
+        "        return digest_algorithm_for(self.layout, req.digest_algorithms)\n",
+        "        return digest_algorithm_for(self.layout, [])\n",
+        "a sender digests with an algorithm its receiver accepts (the one it asked for)",
+        ("tests/faults/test_integrity.py::test_a_byte_flipped_in_flight_fails_the_room",)),
+    Mutation(
+        "digest-algorithm-refused", "common/sender.py",
+        "                digest_algorithm_for(self.layout, req.digest_algorithms)  # one this side computes, or refused\n",
+        "                pass\n",
+        "a request for a content digest by an algorithm the sender does not compute is refused, naming it, "
+        "before any byte moves",
+        ("tests/hostile/test_hostile_input.py::test_trusted_but_wrong_requests_are_refused_before_any_byte_moves",)),
+    Mutation(
         "sender-unregisters-staging", "common/send_pipeline.py",
         "                self.transport.unregister(buf.data_ptr())\n",
         "                pass\n",

@@ -2,8 +2,9 @@
 
 A real sender and receiver in separate processes over Mooncake TCP with the transport as
 shipped (tests/helpers/release_peers.py, SGLang page 16 -> TensorRT-LLM block 16: a
-staged send; SGLang -> SGLang: a direct plan), the decode's ``integrity`` on. Each
-corruption is made deterministically, not raced:
+staged send; SGLang -> SGLang: a direct plan; and the staged send with the decode asking
+for the torch reduction, the digest a GPU's pool is taken by), the decode's ``integrity``
+on. Each corruption is made deterministically, not raced:
 
 - a byte flipped in flight: the sender's first write batch sends its first piece from a
   copy with one byte flipped (``FaultSwitch`` mode ``flip``), so the pool the sender
@@ -28,6 +29,7 @@ import re
 
 import pytest
 
+from kvbridge.layout import DIGEST_ALGORITHM, TORCH_DIGEST_ALGORITHM
 from tests.helpers import release_peers
 from tests.helpers.kvhelpers import FaultSwitch, PipePeer, wait_until
 
@@ -51,17 +53,24 @@ def switch():
     sw.close()
 
 
-def _pair(switch, plan: str, integrity: str):
+def _pair(switch, plan: str, integrity: str, digest: str = "auto"):
     pre = PipePeer(release_peers.prefill_main, spec("sglang", 1), dict(CFG, hooks=switch.hooks, kinds=[plan]))
     dec = PipePeer(release_peers.decode_main, spec("trtllm" if plan == "staged_send" else "sglang", 2),
-                   dict(CFG, hooks=switch.hooks, kinds=[plan], integrity=integrity))
+                   dict(CFG, hooks=switch.hooks, kinds=[plan], integrity=integrity, integrity_hash=digest))
     return pre, dec
 
 
-@pytest.fixture(scope="module", params=["staged_send", "direct"])
+# (plan, the decode's integrity_hash, the algorithm both sides then use): host pools digest with
+# XXH3-64 by default; "torch" asks for the reduction a GPU's pool is digested by, here on the host
+PAIRS = {"staged_send": ("staged_send", "auto", DIGEST_ALGORITHM), "direct": ("direct", "auto", DIGEST_ALGORITHM),
+         "staged_send, torch": ("staged_send", "torch", TORCH_DIGEST_ALGORITHM)}
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
 def pair(request, switch):
-    pre, dec = _pair(switch, request.param, "on")
-    yield request.param, pre, dec
+    plan, digest, algorithm = PAIRS[request.param]
+    pre, dec = _pair(switch, plan, "on", digest)
+    yield request.param, pre, dec, algorithm
     pre.stop()
     dec.stop()
 
@@ -73,6 +82,12 @@ def _end(pre, dec, room: int, opts: dict | None = None) -> dict:
     return dec.call("state", room)[1]
 
 
+def _verified(pre, dec, algorithm: str) -> None:
+    """The next room through the pair succeeds, compared by the algorithm its receiver asked for."""
+    st = _end(pre, dec, next(_rooms))
+    assert st["state"] == "SUCCESS" and st["digest"] == algorithm, st
+
+
 def _integrity_failure(st: dict) -> str:
     assert st["state"] == "FAILED", st
     assert "content digest mismatch" in st["reason"], st["reason"]
@@ -80,7 +95,7 @@ def _integrity_failure(st: dict) -> str:
 
 
 def test_a_byte_flipped_in_flight_fails_the_room(pair, switch):
-    plan, pre, dec = pair
+    plan, pre, dec, algorithm = pair
     before = dec.call("integrity")[1]
     switch.on(FLIP)
     try:
@@ -90,28 +105,28 @@ def test_a_byte_flipped_in_flight_fails_the_room(pair, switch):
     after = dec.call("integrity")[1]
     assert after.get("mismatch", 0) == before.get("mismatch", 0) + 1, (before, after)
     assert re.search(r"first at layer \d+ [KV] head \d+ tokens \[\d+, \d+\) \(1 of \d+ units", why), why
-    assert _end(pre, dec, next(_rooms))["state"] == "SUCCESS"
+    _verified(pre, dec, algorithm)
     print(f"[{plan}] flipped byte: {why}")
 
 
 def test_the_right_bytes_in_the_wrong_blocks_fail_the_room(pair):
-    plan, pre, dec = pair
+    plan, pre, dec, algorithm = pair
     pre.call("swap_blocks")
     try:
         why = _integrity_failure(_end(pre, dec, next(_rooms)))
     finally:
         pre.call("unswap")
     assert "tokens [0, " in why, why  # the first block's tokens are the first to differ
-    assert _end(pre, dec, next(_rooms))["state"] == "SUCCESS"
+    _verified(pre, dec, algorithm)
     print(f"[{plan}] swapped blocks: {why}")
 
 
 def test_a_stale_write_into_a_reused_block_fails_the_room(pair):
-    plan, pre, dec = pair
+    plan, pre, dec, algorithm = pair
     dec.call("stale_before_check")
     why = _integrity_failure(_end(pre, dec, next(_rooms)))
     assert "first at layer 0 K head 0 tokens [" in why, why
-    assert _end(pre, dec, next(_rooms))["state"] == "SUCCESS"
+    _verified(pre, dec, algorithm)
     print(f"[{plan}] stale write: {why}")
 
 

@@ -169,7 +169,8 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                         for s in m.samples if s.labels.get("role") == "receiver")
             return ("state", {"state": recv.poll(room).name, "reason": recv.failure_reason(room),
                               "quarantined": recv.quarantined(room), "quarantine": recv.quarantine(),
-                              "released_at": released.get(room, (None,))[0], "gauge": gauge})
+                              "released_at": released.get(room, (None,))[0], "gauge": gauge,
+                              "digest": getattr(recv.record(room), "digest_algorithm", "")})
         if op == "abort":
             recv.abort(args[0], "aborted by decode (test)")
             return ("aborted", time.monotonic())

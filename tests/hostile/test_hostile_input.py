@@ -438,7 +438,8 @@ def bad_signed_requests(draw, session, layout, first_block, nblocks, tpb):
 
 def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
     """A peer holding the secret (so its seal verifies) names blocks outside the pool,
-    tokens past the end, an inverted range or a broken layout: each is refused with the
+    tokens past the end, an inverted range, a broken layout or a digest algorithm the
+    sender does not compute: each is refused with the
     reason, the room fails and its prefill blocks come back; the decode pool is unchanged."""
     pre, dec = pair
     endpoint = pre.ready[1]
@@ -450,12 +451,15 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
         # pool too small for the block named
         (_request_dict(0, session, {**layout, "block_stride": layout["block_stride"] // 2}, [1], 32), "layout"),
         (_request_dict(0, session, {**layout, "num_blocks": 3}, [3], 32), "layout"),
+        # a content digest by an algorithm this sender does not compute
+        (_request_dict(0, session, layout, [1], 32, digest=True, digest_algorithms=["md5/x"]), "digest"),
     ]
     try:
         @PEER_FUZZ
         @given(bad_signed_requests(session, layout, 0, 64, 32))
         @example(sure[0])
         @example(sure[1])
+        @example(sure[2])
         def attack(case):
             d, what = case
             room = next(rooms)
@@ -470,6 +474,7 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
             assert fails, (what, replies)
             assert fails[0].code in ("incompatible", "bad_message"), (what, fails)
             assert fails[0].reason
+            assert what != "digest" or "'md5/x'" in fails[0].reason, fails
             logs = pre.call("logs")[1]
             # refused with the reason logged (a malformed one: counted, logged at most once a second)
             assert fails[0].code == "bad_message" or any(f"refused room {fails[0].room}" in t for _, t in logs), logs

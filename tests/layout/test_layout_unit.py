@@ -226,7 +226,7 @@ def test_bench_layout_cli_reports_what_the_issue_asks():
     assert res["gather_choice"]["tcp"]["threads"] == 1
     assert res["segments_direct"] == 32 * 2 * 2048 * 8 and res["segments_staged"] < 100
     d = res["digest"]  # the content digest of the same tokens in both engines' pools, one thread and all
-    want = {"sglang", "trtllm"} | ({"sglang_split", "trtllm_split"} if res["threads"] > 1 else set())
+    want = {"sglang", "trtllm", "trtllm_torch"} | ({"sglang_split", "trtllm_split"} if res["threads"] > 1 else set())
     assert set(d["gbps"]) == want and all(g["n"] == 2 and g["median"] > 0 for g in d["gbps"].values()), d
     assert d["hash"].endswith("C walk in the pool's address order") and d["bytes"] == 256 * 32 * 2 * 8 * 128 * 2
     v = res["vllm_cpu"]  # vLLM's CPU caches per ISA, staged: their repacks against a memcpy, bytes checked
