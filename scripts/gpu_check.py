@@ -263,6 +263,20 @@ def _spread(xs: list[float]) -> dict:
             "p90": round(float(np.percentile(a, 90)), 3), "n": int(a.size)}
 
 
+def _interleaved(cases: dict[str, Callable[[], Any]], reps: int, dev) -> dict[str, list[float]]:
+    """Seconds of each case per repetition, the cases in turn (the order rotated each
+    repetition), ``dev`` synchronized before each."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    names = list(cases)
+    for i in range(reps):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            _sync(dev)
+            t0 = time.perf_counter()
+            cases[k]()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 # ------------------------------------------------------------------ d2d_gather
 
 
@@ -343,14 +357,7 @@ def gather_case(dev, *, src_page: int, dst_tpb: int, layers: int = 32, heads: in
     cases = {"gather": gather, "copy": copy, "torch": torch_ref}
     for fn in cases.values():  # warm up: kernels loaded, allocator primed
         fn()
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    names = list(cases)
-    for i in range(reps):
-        for k in names[i % len(names):] + names[: i % len(names)]:
-            _sync(dev)
-            t0 = time.perf_counter()
-            cases[k]()
-            times[k].append(time.perf_counter() - t0)
+    times = _interleaved(cases, reps, dev)
     stage.zero_()
     g.run(stage)
     want = _expected_staging(src, src_pages, src_page, dst_blocks, dst_tpb, tokens)
@@ -379,6 +386,65 @@ def check_d2d_gather(ctx: Ctx) -> dict:
     cases = [gather_case(dev, src_page=16, dst_tpb=64), gather_case(dev, src_page=64, dst_tpb=16, seed=1)]
     return {"ok": all(c["exact"] for c in cases), "device": torch.cuda.get_device_name(dev),
             "geometry": "32 layers, 8 KV heads x 128 bf16, 8192 tokens", "cases": cases}
+
+
+# ------------------------------------------------------------------ gpu_digest
+
+
+def digest_case(dev, *, layers: int = 32, heads: int = 8, head_dim: int = 128, tokens: int = 8192, page: int = 16,
+                reps: int = 5, seed: int = 0) -> dict:
+    """The content digest of one request in an SGLang pool on ``dev`` (pages scattered):
+    the torch reduction where the pool lies and XXH3-64 (rows gathered to the host), each
+    against a device copy of the same bytes (interleaved, the order rotated each
+    repetition), and both equal to the same algorithm over a host copy of the pool."""
+    import numpy as np
+    import torch
+
+    from kvbridge.layout import DIGEST_ALGORITHM, TORCH_DIGEST_ALGORITHM, allocate_pool, grid_for, kv_digest
+
+    geo = dict(layers=layers, total_heads=heads, head_dim=head_dim, dtype="bfloat16", tokens_per_block=page,
+               num_blocks=tokens // page + 8)
+    pool = allocate_pool("sglang", **geo, device=dev)
+    for i, t in enumerate(pool.tensors):
+        _fill_random(t, seed * 1000 + i)
+    host = allocate_pool("sglang", **geo)
+    for h, t in zip(host.tensors, pool.tensors):
+        h.copy_(t.cpu())
+    pages = np.random.default_rng(seed).permutation(np.arange(1, pool.num_blocks))[:tokens // page]
+    grid = grid_for(pool, heads=(0, heads), tokens=(0, tokens))
+    nbytes = tokens * layers * 2 * heads * head_dim * 2
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+    def copy():
+        b.copy_(a)
+        _sync(dev)
+
+    cases = {"torch": lambda: kv_digest(pool, pages, 0, grid, algorithm=TORCH_DIGEST_ALGORITHM),
+             "xxh3": lambda: kv_digest(pool, pages, 0, grid, algorithm=DIGEST_ALGORITHM), "copy": copy}
+    got = {k: fn() for k, fn in cases.items()}  # warm up, and the values compared below
+    times = _interleaved(cases, reps, dev)
+    same = {alg: bool(np.array_equal(got[k], kv_digest(host, pages, 0, grid, algorithm=alg)))
+            for k, alg in (("torch", TORCH_DIGEST_ALGORITHM), ("xxh3", DIGEST_ALGORITHM))}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "pool": f"sglang page {page} (NHD), pages scattered", "bytes": int(nbytes), "units": grid.units,
+        "torch_gbps": round(nbytes / med["torch"] / 1e9, 2),
+        "xxh3_host_gbps": round(nbytes / med["xxh3"] / 1e9, 2),
+        "copy_gbps": round(nbytes / med["copy"] / 1e9, 1),
+        # per repetition: the XXH3-64 digest's time / the torch reduction's (above 1: the reduction is faster)
+        "torch_vs_xxh3": _spread([x / t for x, t in zip(times["xxh3"], times["torch"])]),
+        "equal_to_host_pool": same,
+    }
+
+
+def check_gpu_digest(ctx: Ctx) -> dict:
+    import torch
+
+    dev = torch.device("cuda", 0)
+    case = digest_case(dev)
+    return {"ok": all(case["equal_to_host_pool"].values()), "device": torch.cuda.get_device_name(dev),
+            "geometry": "32 layers, 8 KV heads x 128 bf16, 8192 tokens", **case}
 
 
 # ------------------------------------------------------------------ cuda_event_order
@@ -951,6 +1017,7 @@ class Check:
 CHECKS = (
     Check("d2d_gather", check_d2d_gather, (need_cuda,), 90),
     Check("cuda_event_order", check_cuda_event_order, (need_cuda,), 90),
+    Check("gpu_digest", check_gpu_digest, (need_cuda,), 90),
     Check("mooncake_device_memory", check_mooncake_device_memory, (need_cuda, need_cuda_mooncake), 90),
     Check("cuda_tests", check_cuda_tests, (need_cuda,), 150),
     Check("sglang_gpu_pair", check_sglang_gpu_pair, (need_cuda, need_sgl_kernel, need_cuda_mooncake), 240),

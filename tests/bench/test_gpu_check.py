@@ -1,7 +1,7 @@
 """``scripts/gpu_check.sh`` on a host without a GPU: one JSON line per check, each skipped
 with the reason, exit 0; a check that runs and raises is a failed line and fails the run;
-and the device checks' own harness (the gather case, both plugins' layer-wise event order)
-run on the CPU, so the code a GPU host runs is exercised here too."""
+and the device checks' own harness (the gather case, the digest case, both plugins'
+layer-wise event order) run on the CPU, so the code a GPU host runs is exercised here too."""
 
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ def test_the_gather_case_is_exact_on_cpu(gpu_check):
                                   reps=2)
         assert c["exact"] and c["path"] == path and c["bytes"] == 256 * 3 * 2 * 2 * 32 * 2, c
         assert set(c["ratio"]) == {"median", "p10", "p90", "n"}
+
+
+def test_the_digest_case_agrees_with_a_host_copy_on_cpu(gpu_check):
+    """``gpu_digest``'s harness: both algorithms over the pool on the device (here the
+    host) equal the same over a copy of it, with every figure reported."""
+    c = gpu_check.digest_case(torch.device("cpu"), layers=2, heads=2, head_dim=64, tokens=256, reps=2)
+    assert c["equal_to_host_pool"] == {"wsum31x2/lkht/s32": True, "xxh3_64/lkht/s32": True}, c
+    assert c["bytes"] == 256 * 2 * 2 * 2 * 64 * 2 and c["torch_gbps"] > 0 and c["xxh3_host_gbps"] > 0, c
+    assert c["torch_vs_xxh3"]["n"] == 2, c
 
 
 @pytest.mark.parametrize("plugin", ["sglang", "trtllm"])
