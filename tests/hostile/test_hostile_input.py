@@ -208,8 +208,10 @@ def test_control_channel_refuses_spoofed_routing_ids_and_oversized_frames():
         d.send_multipart([b"\x00victim", b"payload"])
         d.send(b"x" * (1 << 17))
         ok.send(b"after")
+        # two connections: the router may read either first, so wait for both the good
+        # peer's message and the spoofed one's refusal
         end = time.monotonic() + 10
-        while not any(p == b"after" for _, p in got) and time.monotonic() < end:
+        while not (any(p == b"after" for _, p in got) and ch.refused_frames) and time.monotonic() < end:
             time.sleep(0.01)
         assert [p for _, p in got] == [b"after"], got
         assert b"\x00victim".hex() not in {peer for peer, _ in got}
