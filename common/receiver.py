@@ -124,12 +124,13 @@ class KVReceiver(ControlSide):
         lay = self.layout
         if ids.size and (int(ids.min()) < lay.first_block or int(ids.max()) >= lay.num_blocks):
             raise ValueError(f"room {room}: block ids outside this pool's {lay.first_block}..{lay.num_blocks - 1}")
+        verifies = self.config.verifies(room)
         try:  # validate everything before the room exists, so a bad request leaks nothing
             base = P.TransferRequest(
                 room=room, model=self.config.model, layout=self._layout_desc, block_ids=ids.tolist(),
                 first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
-                sent_at=time.time(), receivers=receivers, digest=self.config.verifies(room),
-                digest_algorithms=self._digest_algorithms if self.config.verifies(room) else [],
+                sent_at=time.time(), receivers=receivers, digest=verifies,
+                digest_algorithms=self._digest_algorithms if verifies else [],
             )
             payload = P.encode(base)  # checked as the peer will check it; sent as is where nothing changes
         except P.ProtocolError as e:

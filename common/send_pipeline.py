@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvbridge.layout import (MAX_UNITS, HeadMap, KVLayout, LayoutError, PlanKind, TransferPlan, check_segments_inside,
-                             digest_algorithm_for, grid_for, kv_digest, plan_transfer)
+                             grid_for, kv_digest, plan_transfer)
 
 from . import protocol as P
 from .rooms import TERMINAL, HandoffFailed, RoomState
@@ -248,7 +248,7 @@ class SendPipeline:
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
                         src_layout=self._layout_desc if target.staged else None,
                         layer_bytes=target.layer_bytes.tolist(), digest=target.digest,
-                        digest_algorithm=self.digest_algorithm(target.request) if target.digest else "") \
+                        digest_algorithm=target.digest_algorithm if target.digest else "") \
                         if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
@@ -312,7 +312,7 @@ class SendPipeline:
         check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
         # what is moved, for the receiver to compare with what lands: taken from the pool
         # (which nothing writes while the room holds its blocks) beside the writes
-        digest = self._digester.submit(self._digest, lay, remote, c, start, stop, rec, req) if req.digest else None
+        digest = self._digester.submit(self._digest, lay, remote, c, start, stop, rec, t.digest_algorithm) if req.digest else None
         try:
             if plan.kind is PlanKind.STAGED_SEND:
                 pre = self._usable_prestage(r, t, c, plan)
@@ -355,13 +355,8 @@ class SendPipeline:
         t.bytes += plan.nbytes
         t.segments += plan.num_segments
 
-    def digest_algorithm(self, req: P.TransferRequest) -> str:
-        """The digest algorithm for ``req``'s receiver: of those it accepts, the one cheapest
-        where this pool lies (``kvbridge.layout.digest_algorithm_for``)."""
-        return digest_algorithm_for(self.layout, req.digest_algorithms)
-
     def _digest(self, lay: KVLayout, remote: KVLayout, c: "SendChunk", start: int, stop: int, rec,
-                req: P.TransferRequest) -> P.DigestPart:
+                algorithm: str) -> P.DigestPart:
         """The content digest of tokens ``[start, stop)`` of chunk ``c`` in ``lay``'s layers,
         the heads ``remote`` holds (``kvbridge.layout.digest``); a layer range's part gets its
         share of ``MAX_UNITS``, so a layer-wise room's Done stays as small as a whole one's."""
@@ -369,9 +364,9 @@ class SendPipeline:
         hm = HeadMap.between(lay, remote)
         share = max(1, MAX_UNITS * lay.num_layers // self.layout.num_layers)
         grid = grid_for(lay, heads=(hm.global_start, hm.count), tokens=(start, stop), max_units=share)
-        rec.digest_algorithm = self.digest_algorithm(req)
+        rec.digest_algorithm = algorithm
         values = kv_digest(lay, c.blocks, c.first_token, grid, split=self._split,  # the gather's threads
-                           algorithm=rec.digest_algorithm)
+                           algorithm=algorithm)
         rec.digest_s += time.perf_counter() - t0
         return P.DigestPart(layers=list(grid.layers), heads=list(grid.heads), tokens=[start, stop],
                             unit_tokens=grid.unit_tokens, values=values.view(np.int64).tolist())

@@ -51,6 +51,7 @@ class SendTarget:
     layer_bytes: np.ndarray | None = None  # int64 [num_layers]: payload written into each layer
     views: dict = field(default_factory=dict)  # (first, stop) layer range -> ``remote.layer_range``
     digest: list = field(default_factory=list)  # P.DigestPart per piece moved (asked: request.digest)
+    digest_algorithm: str = ""  # what digests them: of those the request accepts, the one cheapest here
 
 
 @dataclass

@@ -326,8 +326,8 @@ class KVSender(ControlSide):
                 raise LayoutError("receiver block ids outside its own pool")
             if not 0 <= req.token_start < req.token_stop:
                 raise LayoutError(f"empty token range [{req.token_start}, {req.token_stop})")
-            if req.digest:
-                digest_algorithm_for(self.layout, req.digest_algorithms)  # one this side computes, or refused
+            # the digest's algorithm: of those it accepts, the one cheapest where this pool lies, or refused
+            algorithm = digest_algorithm_for(self.layout, req.digest_algorithms) if req.digest else ""
         except (LayoutError, ValueError, TypeError, OverflowError) as e:  # whatever a hostile layout triggers
             reason = f"incompatible layouts: {e}"
             self._fail(req.room, reason, code="incompatible", notify=True)
@@ -335,7 +335,8 @@ class KVSender(ControlSide):
             return
         with self._lock:
             r.targets[peer] = SendTarget(peer, req, remote, block_ranges(remote, blocks), blocks,
-                                      layer_bytes=np.zeros(self.layout.num_layers, dtype=np.int64))
+                                      layer_bytes=np.zeros(self.layout.num_layers, dtype=np.int64),
+                                      digest_algorithm=algorithm)
             r.expected = max(r.expected, req.receivers)
             if not r.record.asked_at:
                 r.record.heard_at, r.record.asked_at = heard, time.monotonic()

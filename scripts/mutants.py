@@ -269,15 +269,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the torch reduction covers an fp8 unit's scale, as XXH3-64 does",
         ("tests/layout/test_digest.py::test_the_torch_reduction_sees_every_single_word_change_and_every_scale",)),
     Mutation(
-        "digest-algorithm-asked", "common/send_pipeline.py",
-        "        return digest_algorithm_for(self.layout, req.digest_algorithms)\n",
-        "        return digest_algorithm_for(self.layout, [])\n",
+        "digest-algorithm-asked", "common/sender.py",
+        "            algorithm = digest_algorithm_for(self.layout, req.digest_algorithms) if req.digest else \"\"\n",
+        "            algorithm = digest_algorithm_for(self.layout, []) if req.digest else \"\"\n",
         "a sender digests with an algorithm its receiver accepts (the one it asked for)",
         ("tests/faults/test_integrity.py::test_a_byte_flipped_in_flight_fails_the_room",)),
     Mutation(
         "digest-algorithm-refused", "common/sender.py",
-        "                digest_algorithm_for(self.layout, req.digest_algorithms)  # one this side computes, or refused\n",
-        "                pass\n",
+        "            algorithm = digest_algorithm_for(self.layout, req.digest_algorithms) if req.digest else \"\"\n",
+        "            algorithm = req.digest_algorithms[0] if req.digest and req.digest_algorithms else \"\"\n",
         "a request for a content digest by an algorithm the sender does not compute is refused, naming it, "
         "before any byte moves",
         ("tests/hostile/test_hostile_input.py::test_trusted_but_wrong_requests_are_refused_before_any_byte_moves",)),
