@@ -135,8 +135,9 @@ class Keyring:
         tag = bytes(view[_HEADER.size:OVERHEAD])
         payload = view[OVERHEAD:]
         if not hmac.compare_digest(tag, self._tag(key, domain, header, payload)):
-            raise AuthError("bad_tag", "frame's tag does not match its content (altered, sealed for another "
-                                       "channel, or a different secret with a colliding key id)")
+            raise AuthError("bad_tag", "frame's tag does not match its content (altered; sealed for another "
+                                       "channel or link, e.g. a prefill endpoint named differently on the two sides; "
+                                       "or a different secret with a colliding key id)")
         nb = header[16:24] + kid
         with self._lock:
             while self._seen and next(iter(self._seen.values())) < now:

@@ -74,6 +74,7 @@ RECORD_DOMAIN = b"rank-record"  # kvbridge.common.auth domain of every rank-reco
 SEAL_FIELD = "kvbridge_seal"  # base64 of the seal, beside what it covers
 MAX_RANKS = 4096  # rank entries a bootstrap server holds (dp x cp x tp x pp slots)
 _MAX_SEALED = 1 << 20  # bytes of one sealed record
+_MAX_ANSWER = 64 << 20  # bytes of a bootstrap server's answer a reader takes (MAX_RANKS records, with room)
 
 
 # -- seals -------------------------------------------------------------------------------
@@ -180,8 +181,8 @@ async def read_registration(request, keyring, where: str):
 
     try:
         data = await request.json()
-    except ValueError as e:
-        return None, web.Response(text=f"bad registration: not JSON: {e}", status=400)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
+        return None, web.Response(text=f"bad registration: not JSON: {type(e).__name__}: {str(e)[:200]}", status=400)
     try:
         check_registration(data, keyring)
     except AuthError as e:
@@ -243,9 +244,15 @@ def _get_json(url: str, timeout: float) -> tuple[int, Any]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy for a bootstrap server
     try:
         with opener.open(url, timeout=timeout) as r:
-            return r.status, json.loads(r.read().decode())
+            data = r.read(_MAX_ANSWER + 1)
+            if len(data) > _MAX_ANSWER:
+                raise ValueError(f"answer larger than {_MAX_ANSWER} bytes")
+            try:
+                return r.status, json.loads(data.decode())
+            except RecursionError:
+                raise ValueError("answer is JSON nested past the parser's depth") from None
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")[:300]
+        return e.code, e.read(300).decode("utf-8", "replace")
 
 
 def _verified(body: dict, keyring, address: str) -> tuple[dict, list[str]]:
@@ -306,12 +313,18 @@ def rank_records(body: dict, address: str = "") -> list[RankRecord]:
     with one DP group, CP 1 and PP 1 are supported (raises BootstrapError naming the
     topology otherwise, a missing rank, or the field of a record that is not valid)."""
     where = f"bootstrap server {address}: " if address else ""
-    for key in ("dp_size", "attn_cp_size", "pp_size"):
-        if int(body.get(key) or 1) != 1:
-            raise BootstrapError(f"{where}prefill has {key} {body.get(key)}; kvbridge pulls from prefills with "
+    try:
+        sizes = {key: int(body.get(key) or 1) for key in ("dp_size", "attn_cp_size", "pp_size")}
+        tp = int(body.get("attn_tp_size") or 0)
+        by_rank = {int(r["tp_rank"]): r for r in body.get("ranks") or [] if isinstance(r, dict) and r.get("endpoint")}
+    except (TypeError, ValueError, KeyError) as e:
+        raise BootstrapError(f"{where}a size or a rank's tp_rank is not an integer: {type(e).__name__}: {e}") from None
+    for key, size in sizes.items():
+        if size != 1:
+            raise BootstrapError(f"{where}prefill has {key} {size}; kvbridge pulls from prefills with "
                                  "dp_size, attn_cp_size and pp_size 1")
-    tp = int(body.get("attn_tp_size") or 0)
-    by_rank = {int(r["tp_rank"]): r for r in body.get("ranks") or [] if isinstance(r, dict) and r.get("endpoint")}
+    if tp > MAX_RANKS:
+        raise BootstrapError(f"{where}prefill TP size {tp} is over the {MAX_RANKS} ranks a bootstrap server holds")
     missing = [t for t in range(tp) if t not in by_rank]
     if tp <= 0 or missing:
         raise BootstrapError(f"{where}prefill TP size {tp}, no kvbridge endpoint for TP rank(s) {missing}")
@@ -381,6 +394,8 @@ class BootstrapServer:
         self._zctx = zmq.Context.instance()
         self._pull = self._zctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, _MAX_SEALED)  # a larger frame drops its connection unread
+        self._pull.setsockopt(zmq.RCVHWM, 64)
         self.rank_port = self._pull.bind_to_random_port(f"tcp://{host}")
         self._stop = threading.Event()
         self._drainer = threading.Thread(target=self._drain, daemon=True, name="kvbridge-bootstrap-drain")

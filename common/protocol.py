@@ -47,8 +47,9 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 5  # 3: auth moved to the frame (kvbridge.common.auth); 4: content digests (TransferDone.digest);
-# 5: the receiver names the digest algorithms it accepts (TransferRequest.digest_algorithms)
+PROTOCOL_VERSION = 6  # 3: auth moved to the frame (kvbridge.common.auth); 4: content digests (TransferDone.digest);
+# 5: the receiver names the digest algorithms it accepts (TransferRequest.digest_algorithms); 6: each request's
+# attempt, echoed by every answer about it, and each frame sealed for its link (``link``)
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_BLOCK_IDS = 1 << 24
 MAX_LAYERS = 1 << 12
@@ -159,6 +160,12 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     room: Room
 
 
+# which use of a room id a message belongs to: a decode rank draws one per request (random,
+# never 0), every message about that request carries it, and an answer carrying another one
+# (to an earlier request under the same room id) is not about this one
+Attempt = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+
+
 class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
     """Decode -> prefill: send room ``room``'s KV tokens ``[token_start, token_stop)``
     into my blocks ``block_ids`` (entry 0 holds token ``first_token``) of ``layout``
@@ -181,6 +188,7 @@ class TransferRequest(_Msg, tag="transfer_request", kw_only=True):
     digest: bool = False  # the receiver verifies this room's content: send a digest with the Done
     # the digest algorithms it accepts, preferred first (kvbridge.layout.accepted_algorithms)
     digest_algorithms: Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=4)] = []
+    attempt: Attempt = 0  # this request's use of the room id: the sender's answers echo it
 
     def __post_init__(self) -> None:
         # Runs on construction and on decode (where msgspec reports it as a validation error).
@@ -257,6 +265,7 @@ class TransferDone(_Msg, tag="transfer_done", kw_only=True):
     # asked for (TransferRequest.digest): the content of every piece moved, for the receiver to compare
     digest_algorithm: Annotated[str, Meta(max_length=64)] = ""
     digest: Annotated[list[DigestPart], Meta(max_length=1 << 12)] = []
+    attempt: Attempt = 0  # the request's
 
     def __post_init__(self) -> None:
         if self.layer_bytes and sum(self.layer_bytes) != self.bytes:
@@ -273,6 +282,7 @@ class TransferFailed(_Msg, tag="transfer_failed", kw_only=True):
     reason: Reason
     code: Code
     quiet: bool = False
+    attempt: Attempt = 0  # from a sender: that of the request or Abort it answers (0: neither carried one)
 
 
 class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
@@ -289,6 +299,7 @@ class Abort(_Msg, tag="abort", kw_only=True):
     decode rank that never asked for the room: it declined it, or the router)."""
 
     reason: Reason
+    attempt: Attempt = 0  # from a decode rank: that of its request it ends (0: a decline, or the router)
 
 
 Message = Union[TransferRequest, TransferDone, TransferFailed, Heartbeat, Abort]
@@ -355,23 +366,44 @@ def encode(msg: Message, max_bytes: int = MAX_MESSAGE_BYTES, validate: bool = Tr
 
 # -- sealed frames -------------------------------------------------------------------
 
-CONTROL = b"control"  # the domain control frames are sealed for (kvbridge.common.auth)
+CONTROL = b"control"  # the domain control frames are sealed for (kvbridge.common.auth), with their link
 
 
-def pack(msg: Message, keyring=None) -> bytes:
-    """``msg`` encoded and, with a ``Keyring``, sealed: what goes on a control socket."""
-    return seal(encode(msg), keyring)
+def link(prefill: str, *, to_prefill: bool) -> bytes:
+    """The domain a control frame is sealed for: ``CONTROL``, its direction, and the control
+    endpoint of the prefill rank at one end of its connection (what decode ranks dial,
+    ``KVSender.endpoint``). A sealed frame is refused on any other connection and in the
+    other direction: a frame taken off one link cannot be replayed to another prefill rank,
+    nor a prefill rank's answer slipped into a decode's connection to another one.
+
+    >>> link("tcp://10.0.0.1:18500", to_prefill=True)
+    b'control\\x00to-prefill\\x00tcp://10.0.0.1:18500'
+    """
+    return CONTROL + (b"\x00to-prefill\x00" if to_prefill else b"\x00to-decode\x00") + prefill.encode()
 
 
-def seal(data: bytes, keyring=None) -> bytes:
-    """A message ``encode`` made, sealed with ``keyring`` (as is without one)."""
-    return keyring.seal(data, CONTROL) if keyring is not None else data
+def _domain(keyring, domain: bytes) -> bytes:
+    if keyring is not None and not domain.startswith(CONTROL + b"\x00"):
+        raise ValueError(f"a sealed control frame needs its link (protocol.link), got domain {domain!r}")
+    return domain
 
 
-def unpack(frame, keyring=None) -> Message:
-    """The message in control ``frame``: its seal checked first with a ``Keyring``
-    (``kvbridge.common.auth.AuthError``, before any byte of it is decoded), then decoded
-    (``ProtocolError``)."""
+def pack(msg: Message, keyring=None, domain: bytes = b"") -> bytes:
+    """``msg`` encoded and, with a ``Keyring``, sealed for ``domain`` (``link``): what goes
+    on a control socket."""
+    return seal(encode(msg), keyring, domain)
+
+
+def seal(data: bytes, keyring=None, domain: bytes = b"") -> bytes:
+    """A message ``encode`` made, sealed with ``keyring`` for ``domain`` (``link``; as is
+    without a keyring)."""
+    return keyring.seal(data, _domain(keyring, domain)) if keyring is not None else data
+
+
+def unpack(frame, keyring=None, domain: bytes = b"") -> Message:
+    """The message in control ``frame``: with a ``Keyring``, its seal for ``domain``
+    (``link``) checked first (``kvbridge.common.auth.AuthError``, before any byte of it is
+    decoded), then decoded (``ProtocolError``)."""
     if keyring is not None:
-        frame = keyring.open(frame, CONTROL, MAX_MESSAGE_BYTES)
+        frame = keyring.open(frame, _domain(keyring, domain), MAX_MESSAGE_BYTES)
     return decode(frame)

@@ -20,6 +20,7 @@ heartbeat, and released the moment the proof arrives.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -40,6 +41,7 @@ from .blocks import BlockLease
 from .metrics import HandoffRecord, KVBridgeMetrics
 from .rooms import TERMINAL, ControlSide, PeerState, RoomState
 from .copy_choice import copy_split, threads_taken
+from .limits import LogLimiter
 from .settings import HandoffConfig
 from .staging import Arena, staging_buffer
 from .transport import MooncakeTransport
@@ -56,7 +58,9 @@ class _RecvRoom:
     record: HandoffRecord
     lease: BlockLease
     peers: dict[str, PeerState]  # endpoint -> its state
+    attempt: int = 0  # this request's use of the room id (protocol.Attempt): answers carrying another are stale
     first_token: int = 0
+    tokens: tuple[int, int] = (0, 0)  # [start, stop): what the senders fill (tokens before start it already holds)
     need_bytes: int = 0  # what this room's tokens and heads take: the senders' Done must account for it
     layer_bytes: np.ndarray | None = None  # int64 [num_layers]: what the senders' Done report per layer, summed
     staging: dict[str, tuple[int, int]] = field(default_factory=dict)  # endpoint -> (offset, bytes)
@@ -95,6 +99,7 @@ class KVReceiver(ControlSide):
         self._ping = 0  # heartbeat round: a sender echoes it, so a reply to a later round came over a new connection
         self._incarnation: dict[str, str] = {}  # prefill endpoint -> the incarnation its heartbeats carry
         self._layout_desc = P.LayoutDescription.of(layout)  # what every request carries (the layout never changes)
+        self._stale = LogLimiter(log, "receiver: answers to an earlier request under the same room id")
         super().__init__(layout, transport, config, metrics, bind_host=None)
         self._digest_algorithms = accepted_algorithms(layout, self.config.integrity_hash)  # asked for where it verifies
         for t in layout.tensors or ():
@@ -125,12 +130,13 @@ class KVReceiver(ControlSide):
         if ids.size and (int(ids.min()) < lay.first_block or int(ids.max()) >= lay.num_blocks):
             raise ValueError(f"room {room}: block ids outside this pool's {lay.first_block}..{lay.num_blocks - 1}")
         verifies = self.config.verifies(room)
+        attempt = secrets.randbits(63) or 1
         try:  # validate everything before the room exists, so a bad request leaks nothing
             base = P.TransferRequest(
                 room=room, model=self.config.model, layout=self._layout_desc, block_ids=ids.tolist(),
                 first_token=first_token, token_start=start, token_stop=stop, session=self.transport.session_id,
                 sent_at=time.time(), receivers=receivers, digest=verifies,
-                digest_algorithms=self._digest_algorithms if verifies else [],
+                digest_algorithms=self._digest_algorithms if verifies else [], attempt=attempt,
             )
             payload = P.encode(base)  # checked as the peer will check it; sent as is where nothing changes
         except P.ProtocolError as e:
@@ -141,10 +147,10 @@ class KVReceiver(ControlSide):
             rec = HandoffRecord(room=room, role=self.role)
             lease = BlockLease(room, blocks, release, self._count_blocks)
             r = _RecvRoom(room, time.monotonic() + (deadline_s or self.config.deadline_s), rec, lease,
-                          {ep: PeerState.PENDING for ep in eps})
+                          {ep: PeerState.PENDING for ep in eps}, attempt)
             self._rooms[room] = r
             self.metrics.child(self.metrics.inflight, self.role).inc()
-        r.first_token, r.verify = first_token, base.digest
+        r.first_token, r.tokens, r.verify = first_token, (start, stop), base.digest
         r.need_bytes = (stop - start) * self.layout.num_layers * self.layout.kv_factor * self.layout.token_bytes
         r.layer_bytes = np.zeros(self.layout.num_layers, dtype=np.int64)
         # staging for staged_recv plans: one slice per sender, or none at all
@@ -290,6 +296,10 @@ class KVReceiver(ControlSide):
             if not isinstance(msg, P.Heartbeat):
                 log.warning("receiver: %s for unknown room %s from %s", type(msg).__name__, getattr(msg, "room", "?"), peer)
             return
+        if msg.attempt != r.attempt:  # about an earlier request under this room id (a late answer to its Abort)
+            self._stale.warn(type(msg).__name__, "%s for room %s from %s answers attempt %x, not this request's %x: "
+                             "ignored", type(msg).__name__, r.room, peer, msg.attempt, r.attempt)
+            return
         if isinstance(msg, P.TransferDone):
             r.record.heard_at = self._frame_at
             if (msg.staged or r.verify) and r.closing_since is None:
@@ -300,7 +310,9 @@ class KVReceiver(ControlSide):
             self._peer_done(r, peer, msg)
         elif isinstance(msg, P.TransferFailed):
             with self._lock:
-                if msg.quiet:
+                if r.peers[peer] is PeerState.SCATTERING:
+                    pass  # its writes ended before its Done; our scatter or check of them ends the peer's part
+                elif msg.quiet:
                     r.peers[peer] = PeerState.FAILED  # proven quiet
                 elif r.peers[peer] is not PeerState.FAILED:
                     r.peers[peer] = PeerState.STOPPING  # it says it failed, not that nothing of it is in flight
@@ -309,7 +321,7 @@ class KVReceiver(ControlSide):
             self._advance(r)
         elif isinstance(msg, P.Abort):
             with self._lock:
-                if r.peers[peer] is not PeerState.FAILED:
+                if r.peers[peer] not in (PeerState.FAILED, PeerState.SCATTERING):
                     r.peers[peer] = PeerState.STOPPING  # until its quiet acknowledgement
             self._begin_fail(r.room, f"aborted by prefill: {msg.reason}", code="aborted", notify=False)
             self._advance(r)
@@ -392,6 +404,9 @@ class KVReceiver(ControlSide):
         src = self._peer_layout(peer, msg.src_layout)
         t0 = time.perf_counter()
         for ch in msg.staged:
+            if ch.start < r.tokens[0] or ch.stop > r.tokens[1]:  # e.g. prefix tokens other requests share
+                raise LayoutError(f"staged chunk of tokens [{ch.start}, {ch.stop}) outside the tokens "
+                                  f"[{r.tokens[0]}, {r.tokens[1]}) the room asked for")
             s_lay, d_lay = src, self.layout
             if ch.layer_stop:  # one layer range of a layer-wise send
                 s_lay, d_lay = src.layer_range(ch.layer_start, ch.layer_stop), d_lay.layer_range(ch.layer_start, ch.layer_stop)
@@ -471,8 +486,9 @@ class KVReceiver(ControlSide):
         if known is not None and known != msg.incarnation:
             self._closed_at.pop(peer, None)
             self._peer_gone(peer, f"prefill {peer} restarted (incarnation {known} -> {msg.incarnation})")
-        elif peer in self._closed_at and msg.room > self._closed_at[peer][1]:
-            del self._closed_at[peer]  # the same process answered over a new connection: it lives
+        elif peer in self._closed_at and msg.room >= self._closed_at[peer][1]:
+            # the same process answered a ping sent after the close (the probe or a later one): it lives
+            del self._closed_at[peer]
 
     def _on_disconnect(self, peer: str) -> None:
         if peer not in self._closed_at:
@@ -530,7 +546,7 @@ class KVReceiver(ControlSide):
                 self._send(ep, P.Heartbeat(room=self._ping, sender=self.transport.session_id))
             for ep, rooms in stopping.items():
                 for r in rooms:
-                    self._send(ep, self._abort_msg(r.room, r.reason))
+                    self._send(ep, self._abort_msg(r, r.reason))
         for r in list(self._rooms.values()):
             if r.state in TERMINAL:
                 continue
@@ -558,8 +574,8 @@ class KVReceiver(ControlSide):
                     self._advance(r)
                     break
 
-    def _abort_msg(self, room: int, reason: str) -> P.Abort:
-        return P.Abort(room=room, reason=(reason or "aborted by decode")[:4000])
+    def _abort_msg(self, r: _RecvRoom, reason: str) -> P.Abort:
+        return P.Abort(room=r.room, reason=(reason or "aborted by decode")[:4000], attempt=r.attempt)
 
     def _succeed(self, r: _RecvRoom) -> None:
         with self._lock:
@@ -586,7 +602,7 @@ class KVReceiver(ControlSide):
         if notify:
             for ep, s in list(r.peers.items()):
                 if s in (PeerState.PENDING, PeerState.STOPPING):
-                    self._send(ep, self._abort_msg(room, reason))
+                    self._send(ep, self._abort_msg(r, reason))
 
     def _finish_fail(self, r: _RecvRoom) -> None:
         """The room reports Failed: its blocks go back now if every sender is quiet, else

@@ -18,7 +18,7 @@ import msgspec
 from kvbridge.layout import KVLayout
 
 from . import protocol as P
-from .auth import AuthError, check_bind
+from .auth import MAGIC, AuthError, check_bind
 from .control import ControlChannel
 from .limits import BoundedMap, LogLimiter
 from .metrics import KVBridgeMetrics
@@ -134,16 +134,24 @@ class ControlSide:
     def _send(self, peer: str, msg) -> None:
         if isinstance(msg, (P.TransferFailed, P.Abort)) and len(msg.reason) > 4000:
             msg = msgspec.structs.replace(msg, reason=msg.reason[:3990] + " [...]")
-        self.channel.send(peer, P.pack(msg, self._keyring))
+        self.channel.send(peer, P.pack(msg, self._keyring, self._link(peer, outgoing=True)))
 
     def _send_encoded(self, peer: str, data: bytes) -> None:
         """Send a message already encoded (and checked) by ``P.encode``: sealed here, not encoded again."""
-        self.channel.send(peer, P.seal(data, self._keyring))
+        self.channel.send(peer, P.seal(data, self._keyring, self._link(peer, outgoing=True)))
+
+    def _link(self, peer: str, *, outgoing: bool) -> bytes:
+        """The domain of a frame to (``outgoing``) or from ``peer`` (``protocol.link``): a
+        prefill side is itself the prefill end of every connection it has (its peers are
+        decode ranks' routing ids); a decode side's peer is that prefill end."""
+        if self.channel.endpoint:
+            return P.link(self.channel.endpoint, to_prefill=not outgoing)
+        return P.link(peer, to_prefill=outgoing)
 
     def _on_frame(self, peer: str, payload: bytes) -> None:
         self._frame_at = time.monotonic()
         try:
-            msg = P.unpack(payload, self._keyring)
+            msg = P.unpack(payload, self._keyring, self._link(peer, outgoing=False))
         except AuthError as e:
             self.metrics.refused("control", e.code)
             self._refusals[peer] = f"its frames are refused here: {e.code}: {e}"
@@ -159,8 +167,13 @@ class ControlSide:
             return
         except P.ProtocolError as e:
             self.metrics.refused("control", "bad_message")
+            if self._keyring is None and bytes(payload[:len(MAGIC)]) == MAGIC:  # its frames are sealed, ours are not
+                e = P.ProtocolError("its frames are sealed (it has a secret) and this side has none: set the same "
+                                    "secret (KVBRIDGE_SECRET) on both sides")
+                self._refusals[peer] = f"{e}"
             self._bad_frames.warn("bad_message", "from %s: %s", peer, e)
-            self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
+            if self.channel.endpoint:  # only a bound side answers (two sides answering each other would ping-pong)
+                self._send(peer, P.TransferFailed(room=0, reason=f"malformed message: {e}", code="bad_message"))
             return
         self._peers_seen[peer] = time.monotonic()  # authenticated peers only: the map stays as small as the fleet
         self._on_message(peer, msg)

@@ -248,7 +248,8 @@ class SendPipeline:
                         seconds=r.record.seconds, aux=chunk.aux or {}, staged=target.staged,
                         src_layout=self._layout_desc if target.staged else None,
                         layer_bytes=target.layer_bytes.tolist(), digest=target.digest,
-                        digest_algorithm=target.digest_algorithm if target.digest else "") \
+                        digest_algorithm=target.digest_algorithm if target.digest else "",
+                        attempt=target.request.attempt) \
                         if chunk.last else None
                     complete = (len(r.targets) >= r.expected and r.chunks and r.chunks[-1].last
                                 and all(t.sent == len(r.chunks) for t in r.targets.values()))
@@ -257,14 +258,13 @@ class SendPipeline:
                     self.side.reply(target.peer, done)
                 if complete:
                     self.side.succeed(r)
+        # a failure fails the room while this worker still holds it (r.busy): no second
+        # worker can start on it meanwhile, and the room is settled (told quiet) only once
+        # this one let go, below
         except (TransportError, LayoutError, HandoffFailed) as e:
-            with self._lock:
-                r.busy = False
             self.side.fail(r.room, str(e), "transfer")
         except Exception as e:  # never leave a room hanging on a bug
             log.exception("sender: room %s crashed", r.room)
-            with self._lock:
-                r.busy = False
             self.side.fail(r.room, f"internal error: {e!r}", "internal")
         finally:
             self._rings.append(ring)
@@ -312,7 +312,9 @@ class SendPipeline:
         check_segments_inside(wire.dst, wire.length, allowed, f"room {r.room}")
         # what is moved, for the receiver to compare with what lands: taken from the pool
         # (which nothing writes while the room holds its blocks) beside the writes
-        digest = self._digester.submit(self._digest, lay, remote, c, start, stop, rec, t.digest_algorithm) if req.digest else None
+        digest = None
+        if req.digest:
+            digest = self._digester.submit(self._digest, lay, remote, c, start, stop, rec, t.digest_algorithm)
         try:
             if plan.kind is PlanKind.STAGED_SEND:
                 pre = self._usable_prestage(r, t, c, plan)

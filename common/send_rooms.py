@@ -72,7 +72,9 @@ class SendRoom:
     layer_cursor: tuple[int, int, int] | None = None  # layer-wise: (start, stop, next layer) of the open token range
     forgotten: bool = False  # forget() came while a send worker held the room: dropped when it lets go
     settled: bool = False  # ended, and nothing of it is in the transport any more (its decode ranks were told)
-    watchers: set = field(default_factory=set)  # decode peers refused while the room may write to their session: told once settled
+    # decode peers to tell once the room settled (refused while it may write to their session, or
+    # asking after it ended) -> the attempt (protocol.Attempt) the answer is for
+    watchers: dict = field(default_factory=dict)
 
     def note_plan_reason(self) -> None:
         """Put the latest plan's explanation into the record (built off the send's critical path)."""

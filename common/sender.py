@@ -101,8 +101,8 @@ class KVSender(ControlSide):
             declined = self._declined.pop(room, None)
         if declined is not None:  # the decode side decided to compute this prompt itself (or gave it up)
             self._fail(room, f"declined by decode: {declined[0]}", code="declined", notify=False)
-            for peer in early:
-                self._refuse(peer, room, f"room {room} was declined by a decode rank", "room_failed")
+            for peer, (req, _) in early.items():
+                self._refuse(peer, room, f"room {room} was declined by a decode rank", "room_failed", attempt=req.attempt)
             return
         for peer, (req, heard) in early.items():  # every decode rank that asked before the room existed
             self._accept(peer, req, heard)
@@ -235,7 +235,7 @@ class KVSender(ControlSide):
             self._on_abort(peer, msg)
         else:
             self._refuse(peer, msg.room, f"unexpected {type(msg).__name__} from a decode peer: a sender takes "
-                         "transfer_request, heartbeat and abort", "bad_message")
+                         "transfer_request, heartbeat and abort", "bad_message", attempt=getattr(msg, "attempt", 0))
 
     def _on_abort(self, peer: str, msg: P.Abort) -> None:
         """An Abort from a decode rank: from one pulling the room, it ends the room; from
@@ -250,7 +250,7 @@ class KVSender(ControlSide):
                 del self._early[msg.room]
         if target:
             if r.state in TERMINAL:  # asked again (our answer was lost, or it came before we settled)
-                self._answer_when_settled(r, peer)
+                self._answer_when_settled(r, peer, msg.attempt)
                 return
             self._fail(msg.room, f"aborted by decode: {msg.reason}", code="aborted", notify=True)
             return
@@ -258,34 +258,36 @@ class KVSender(ControlSide):
             with self._lock:
                 self._declined[msg.room] = (msg.reason, time.monotonic())
             self._send(peer, P.TransferFailed(room=msg.room, reason="abort acknowledged: room unknown",
-                                              code="unknown_room", quiet=True))  # nothing of it was ever in flight
+                                              code="unknown_room", quiet=True, attempt=msg.attempt))  # nothing in flight
             return
         if r.state in TERMINAL:  # e.g. a decode refused while a replay of its request was served: told once settled
-            self._answer_when_settled(r, peer)
+            self._answer_when_settled(r, peer, msg.attempt)
             return
         self._fail(msg.room, f"declined by decode: {msg.reason}", code="declined", notify=True)
 
-    def _refuse(self, peer: str, room: int, reason: str, code: str, session: str = "") -> None:
-        """Refuse ``peer``'s request for ``room``. The refusal is quiet unless the room may
-        still write to ``session`` (the requester's transfer engine) for another target,
-        e.g. a replay of this request that came first; then ``peer`` is told again once
-        the room settled."""
+    def _refuse(self, peer: str, room: int, reason: str, code: str, session: str = "", *, attempt: int) -> None:
+        """Refuse ``peer``'s request (its ``attempt``) for ``room``. The refusal is quiet
+        unless the room may still write to ``session`` (the requester's transfer engine) for
+        another target, e.g. a replay of this request that came first; then ``peer`` is told
+        again once the room settled."""
         log.warning("sender: refused room %s from %s: %s", room, peer, reason)
         with self._lock:
             r = self._rooms.get(room)
             loud = (r is not None and not r.settled and bool(session)
                     and any(t.request.session == session for t in r.targets.values()))
             if loud:
-                r.watchers.add(peer)
-        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=not loud))
+                r.watchers[peer] = attempt
+        self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=not loud, attempt=attempt))
 
-    def _answer_when_settled(self, r: SendRoom, peer: str) -> None:
-        """``peer`` asks about ended room ``r``: a quiet answer now if it settled, else once it has."""
+    def _answer_when_settled(self, r: SendRoom, peer: str, attempt: int) -> None:
+        """``peer`` asks (for its request's ``attempt``) about ended room ``r``: a quiet answer
+        now if it settled, else once it has."""
         with self._lock:
             if not r.settled:
-                r.watchers.add(peer)
+                r.watchers[peer] = attempt
                 return
-        self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code="settled", quiet=True))
+        self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code="settled", quiet=True,
+                                          attempt=attempt))
 
     def _accept(self, peer: str, req: P.TransferRequest, heard: float) -> None:
         """Take ``peer``'s request (its frame arrived at ``heard``), or refuse it."""
@@ -294,30 +296,32 @@ class KVSender(ControlSide):
         # engine's abort notice, on another channel) must find the room failed with this reason
         if cfg.model and req.model and req.model != cfg.model:
             self._fail(req.room, f"decode peer runs model {req.model!r}", code="incompatible", notify=False)
-            self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible")
+            self._refuse(peer, req.room, f"model mismatch: sender serves {cfg.model!r}, receiver {req.model!r}", "incompatible",
+                         attempt=req.attempt)
             return
         with self._lock:
             r = self._rooms.get(req.room)
             if r is None:
                 if req.room not in self._early and len(self._early) >= MAX_EARLY_ROOMS:
                     self._refuse(peer, req.room, f"unknown room {req.room}: already {len(self._early)} requests wait "
-                                 "for rooms this prefill has not registered", "unknown_room")
+                                 "for rooms this prefill has not registered", "unknown_room", attempt=req.attempt)
                     return
                 waiting = self._early.setdefault(req.room, {})
                 if peer not in waiting and len(waiting) >= MAX_EARLY_PEERS:
                     self._refuse(peer, req.room, f"room {req.room}: already {len(waiting)} decode ranks wait for it",
-                                 "unknown_room")
+                                 "unknown_room", attempt=req.attempt)
                     return
                 waiting[peer] = (req, heard)
                 return
             if r.state is RoomState.FAILED:
-                self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed", req.session)
+                self._refuse(peer, req.room, f"room {req.room} already failed: {r.reason}", "room_failed", req.session,
+                             attempt=req.attempt)
                 return
             if peer in r.targets:
                 return  # a duplicate (replayed) request changes nothing
             if len(r.targets) >= max(r.expected, req.receivers):
                 self._refuse(peer, req.room, f"room already pulled by {len(r.targets)} decode rank(s)", "conflict",
-                             req.session)
+                             req.session, attempt=req.attempt)
                 return
         try:
             remote = self._remote_layout(peer, req.layout)
@@ -331,7 +335,7 @@ class KVSender(ControlSide):
         except (LayoutError, ValueError, TypeError, OverflowError) as e:  # whatever a hostile layout triggers
             reason = f"incompatible layouts: {e}"
             self._fail(req.room, reason, code="incompatible", notify=True)
-            self._refuse(peer, req.room, reason, "incompatible")
+            self._refuse(peer, req.room, reason, "incompatible", attempt=req.attempt)
             return
         with self._lock:
             r.targets[peer] = SendTarget(peer, req, remote, block_ranges(remote, blocks), blocks,
@@ -356,7 +360,8 @@ class KVSender(ControlSide):
             for peer, (req, t) in list(waiting.items()):
                 if now - t > cfg.deadline_s:
                     waiting.pop(peer, None)
-                    self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s", "unknown_room")
+                    self._refuse(peer, room, f"unknown room {room}: no prefill registered it within {cfg.deadline_s:.1f} s",
+                                 "unknown_room", attempt=req.attempt)
             if not waiting:
                 self._early.pop(room, None)
         for room, (_, t) in list(self._declined.items()):
@@ -426,9 +431,10 @@ class KVSender(ControlSide):
         are told (a quiet TransferFailed with ``code``)."""
         with self._lock:
             r.settled = True
-            watchers, r.watchers = r.watchers, set()
-        for peer in watchers:
-            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code=code, quiet=True))
+            watchers, r.watchers = r.watchers, {}
+        for peer, attempt in watchers.items():
+            self._send(peer, P.TransferFailed(room=r.room, reason=r.reason or "room ended", code=code, quiet=True,
+                                              attempt=attempt))
 
     def _fail(self, room: int, reason: str, *, code: str, notify: bool) -> None:
         with self._lock:
@@ -445,8 +451,9 @@ class KVSender(ControlSide):
         self.metrics.observe(r.record)
         if busy:  # the decode ranks hear of it now, and that it is quiet once no write of ours can still land
             if notify:
-                for peer in list(r.targets):
-                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=False))
+                for peer, t in list(r.targets.items()):
+                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=False,
+                                                      attempt=t.request.attempt))
             threading.Thread(target=self._settle_when_idle, args=(r, notify, code), daemon=True).start()
         else:
             self._settle(r, notify, code)
@@ -456,7 +463,7 @@ class KVSender(ControlSide):
         its decode ranks it is quiet, release its blocks."""
         if notify:
             with self._lock:
-                r.watchers |= set(r.targets)
+                r.watchers.update({peer: t.request.attempt for peer, t in r.targets.items()})
         self.pipeline.drop_prestage(r, used=False)
         r.lease.release(False)
         self._settled(r, code)

@@ -97,7 +97,7 @@ class PrefillRanks:
         from kvbridge.common import protocol as P
 
         try:
-            msg = P.unpack(payload, self.keyring)
+            msg = P.unpack(payload, self.keyring, P.link(peer, to_prefill=False))
         except Exception:  # unsigned, stale, malformed: no reply changes anything here
             return
         room = getattr(msg, "room", None)
@@ -128,10 +128,10 @@ class PrefillRanks:
             self._eps.pop(server.name, None)
             log.info("route: cannot abort room %s on %s: %s", room, server.name, e)
             return False
-        payload = P.pack(P.Abort(room=int(room), reason=reason[:4000]), self.keyring)
+        body = P.encode(P.Abort(room=int(room), reason=reason[:4000]))
         chan = self._channel()
-        for ep in eps:
-            chan.send(ep, payload)
+        for ep in eps:  # sealed for each rank's link: a frame for one rank is refused by every other
+            chan.send(ep, P.seal(body, self.keyring, P.link(ep, to_prefill=True)))
         self.sent += 1
         self._unacked[int(room)] = time.monotonic()
         log.info("route: room %s aborted on %s (%d rank(s)): %s", room, server.name, len(eps), reason)

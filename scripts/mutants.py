@@ -91,6 +91,48 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/core/test_release_guards.py::test_a_failed_sender_that_is_not_quiet_keeps_the_blocks",
          f"{RR}::test_decode_abort_releases_only_when_the_sender_is_quiet[direct]")),
     Mutation(
+        "quiet-waits-for-our-scatter", "common/receiver.py",
+        "                if r.peers[peer] is PeerState.SCATTERING:\n",
+        "                if False:\n",
+        "a sender's quiet answer does not release a room while this side's scatter or content check of what it "
+        "sent still runs",
+        ("tests/core/test_release_guards.py::test_a_quiet_answer_during_our_scatter_or_check_keeps_the_blocks_until_it_ends",)),
+    Mutation(
+        "abort-waits-for-our-scatter", "common/receiver.py",
+        "                if r.peers[peer] not in (PeerState.FAILED, PeerState.SCATTERING):\n",
+        "                if r.peers[peer] is not PeerState.FAILED:\n",
+        "a sender's Abort does not release a room while this side's scatter or content check of what it sent "
+        "still runs",
+        ("tests/core/test_release_guards.py::test_a_quiet_answer_during_our_scatter_or_check_keeps_the_blocks_until_it_ends",)),
+    Mutation(
+        "probe-answer-proves-life", "common/receiver.py",
+        "        elif peer in self._closed_at and msg.room >= self._closed_at[peer][1]:\n",
+        "        elif peer in self._closed_at and msg.room > self._closed_at[peer][1]:\n",
+        "a prefill whose control connection closed and that answers the probe is alive: its rooms are not "
+        "released as if its process were gone",
+        ("tests/core/test_release_guards.py::test_an_answer_to_the_probe_after_a_closed_connection_proves_the_process_lives",)),
+    Mutation(
+        "failing-worker-holds-room", "common/send_pipeline.py",
+        "        except (TransportError, LayoutError, HandoffFailed) as e:\n            self.side.fail(r.room, str(e), \"transfer\")\n",
+        "        except (TransportError, LayoutError, HandoffFailed) as e:\n            with self._lock:\n"
+        "                r.busy = False\n            self.side.fail(r.room, str(e), \"transfer\")\n",
+        "a send worker whose write failed holds the room until it has failed: no second worker writes while the "
+        "first one's settle says quiet",
+        ("tests/core/test_release_guards.py::test_a_failing_send_worker_holds_its_room_until_the_room_has_failed",)),
+    Mutation(
+        "answers-bound-to-attempt", "common/receiver.py",
+        "        if msg.attempt != r.attempt:  # about an earlier request under this room id (a late answer to its Abort)\n",
+        "        if False:  # about an earlier request under this room id (a late answer to its Abort)\n",
+        "an answer to an earlier request under the same room id (a late quiet reply to its Abort) neither fails "
+        "the new request nor proves its sender quiet",
+        ("tests/core/test_release_guards.py::test_a_late_answer_to_an_earlier_request_under_the_same_room_id_changes_nothing",)),
+    Mutation(
+        "scatter-inside-room-tokens", "common/receiver.py",
+        "            if ch.start < r.tokens[0] or ch.stop > r.tokens[1]:  # e.g. prefix tokens other requests share\n",
+        "            if False:  # e.g. prefix tokens other requests share\n",
+        "the decode's own scatter writes only the tokens its request asked for, never a prefix it already holds",
+        ("tests/core/test_release_guards.py::test_a_scatter_writes_only_the_tokens_the_room_asked_for",)),
+    Mutation(
         "sender-quiet-only-when-settled", "common/sender.py",
         "                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=False))\n",
         "                    self._send(peer, P.TransferFailed(room=room, reason=reason, code=code, quiet=True))\n",
@@ -172,8 +214,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a reader trusts a rank record only as its seal carries it",
         ("tests/hostile/test_bootstrap_auth.py::test_a_reader_never_trusts_a_forged_or_altered_record",)),
     Mutation(
+        "control-frame-bound-to-link", "common/protocol.py",
+        '    return CONTROL + (b"\\x00to-prefill\\x00" if to_prefill else b"\\x00to-decode\\x00") + prefill.encode()\n',
+        '    return CONTROL + (b"\\x00to-prefill\\x00" if to_prefill else b"\\x00to-decode\\x00")\n',
+        "a sealed control frame is bound to its prefill rank: one taken off another rank's link is refused both ways",
+        ("tests/core/test_auth.py::test_a_control_frame_is_bound_to_its_direction_and_its_prefill_rank",
+         "tests/hostile/test_hostile_input.py::test_frames_sealed_for_another_link_are_refused_both_ways")),
+    Mutation(
+        "bus-result-from-its-worker", "adapters/trtllm/scheduler.py",
+        "                if not (msg.rank < self.world_size and self._workers.get(msg.rank) == peer):\n",
+        "                if False:\n",
+        "on the TensorRT-LLM bus a rank's load result (and release) counts only from that rank's worker, even "
+        "sealed with the secret",
+        ("tests/hostile/test_bus_auth.py::test_forged_load_result_is_refused_and_the_honest_one_decides",)),
+    Mutation(
         "request-sealed", "common/rooms.py",
-        "        self.channel.send(peer, P.seal(data, self._keyring))\n",
+        "        self.channel.send(peer, P.seal(data, self._keyring, self._link(peer, outgoing=True)))\n",
         "        self.channel.send(peer, data)\n",
         "a decode's request, sent from the encoding it already checked, is sealed like every other control frame",
         ("tests/core/test_handoff.py::test_failures_end_on_both_sides_with_reasons_and_free_blocks",)),

@@ -485,14 +485,15 @@ class KVBridgeConnectorScheduler(KvCacheConnectorScheduler):
                 self._answer_who()
             elif isinstance(msg, B.Endpoints):
                 self._on_discovered(peer, list(msg.endpoints))
-            elif isinstance(msg, B.LoadResult):
-                self._on_result(msg.req, msg.rank, msg.ok, msg.reason)
-            elif isinstance(msg, B.Released):
-                if msg.rank < self.world_size and self._workers.get(msg.rank) == peer:
-                    self.idle_wake.released(msg.req, msg.rank)
+            elif isinstance(msg, (B.LoadResult, B.Released)):
+                # a rank's result or release counts only from that rank's worker (its Hello's connection)
+                if not (msg.rank < self.world_size and self._workers.get(msg.rank) == peer):
+                    self._bad_bus.warn(type(msg).__name__.lower(), "%s from %s for rank %d is not that rank's worker; ignored",
+                                       type(msg).__name__, peer, msg.rank)
+                elif isinstance(msg, B.LoadResult):
+                    self._on_result(msg.req, msg.rank, msg.ok, msg.reason)
                 else:
-                    self._bad_bus.warn("released", "Released from %s for rank %d is not that rank's worker; ignored",
-                                       peer, msg.rank)
+                    self.idle_wake.released(msg.req, msg.rank)
             else:
                 log.warning("kvbridge scheduler: unexpected %s from %s", type(msg).__name__, peer)
 

@@ -372,6 +372,10 @@ class KVBridgeWorker:
         except (BootstrapError, ValueError, KeyError, TypeError) as e:
             self._discovered.pop(o.bootstrap, None)
             self._fail(ld, f"cannot find the prefill at {o.bootstrap}: {e}")
+        except Exception as e:  # on a pool thread nobody waits on: a load must end, whatever went wrong
+            log.exception("kvbridge vLLM worker rank %d: discovery at %s crashed", self.tp_rank, o.bootstrap)
+            self._discovered.pop(o.bootstrap, None)
+            self._fail(ld, f"cannot find the prefill at {o.bootstrap}: internal error: {e!r}")
 
     def _request(self, ld: _Room, o: Load, endpoints: list[str], records: list[RankRecord] | None) -> None:
         if ld.cancelled:

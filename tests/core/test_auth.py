@@ -32,6 +32,9 @@ class Clock:
         return self.t
 
 
+LINK = P.link("tcp://10.0.0.1:18500", to_prefill=True)  # a decode rank -> prefill rank connection
+
+
 def _request(**kw) -> P.TransferRequest:
     f = dict(room=7, model="llama", layout=tiny_description(), block_ids=[3, 4, 9],
              first_token=0, token_start=0, token_stop=40, session="10.0.0.2:15555", sent_at=12.5)
@@ -67,25 +70,44 @@ def test_each_field_of_a_message_is_covered():
     """The fields the old per-message tag left out (model, sent_at, an abort's reason) are
     covered now: a sealed request with any field changed is refused."""
     ring = Keyring(K1)
-    frame = P.pack(_request(), ring)
+    frame = P.pack(_request(), ring, LINK)
     for field, value in [("model", "other"), ("sent_at", 99.0), ("room", 8), ("block_ids", [3, 4, 10])]:
         forged = P.encode(msgspec.structs.replace(_request(), **{field: value}))
         with pytest.raises(AuthError, match="tag"):
-            ring.open(frame[:OVERHEAD] + forged, P.CONTROL)
-    assert P.unpack(frame, ring) == _request()
+            ring.open(frame[:OVERHEAD] + forged, LINK)
+    assert P.unpack(frame, ring, LINK) == _request()
 
 
 def test_unsigned_unknown_key_and_wrong_domain_are_refused():
     ring = Keyring(K1)
     with pytest.raises(AuthError) as e:
-        P.unpack(P.pack(_request()), ring)  # a peer without a secret
+        P.unpack(P.pack(_request()), ring, LINK)  # a peer without a secret
     assert e.value.code == "unsigned"
     with pytest.raises(AuthError) as e:
-        P.unpack(P.pack(_request(), Keyring(K2)), ring)
+        P.unpack(P.pack(_request(), Keyring(K2), LINK), ring, LINK)
     assert e.value.code == "unknown_key" and key_id(K2).hex() in str(e.value)
     with pytest.raises(AuthError) as e:
         ring.open(ring.seal(b"x", b"bus"), b"control")  # sealed for another channel
     assert e.value.code == "bad_tag"
+
+
+def test_a_control_frame_is_bound_to_its_direction_and_its_prefill_rank():
+    """A frame sealed for one link (direction, prefill rank) is refused on every other:
+    a decode's request captured on its way to one prefill rank, replayed to another that
+    shares the secret; a prefill rank's answer slipped into a decode's connection to
+    another rank; a decode's frame reflected back at a decode as if a prefill sent it."""
+    ring = Keyring(K1)
+    a, b = "tcp://10.0.0.1:18500", "tcp://10.0.0.2:18500"
+    to_a = P.pack(_request(), ring, P.link(a, to_prefill=True))
+    assert P.unpack(to_a, ring, P.link(a, to_prefill=True)) == _request()
+    from_b = P.pack(P.Heartbeat(room=3, sender=b, incarnation="b" * 16), ring, P.link(b, to_prefill=False))
+    for frame, domain in [(to_a, P.link(b, to_prefill=True)), (to_a, P.link(a, to_prefill=False)),
+                          (from_b, P.link(a, to_prefill=False)), (from_b, P.link(b, to_prefill=True))]:
+        with pytest.raises(AuthError) as e:
+            Keyring(K1).open(frame, domain)  # a fresh replay cache: the domain alone refuses it
+        assert e.value.code == "bad_tag", domain
+    with pytest.raises(ValueError, match="link"):
+        P.pack(_request(), ring)  # sealing without saying for which link is a bug, named
 
 
 def test_replay_is_refused_and_the_window_bounds_the_cache():

@@ -138,6 +138,45 @@ def test_discovery_client_errors_name_the_problem():
             "ranks": [{"tp_rank": 0, "endpoint": "tcp://a:1"}]}
     with pytest.raises(BootstrapError, match=r"TP rank\(s\) \[1\]"):
         endpoints_by_tp_rank(body, "h:1")
+    for bad, what in [({"attn_tp_size": 10**12}, "over the 4096 ranks"), ({"attn_tp_size": "x"}, "not an integer"),
+                      ({"dp_size": [1]}, "not an integer"), ({"ranks": [{"tp_rank": "r", "endpoint": "tcp://a:1"}]},
+                                                            "not an integer")]:
+        with pytest.raises(BootstrapError, match=what):
+            endpoints_by_tp_rank({**body, **bad}, "h:1")
+
+
+def test_a_hostile_bootstrap_answer_is_refused_by_name(monkeypatch):
+    """A bootstrap server (or whoever answers in its place) sending JSON nested past the
+    parser's depth, or an answer larger than a reader takes: named, never a crash."""
+    import http.server
+    import threading
+
+    import kvbridge.common.bootstrap as B
+
+    monkeypatch.setattr(B, "_MAX_ANSWER", 1 << 16)
+    answers = iter([b"[" * 5_000 + b"]" * 5_000, b"[" + b" " * (1 << 17) + b"]"])
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(answers, b"{}")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(BootstrapError, match="nested past the parser's depth"):
+            fetch_ranks(address, timeout_s=0.1)
+        with pytest.raises(BootstrapError, match="larger than 65536 bytes"):
+            fetch_ranks(address, timeout_s=0.1)
+    finally:
+        srv.shutdown()
 
 
 def test_trt_prefill_publishes_its_ranks_for_sglang_decodes(tiny_llama_dir):

@@ -78,8 +78,9 @@ def test_a_sender_not_proven_quiet_is_asked_to_stop_every_heartbeat():
                      release=lambda b, ok: released.append((b.tolist(), ok)))
         ident, msg = next_message(10)
         assert isinstance(msg, P.TransferRequest) and msg.room == 8, msg
+        attempt = msg.attempt  # the request's: every answer about it carries it
         prefill.send_multipart([ident, P.encode(P.TransferFailed(room=8, reason="write failed", code="transfer",
-                                                                 quiet=False))])
+                                                                 quiet=False, attempt=attempt))])
         aborts, end = [], time.monotonic() + 1.5  # 15 heartbeats
         while time.monotonic() < end:
             _, msg = next_message(max(0.0, end - time.monotonic()))
@@ -87,7 +88,8 @@ def test_a_sender_not_proven_quiet_is_asked_to_stop_every_heartbeat():
                 aborts.append(time.monotonic())
         assert recv.poll(8) is RoomState.FAILED and recv.quarantined(8) and not released
         assert len(aborts) >= 5, f"the sender was asked to stop {len(aborts)} time(s) in 15 heartbeats"
-        prefill.send_multipart([ident, P.encode(P.TransferFailed(room=8, reason="settled", code="settled", quiet=True))])
+        prefill.send_multipart([ident, P.encode(P.TransferFailed(room=8, reason="settled", code="settled", quiet=True,
+                                                                 attempt=attempt))])
         end = time.monotonic() + 5
         while not released and time.monotonic() < end:
             time.sleep(0.01)

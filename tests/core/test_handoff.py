@@ -234,6 +234,7 @@ def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
     # a rotation rolled out in the wrong order: it signs with a key the prefill does not know yet, and accepts the old
     rotated = peers("decode", spec("trtllm", tpb=32, seed=16), {"secret": "rotated-" + SECRET, "deadline_s": 3.0,
                                                                 "accepted_secrets": (SECRET,)})
+    no_secret = peers("decode", spec("trtllm", tpb=32, seed=17), {"deadline_s": 3.0})
 
     # unknown room: no prefill registers it; both ends fail within the deadline, blocks freed
     t0 = time.monotonic()
@@ -254,6 +255,9 @@ def test_failures_end_on_both_sides_with_reasons_and_free_blocks(peers):
     res = pull(rotated, 1005, [pre], 0, 64, [], verify=False)
     assert res["state"] == "FAILED" and "refuses our frames" in res["reason"] and "unknown_key" in res["reason"], res
     assert time.monotonic() - t0 < 1.5, time.monotonic() - t0
+    # no secret on the decode at all: it cannot read the prefill's sealed refusal, but sees it is sealed, and says so
+    res = pull(no_secret, 1006, [pre], 0, 64, [], verify=False)
+    assert res["state"] == "FAILED" and "this side has none" in res["reason"], res["reason"]
 
     # incompatible layouts (head_dim 64 vs 32): both sides fail, naming the mismatch
     pre.call_raw("register", 1003, 64)

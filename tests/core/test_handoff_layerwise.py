@@ -139,7 +139,7 @@ def test_a_done_missing_a_layer_is_not_admitted(peers):
                 break
         per_layer = 64 * 2 * 4 * 32 * 2
         done = P.TransferDone(room=51, bytes=4 * per_layer, segments=4, plan="direct", seconds=0.0,
-                              layer_bytes=[2 * per_layer, per_layer, per_layer, 0])
+                              layer_bytes=[2 * per_layer, per_layer, per_layer, 0], attempt=msg.attempt)
         router.send_multipart([ident, P.encode(done)])
         _, state, reason, _, free, double = dec.call_raw("wait", 51, 10)
         assert state == "FAILED" and "into layer 3" in reason, reason

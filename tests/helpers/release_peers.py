@@ -158,7 +158,7 @@ def decode_main(conn, spec: dict, cfg: dict) -> None:
                 s = zmq.Context.instance().socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(endpoint)
-                s.send(P.pack(req, recv.config.keyring()))
+                s.send(P.pack(req, recv.config.keyring(), P.link(endpoint, to_prefill=True)))
                 raw.append(s)
                 until(lambda: os.path.exists(opts["replay_first"]), time.monotonic() + 20, "the replay's write started")
             recv.request(room, endpoint, blocks, 0, ntok, release=poison(room), deadline_s=opts.get("deadline_s"))

@@ -54,9 +54,13 @@ def sched():
 
 @pytest.fixture
 def dealer(sched):
+    """A raw socket on the bus, taken as rank 0's worker (as its Hello would make it)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"rank-0-worker")
     sock.connect(sched.endpoint)
+    with sched._lock:
+        sched._workers[0] = b"rank-0-worker".hex()
     yield sock
     sock.close(0)
 
@@ -77,6 +81,17 @@ def test_forged_load_result_is_refused_and_the_honest_one_decides(sched, dealer)
     wait_until(lambda: _refused("bad_tag") >= before["bad_tag"] + 1, 10.0, "bad_tag refusal counted")
     assert _refused("unsigned") == before["unsigned"] + 1 and _refused("unknown_key") == before["unknown_key"] + 1
     assert load.verdict == "" and not load.results
+    # sealed with the secret, yet not from rank 0's worker (another connection; a rank the server does not have)
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(sched.endpoint)
+    try:
+        stranger.send(B.pack(forged, Keyring(SECRET)))
+        dealer.send(B.pack(B.LoadResult(req=7, rank=1, ok=True), Keyring(SECRET)))
+        time.sleep(0.5)
+        assert load.verdict == "" and not load.results
+    finally:
+        stranger.close(0)
     honest = B.pack(B.LoadResult(req=7, rank=0, ok=False, reason="pull failed"), Keyring(SECRET))
     dealer.send(honest)
     wait_until(lambda: load.verdict == "fail", 10.0, 'load.verdict == "fail"')

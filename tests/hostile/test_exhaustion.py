@@ -28,7 +28,7 @@ from kvbridge.common import protocol as P
 from kvbridge.common.auth import OVERHEAD
 from kvbridge.common.sender import MAX_EARLY_ROOMS
 from tests.helpers import hostile_peers
-from tests.hostile.test_hostile_input import RING, SECRET, Peer, _request_dict, _sealed, _spec
+from tests.hostile.test_hostile_input import RING, SECRET, Peer, _request_dict, _sealed, _spec, from_prefill, to_prefill
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -66,12 +66,12 @@ class Pinger(threading.Thread):
             if self._halt.is_set():
                 break
             t0 = time.monotonic()
-            sock.send(P.pack(P.Heartbeat(room=n, sender="pinger"), RING))
+            sock.send(P.pack(P.Heartbeat(room=n, sender="pinger"), RING, to_prefill(self.endpoint)))
             while True:
                 if not sock.poll(int(PEER_TIMEOUT_S * 2000)):
                     self.lost += 1
                     break
-                m = P.unpack(sock.recv(), RING)
+                m = P.unpack(sock.recv(), RING, from_prefill(self.endpoint))
                 if isinstance(m, P.Heartbeat) and m.room == n:
                     self.rtts.append(time.monotonic() - t0)
                     break
@@ -114,7 +114,7 @@ def test_oversized_and_badly_tagged_frames(pre, dec):
     try:
         over = b"\x00" * (P.MAX_MESSAGE_BYTES + (1 << 20))
         _flood(ep, [over] * 100, linger_ms=2000)  # each over the limit and sent whole: its connection is dropped, nothing buffered
-        genuine = RING.seal(b"\x00" * (8 << 20), P.CONTROL)
+        genuine = RING.seal(b"\x00" * (8 << 20), to_prefill(ep))
         bad = genuine[:OVERHEAD - 1] + bytes([genuine[OVERHEAD - 1] ^ 1]) + genuine[OVERHEAD:]
         _flood(ep, [bad] * 100, per_socket=100, linger_ms=60_000)  # every one delivered
         deadline = time.monotonic() + 60
@@ -144,11 +144,11 @@ def test_early_rooms_flood_is_capped(pre, dec):
     try:
         n_flood = MAX_EARLY_ROOMS + 64
         for i in range(n_flood):
-            sock.send(_sealed(_request_dict(1_000_000 + i, session, layout, [1, 2], 32)))
+            sock.send(_sealed(_request_dict(1_000_000 + i, session, layout, [1, 2], 32), ep))
         refused, end = 0, time.monotonic() + 60
         while refused < 64 and time.monotonic() < end:
             if sock.poll(200):
-                m = P.unpack(sock.recv(), RING)
+                m = P.unpack(sock.recv(), RING, from_prefill(ep))
                 refused += isinstance(m, P.TransferFailed) and "requests wait" in m.reason
         _honest_handoff(pre, dec, 7002)  # a registered room is served whatever waits
     finally:

@@ -55,6 +55,16 @@ PEER_FUZZ = settings(FUZZ, max_examples=_N or 25)
 SECRET = "hostile-test-secret-0123456789abcdef"
 RING = Keyring(SECRET)  # what a peer holding the secret seals with
 WRONG = Keyring("not-the-secret-" + "x" * 24)
+
+
+def to_prefill(endpoint: str) -> bytes:
+    """The seal domain of frames sent to the prefill rank at ``endpoint``."""
+    return P.link(endpoint, to_prefill=True)
+
+
+def from_prefill(endpoint: str) -> bytes:
+    """The seal domain of frames the prefill rank at ``endpoint`` sends."""
+    return P.link(endpoint, to_prefill=False)
 CFG = dict(deadline_s=120.0, heartbeat_s=0.2, peer_timeout_s=30.0, quiesce_s=1.0, chunk_bytes=1 << 20)
 REPLY_S = 10.0  # every hostile frame is answered (or the ping after it is) within this
 
@@ -255,17 +265,18 @@ class Hostile:
         if routing_id:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         self.sock.connect(endpoint)
+        self.endpoint = endpoint
 
     def exchange(self, frame: bytes) -> list:
         """Send ``frame``, then a ping; the decoded replies that came before the ping's echo."""
         ping = next(self._pings)
         self.sock.send(frame)
-        self.sock.send(P.pack(P.Heartbeat(room=ping, sender="hostile"), RING))
+        self.sock.send(P.pack(P.Heartbeat(room=ping, sender="hostile"), RING, to_prefill(self.endpoint)))
         replies, end = [], time.monotonic() + REPLY_S
         while time.monotonic() < end:
             if not self.sock.poll(100):
                 continue
-            m = P.unpack(self.sock.recv(), RING)
+            m = P.unpack(self.sock.recv(), RING, from_prefill(self.endpoint))
             if isinstance(m, P.Heartbeat) and m.room == ping:
                 return replies
             replies.append(m)
@@ -283,14 +294,14 @@ def _request_dict(room, session, layout, blocks, n, **over):
     return d
 
 
-def _sealed(d, ring=RING) -> bytes:
+def _sealed(d, endpoint: str, ring=RING) -> bytes:
     """``d`` msgpack-encoded as is (valid or not) and sealed by ``ring``: what a peer
     holding that key can send."""
-    return ring.seal(msgspec.msgpack.encode(d), P.CONTROL)
+    return ring.seal(msgspec.msgpack.encode(d), to_prefill(endpoint))
 
 
 @st.composite
-def hostile_frames(draw, room, session, layout, room_blocks, n, nblocks):
+def hostile_frames(draw, endpoint, room, session, layout, room_blocks, n, nblocks):
     """(wire bytes, why it must be refused) of one frame from a peer without the secret,
     aimed at the waiting room (or another one)."""
     kind = draw(st.sampled_from(["garbage", "request", "request", "other", "version"]))
@@ -319,12 +330,12 @@ def hostile_frames(draw, room, session, layout, room_blocks, n, nblocks):
     if how == "unsigned":
         return body, how
     if how == "unknown_key":
-        return WRONG.seal(body, P.CONTROL), how
+        return WRONG.seal(body, to_prefill(endpoint)), how
     if how == "stale":  # sealed by the right key, a minute ago
-        return Keyring(SECRET, clock=lambda: time.time() - 60).seal(body, P.CONTROL), how
-    genuine = RING.seal(body, P.CONTROL)
+        return Keyring(SECRET, clock=lambda: time.time() - 60).seal(body, to_prefill(endpoint)), how
+    genuine = RING.seal(body, to_prefill(endpoint))
     if how == "moved_tag":  # a genuine header and tag, over another frame's content
-        other = RING.seal(P.encode(P.Abort(room=target, reason="x")), P.CONTROL)
+        other = RING.seal(P.encode(P.Abort(room=target, reason="x")), to_prefill(endpoint))
         return genuine[:OVERHEAD] + other[OVERHEAD:], "bad_tag"
     i = draw(st.integers(0, len(genuine) - 1))  # one byte changed anywhere
     flipped = bytearray(genuine)
@@ -353,7 +364,7 @@ def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
     hostile = Hostile(endpoint)
     try:
         @PEER_FUZZ
-        @given(hostile_frames(room, session, layout, dst_blocks, n, 64))
+        @given(hostile_frames(endpoint, room, session, layout, dst_blocks, n, 64))
         def attack(case):
             frame, why = case
             before = _refused(pre)
@@ -375,7 +386,7 @@ def test_hostile_dealer_without_the_secret_is_refused_and_writes_nothing(pair):
         assert pre.call("ping")[0] == "pong" and dec.call("ping")[0] == "pong"
         # a captured request (sealed with the secret), sent twice: the first is refused as a
         # conflict (the decode rank's own request for the room came first), the second as a replay
-        captured = _sealed(_request_dict(room, session, layout, dst_blocks, n))
+        captured = _sealed(_request_dict(room, session, layout, dst_blocks, n), endpoint)
         replies = hostile.exchange(captured)
         assert [m.code for m in replies if isinstance(m, P.TransferFailed)] == ["conflict"], replies
         before = _refused(pre)
@@ -468,7 +479,7 @@ def test_trusted_but_wrong_requests_are_refused_before_any_byte_moves(pair):
             pre.call("register", room, 16)
             d["room"] = room
             try:
-                frame = _sealed(d)
+                frame = _sealed(d, endpoint)
             except (TypeError, ValueError, OverflowError):
                 return  # msgpack cannot carry it
             replies = hostile.exchange(frame)
@@ -511,7 +522,7 @@ def test_out_of_order_and_cross_room_messages(pair):
         assert _refused(pre)["control/unsigned"] == before + 2
         for msg in [P.TransferDone(room=room, bytes=1, segments=1, plan="direct", seconds=0.0),
                     P.TransferFailed(room=room, reason="fake", code="timeout")]:
-            hostile.exchange(P.pack(msg, RING))  # a peer holding the secret, saying what only a sender may say
+            hostile.exchange(P.pack(msg, RING, to_prefill(endpoint)))  # a peer holding the secret, saying what only a sender may say
         logs = [t for _, t in pre.call("logs")[1]]
         for name in ("TransferDone", "TransferFailed"):  # what only a sender may say: refused by name
             assert any(t.startswith(f"sender: refused room {room} from ") and f"unexpected {name} from a decode peer" in t
@@ -523,7 +534,7 @@ def test_out_of_order_and_cross_room_messages(pair):
         assert ok and changed == 0
         # the room is over: a request for it now (replayed with a genuine tag) moves nothing
         dec.call("snap", "after_success")
-        replies = hostile.exchange(_sealed(_request_dict(room, session, layout, dst_blocks, n)))
+        replies = hostile.exchange(_sealed(_request_dict(room, session, layout, dst_blocks, n), endpoint))
         assert any(isinstance(m, P.TransferFailed) for m in replies), replies
         assert dec.call("changed", "after_success", [])[1] == 0
     finally:
@@ -536,7 +547,7 @@ SRC_LAYOUT = build_pool(_spec("sglang", 16, 71, blocks=256))[0].describe()
 
 
 @st.composite
-def hostile_answers(draw, room):
+def hostile_answers(draw, endpoint, room, attempt):
     """Frames a hostile prefill endpoint sends back to a decode rank that asked it for ``room``."""
     out = []
     for _ in range(draw(st.integers(1, 3))):
@@ -546,7 +557,8 @@ def hostile_answers(draw, room):
             continue
         target = room if kind != "other_room" else draw(st.sampled_from([room + 1, 0, 2**63 - 1]))
         if kind == "failed":
-            out.append(P.pack(P.TransferFailed(room=target, reason="hostile", code="transfer"), RING))
+            out.append(P.pack(P.TransferFailed(room=target, reason="hostile", code="transfer", attempt=attempt), RING,
+                              from_prefill(endpoint)))
             continue
         staged = []
         if kind == "staged":
@@ -560,10 +572,10 @@ def hostile_answers(draw, room):
                                                     {**SRC_LAYOUT, "head_dim": 64}])), P.LayoutDescription)
         try:
             msg = P.TransferDone(room=target, bytes=1, segments=1, plan="staged_recv", seconds=0.0, staged=staged,
-                                 src_layout=lay if staged else None)
-            out.append(P.pack(msg, RING))
+                                 src_layout=lay if staged else None, attempt=attempt)
+            out.append(P.pack(msg, RING, from_prefill(endpoint)))
         except P.ProtocolError:
-            out.append(RING.seal(msgspec.msgpack.encode(msgspec.to_builtins(msg)), P.CONTROL))
+            out.append(RING.seal(msgspec.msgpack.encode(msgspec.to_builtins(msg)), from_prefill(endpoint)))
     return out
 
 
@@ -597,16 +609,17 @@ def test_hostile_prefill_endpoint_cannot_write_outside_the_room(pair):
             while True:  # the decode rank's signed request (heartbeats may come first)
                 assert router.poll(int(max(0.0, end - time.monotonic()) * 1000)), "no request from the decode rank"
                 ident, payload = router.recv_multipart()
-                msg = P.unpack(payload, RING)  # sealed with the secret, or this raises
+                msg = P.unpack(payload, RING, to_prefill(endpoint))  # sealed with the secret, or this raises
                 if isinstance(msg, P.TransferRequest):
                     break
             assert msg.room == room and msg.block_ids == blocks
-            for frame in data.draw(hostile_answers(room)):
+            for frame in data.draw(hostile_answers(endpoint, room, msg.attempt)):
                 router.send_multipart([ident, frame])
             # the peer ends the room saying nothing of it is in flight (without that the blocks stay
             # quarantined: tests/faults/test_release_rule.py)
             router.send_multipart([ident, P.pack(P.TransferFailed(room=room, reason="closing", code="transfer",
-                                                                  quiet=True), RING)])
+                                                                  quiet=True, attempt=msg.attempt), RING,
+                                                 from_prefill(endpoint))])
             state, reason, free = dec.call("wait", room, REPLY_S)[1:]
             # whatever it claims, a peer that wrote nothing cannot end the room Success
             assert state == "FAILED" and _REFUSALS.match(reason), (state, reason)
@@ -640,7 +653,8 @@ def test_a_fake_prefill_without_the_secret_cannot_end_a_room(pair):
             P.decode(payload)  # sealed: not a bare message
         dl = build_pool(_spec("trtllm", 32, 72))[0]
         need = n * dl.num_layers * dl.kv_factor * dl.token_bytes  # what the room's tokens take: a Done that adds up
-        for frame in (P.encode(P.TransferDone(room=room, bytes=need, segments=1, plan="direct", seconds=0.0,
+        attempt = P.decode(RING.open(payload, to_prefill(endpoint))).attempt  # what its answers would echo
+        for frame in (P.encode(P.TransferDone(room=room, bytes=need, segments=1, plan="direct", seconds=0.0, attempt=attempt,
                                                 layer_bytes=[need // dl.num_layers] * dl.num_layers)),
                       P.encode(P.Heartbeat(room=room, sender=endpoint))):
             router.send_multipart([ident, frame])
@@ -648,6 +662,62 @@ def test_a_fake_prefill_without_the_secret_cannot_end_a_room(pair):
         assert state == "FAILED" and "Success" not in reason, (state, reason)
         assert _refused(dec)["control/unsigned"] >= before + 2
         assert dec.call("changed", "fake_prefill", blocks)[1] == 0
+    finally:
+        router.close(0)
+
+
+def test_frames_sealed_for_another_link_are_refused_both_ways(pair):
+    """One secret across the fleet, and each sealed frame bound to its link (direction and
+    prefill rank). A decode's request captured on its way to another prefill rank and
+    replayed here is refused unread: not served, not even refused as a conflict. Another
+    rank's sealed answers slipped into a decode's connection to this rank (a quiet
+    TransferFailed, a heartbeat from another incarnation: each would release the room's
+    blocks while this rank may still write) are refused and end nothing."""
+    pre, dec = pair
+    session, layout = dec.ready[1], dec.ready[3]
+    other = "tcp://127.0.0.1:1"  # another prefill rank holding the same secret
+    room, n = 61_001, 64
+    pre.call("register", room, n)
+    before = _refused(pre).get("control/bad_tag", 0)
+    hostile = Hostile(pre.ready[1])
+    try:
+        replies = hostile.exchange(_sealed(_request_dict(room, session, layout, [1, 2, 3, 4], n), other))
+        assert _only_refusals(replies), replies
+        assert _refused(pre).get("control/bad_tag", 0) == before + 1
+    finally:
+        hostile.close()
+    router = zmq.Context.instance().socket(zmq.ROUTER)  # this rank, as the decode sees it
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        dec.call("snap", "other_link")
+        free_before = dec.call("free")[1]
+        blocks = dec.call("start_pull", room, [endpoint], n, {"deadline_s": 30})[1]
+        end = time.monotonic() + REPLY_S
+        while True:
+            assert router.poll(int(max(0.0, end - time.monotonic()) * 1000)), "no request from the decode rank"
+            ident, payload = router.recv_multipart()
+            req = P.unpack(payload, RING, to_prefill(endpoint))
+            if isinstance(req, P.TransferRequest):
+                break
+        router.send_multipart([ident, P.pack(P.Heartbeat(room=1, sender=endpoint, incarnation="a" * 16), RING,
+                                             from_prefill(endpoint))])
+        refused = _refused(dec).get("control/bad_tag", 0)
+        for msg in (P.TransferFailed(room=room, reason="from another rank", code="aborted", quiet=True,
+                                     attempt=req.attempt),
+                    P.Heartbeat(room=1 << 40, sender=endpoint, incarnation="b" * 16)):
+            router.send_multipart([ident, P.pack(msg, RING, from_prefill(other))])
+        deadline = time.monotonic() + REPLY_S
+        while _refused(dec).get("control/bad_tag", 0) < refused + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _refused(dec).get("control/bad_tag", 0) == refused + 2
+        state = dec.call("wait", room, 0.5)[1]
+        assert state not in ("FAILED", "SUCCESS"), state  # still waiting on this rank
+        router.send_multipart([ident, P.pack(P.TransferFailed(room=room, reason="closing", code="transfer", quiet=True,
+                                                              attempt=req.attempt), RING, from_prefill(endpoint))])
+        state, reason, free = dec.call("wait", room, REPLY_S)[1:]
+        assert state == "FAILED" and reason.endswith("failed the room: closing"), (state, reason)
+        assert free == free_before and dec.call("changed", "other_link", blocks)[1] == 0
     finally:
         router.close(0)
 
@@ -663,8 +733,8 @@ def test_oversized_and_multi_frame_messages_to_a_real_sender(pair):
     try:
         pre.call("logs")
         big.sock.send(b"\x00" * (P.MAX_MESSAGE_BYTES + (1 << 20)))
-        spoof.sock.send_multipart([b"\x00victim", P.pack(P.Abort(room=1, reason="as someone else"), RING)])
-        (reply,) = fresh.exchange(P.pack(P.Heartbeat(room=5, sender="x"), RING))
+        spoof.sock.send_multipart([b"\x00victim", P.pack(P.Abort(room=1, reason="as someone else"), RING, to_prefill(endpoint))])
+        (reply,) = fresh.exchange(P.pack(P.Heartbeat(room=5, sender="x"), RING, to_prefill(endpoint)))
         assert (reply.room, reply.sender) == (5, endpoint) and len(reply.incarnation) == 16, reply
         logs = [t for _, t in pre.call("logs")[1]]
         assert any("2 frames, expected 1" in t for t in logs), logs
