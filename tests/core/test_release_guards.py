@@ -201,7 +201,7 @@ def test_a_failing_send_worker_holds_its_room_until_the_room_has_failed(side, mo
     with sender.lock:
         r.busy = True
     sender.pipeline.drain(r)
-    time.sleep(0.3)
+    wait_until(lambda: r.settled, 10, what="the failed room settled once its worker let go")
     assert held == [True] and len(drains) == 1, (held, drains)
     assert r.state is RoomState.FAILED and not r.busy and released == [False] and r.settled
 
